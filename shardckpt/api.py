@@ -1,0 +1,188 @@
+"""The library surface: ``inspect``, ``convert`` and ``diff``, as the CLI and users call them.
+
+Each function takes an optional ``runtime`` (``shardckpt.dist.launch``); without one it
+runs standalone. Under several ranks every rank calls the same function with the same
+arguments; inputs are validated inside the first agreed step, so a bad input seen by
+any rank stops all of them with one error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardckpt import convert as pipeline
+from shardckpt.compare import DiffResult, compare
+from shardckpt.dist import Runtime
+from shardckpt.errors import IOFailure, UsageError
+from shardckpt.formats import FULL_WRITERS, LAYOUT_OF, SHARDED_WRITERS, Index, open_reader
+from shardckpt.plan import DEFAULT_BUFFER_BYTES, ConvertPlan, Selection, make_plan, matches, select
+from shardckpt.progress import Progress
+from shardckpt.staging import Staging
+from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
+
+LAYOUTS = ("full", "sharded", "local")
+
+
+# ---------------------------------------------------------------- inspect
+
+
+@dataclass
+class Inspection:
+    """What ``inspect`` found: the index, the leaves that pass the filter, optimizers, notes."""
+
+    index: Index
+    leaves: list[tuple[tuple, object]]
+    optimizers: list[OptimizerInfo]
+    warnings: list[str] = field(default_factory=list)
+
+
+def inspect(src: str | os.PathLike, *, fmt: str | None = None, filters: Sequence[str] = (),
+            trust_pickle: bool = False, runtime: Runtime | None = None) -> Inspection:
+    """Return the metadata of ``src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
+    runtime = runtime or Runtime()
+    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle).index())
+    leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
+    optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
+    return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
+
+
+def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str]:
+    """Return notes on optimizer state that names no parameter, and parameters with no state."""
+    notes = []
+    for info in optimizers:
+        node = tree
+        for p in info.path:
+            node = node[p]
+        state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
+        params = [p for g in node.get("param_groups", []) if isinstance(g, dict) for p in g.get("params", [])]
+        listed = {str(p) for p in params}
+        stray = [k for k in state if str(k) not in listed]
+        if params and stray:
+            notes.append(f"{'.'.join(map(str, info.path))}: state for {len(stray)} key(s) in no param group, "
+                         f"e.g. {stray[0]!r}")
+        stateless = [p for p in params if p not in state and str(p) not in {str(k) for k in state}]
+        if state and stateless:
+            notes.append(f"{'.'.join(map(str, info.path))}: {len(stateless)} parameter(s) without state yet, "
+                         f"e.g. {stateless[0]!r}")
+    return notes
+
+
+# ---------------------------------------------------------------- convert
+
+
+@dataclass
+class ConvertResult:
+    """What ``convert`` wrote (or, with ``dry_run``, would write)."""
+
+    src: str
+    dst: str
+    format: str
+    layout: str
+    world_size: int
+    tensors: int
+    nbytes: int
+    values: int
+    seconds: float
+    dry_run: bool = False
+    verified: bool | None = None
+    plan: ConvertPlan | None = None
+
+
+def default_format(to: str, dst: str | os.PathLike) -> str:
+    """Return the output format SPEC picks for a layout and DST name."""
+    if to == "full":
+        return "safetensors" if str(dst).endswith(".safetensors") else "torch"
+    return {"sharded": "dcp", "local": "fsdp2-ranks"}[to]
+
+
+def _check_target(to: str, fmt: str, world_size: int | None, runtime: Runtime) -> None:
+    if to not in LAYOUTS:
+        raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
+    if fmt not in LAYOUT_OF:
+        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(LAYOUT_OF)}")
+    if LAYOUT_OF[fmt] != to:
+        raise UsageError(f"--format {fmt} is a {LAYOUT_OF[fmt]} layout, not {to}",
+                         hint=f"pass --to {LAYOUT_OF[fmt]}, or a {to} format")
+    if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS:
+        raise UsageError(f"writing --format {fmt} is not supported yet",
+                         hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS])}")
+    if world_size is not None and to == "full":
+        raise UsageError("--world-size applies to sharded and local outputs only", hint="drop --world-size")
+    if world_size is not None and world_size != runtime.world_size:
+        raise UsageError(f"--world-size {world_size} differs from this launch's {runtime.world_size} ranks",
+                         hint=f"launch with torchrun --nproc-per-node {world_size}, or drop --world-size")
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str | None = None,
+            src_format: str | None = None, world_size: int | None = None, only: str = "all",
+            filters: Sequence[str] = (), clean_fqns: bool = True, overwrite: bool = False,
+            dry_run: bool = False, verify: bool = False, trust_pickle: bool = False,
+            buffer_bytes: int = DEFAULT_BUFFER_BYTES, runtime: Runtime | None = None,
+            progress: Progress | None = None) -> ConvertResult:
+    """Convert ``src`` into ``dst`` with layout ``to``; return what was written."""
+    runtime = runtime or Runtime()
+    start = time.perf_counter()
+    fmt = fmt or (default_format(to, dst) if to in LAYOUTS else "")
+    staging = Staging(dst, overwrite=overwrite, is_dir=LAYOUT_OF.get(fmt) != "full", srcs=(Path(src),))
+
+    def prepare():
+        _check_target(to, fmt, world_size, runtime)
+        if buffer_bytes <= 0:
+            raise UsageError("--buffer-size must be positive")
+        selection = Selection(only=only, filters=tuple(filters), clean_fqns=clean_fqns)
+        if not dry_run:
+            staging.check()
+        reader = open_reader(src, src_format, trust_pickle)
+        return reader, make_plan(reader.index(), selection, to, fmt, runtime.world_size, buffer_bytes)
+
+    reader, plan = runtime.agreed(prepare)
+    if not dry_run:
+        progress = progress or Progress()
+        progress.begin(plan.nbytes)
+        try:
+            pipeline.run(reader, plan, staging, runtime, progress)
+        finally:
+            progress.close()
+    verified = None
+    if verify and not dry_run:
+        check = _diff_readers(reader, plan.tree, open_reader(dst, fmt, trust_pickle), runtime, clean_fqns=False)
+        verified = check.equal
+        if not verified:
+            first = check.differences[0]
+            raise IOFailure(f"--verify found {len(check.differences)} differing leaves, first "
+                            f"'{'.'.join(map(str, first.path))}' ({first.reason})", path=dst,
+                            hint="the output was written but does not read back equal; please report this")
+    return ConvertResult(str(src), str(dst), fmt, to, runtime.world_size, len(plan.tensors), plan.nbytes,
+                         plan.num_values, time.perf_counter() - start, dry_run, verified, plan)
+
+
+# ---------------------------------------------------------------- diff
+
+
+def diff(a: str | os.PathLike, b: str | os.PathLike, *, fmt_a: str | None = None, fmt_b: str | None = None,
+         atol: float = 0.0, rtol: float = 0.0, clean_fqns: bool = True, trust_pickle: bool = False,
+         runtime: Runtime | None = None, progress: Progress | None = None) -> DiffResult:
+    """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning."""
+    runtime = runtime or Runtime()
+    for name, tol in (("--atol", atol), ("--rtol", rtol)):
+        if not (tol >= 0 and math.isfinite(tol)):
+            raise UsageError(f"{name} must be a finite number >= 0, not {tol}")
+    ra, rb = runtime.agreed(lambda: (open_reader(a, fmt_a, trust_pickle), open_reader(b, fmt_b, trust_pickle)))
+    sel = Selection(clean_fqns=clean_fqns)
+    tree_a, tree_b = runtime.agreed(lambda: (select(ra.index(), sel), select(rb.index(), sel)))
+    progress = progress or Progress()
+    progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)))
+    try:
+        return compare(ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, progress=progress)
+    finally:
+        progress.close()
+
+
+def _diff_readers(ra, tree_a: dict, rb, runtime: Runtime, clean_fqns: bool) -> DiffResult:
+    tree_b = runtime.agreed(lambda: select(rb.index(), Selection(clean_fqns=clean_fqns)))
+    return compare(ra, tree_a, rb, tree_b, runtime)

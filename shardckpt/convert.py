@@ -1,0 +1,89 @@
+"""The conversion pipeline: reader -> plan -> (collective) -> writer, batch by batch.
+
+Call order (every rank runs every step; ``Runtime.agreed`` turns a failure on one
+rank into the same error on all of them before the next collective):
+  1) (rank 0) ``Staging.prepare``; a full writer lays out its file from the plan alone.
+  2) per batch: (all) read own rows -> (all) DTensor all-gather -> (rank 0) write whole
+     tensor; or, for a sharded DST, keep the rows as this rank's DTensor shards.
+  3) (all) ``dcp.save`` of the shards, for a sharded DST.
+  4) (rank 0) writer closes; ``Staging.commit`` renames the output onto DST.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardckpt.collect import as_dtensor, assemble
+from shardckpt.formats import FULL_WRITERS
+from shardckpt.formats.base import Reader
+from shardckpt.formats.dcp import write_sharded
+from shardckpt.plan import SKIP, ConvertPlan, is_sharded, rows_to_read
+from shardckpt.staging import Staging
+from shardckpt.tree import TensorMeta, map_leaves
+
+Progress = Callable[[int], None]
+
+
+def run(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress) -> None:
+    """Write ``plan``'s DST through ``staging``; on any rank's failure, leave no DST behind."""
+    runtime.agreed(lambda: staging.prepare() if runtime.coordinator else None)
+    try:
+        if plan.layout == "full":
+            _to_full(reader, plan, staging, runtime, progress)
+        else:
+            _to_sharded(reader, plan, staging, runtime, progress)
+        runtime.agreed(lambda: staging.commit() if runtime.coordinator else None)
+    except BaseException:
+        if runtime.coordinator:
+            staging.abort()
+        raise
+
+
+def _read_batch(reader: Reader, batch: list[TensorMeta], runtime, whole_on_coordinator: bool) -> dict[str, torch.Tensor]:
+    """Return this rank's rows of each tensor in ``batch`` it has to read, by key."""
+    wanted = [(m, rows_to_read(m, runtime.world_size, runtime.rank, whole_on_coordinator=whole_on_coordinator))
+              for m in batch]
+    wanted = [(m, r) for m, r in wanted if r != SKIP]
+    if not wanted:
+        return {}
+    tensors = reader.read([m for m, _ in wanted], [r for _, r in wanted], runtime)
+    return {m.key: t for (m, _), t in zip(wanted, tensors)}
+
+
+def _to_full(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress) -> None:
+    writer_cls = FULL_WRITERS[plan.format]
+    writer = runtime.agreed(lambda: writer_cls(staging.tmp, plan.tree) if runtime.coordinator else None)
+    for batch in plan.batches:
+        rows = runtime.agreed(lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=True))
+        error: BaseException | None = None
+        for meta in batch:
+            whole = assemble(rows.pop(meta.key, None), meta, runtime, sharded=is_sharded(meta))
+            if whole is not None and error is None:
+                try:
+                    writer.write(meta, whole)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                    error = exc
+            del whole
+        runtime.raise_if_any_failed(error)
+        progress(sum(m.nbytes for m in batch))
+    runtime.agreed(lambda: writer.close() if writer is not None else None)
+
+
+def _to_sharded(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress) -> None:
+    shards: dict[str, torch.Tensor] = {}
+    for batch in plan.batches:
+        shards.update(runtime.agreed(lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=False)))
+        progress(sum(m.nbytes for m in batch))
+
+    def place(_path, leaf):
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        local = shards.pop(leaf.key)
+        if runtime.distributed and is_sharded(leaf):
+            return as_dtensor(local, leaf, runtime)
+        return local.to(runtime.device) if runtime.distributed else local
+
+    state_dict = map_leaves(plan.tree, place)
+    runtime.agreed(lambda: write_sharded(staging.tmp, state_dict, runtime))

@@ -1,0 +1,164 @@
+"""The launch runtime: the only module that creates or destroys process groups.
+
+Standalone runs (no ``torchrun`` environment) get a world of one and no process group.
+Under ``torchrun`` the process group comes from the environment: ``gloo`` on CPU, or
+``nccl`` for CUDA tensors when every rank has a GPU (``--device`` overrides).
+
+Protocol, per command:
+  1) (all ranks) ``launch(device)`` enters; every rank validates its inputs identically.
+  2) (all ranks) each phase that can fail on one rank only is wrapped in ``agreed(...)``,
+     so every rank learns of the first failure instead of waiting in a collective.
+  3) (all ranks) ``launch`` exits: barrier on success, then ``destroy_process_group``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError
+
+T = TypeVar("T")
+
+# A rank that dies or wedges must not keep the others waiting for torch's default of
+# 30 minutes; torchrun also kills the survivors once one worker exits non-zero.
+DEFAULT_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process sits in the launch: rank, world size, device, 1-D device mesh."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    mesh: object | None = None  # DeviceMesh over all ranks; None when standalone
+
+    @property
+    def distributed(self) -> bool:
+        """Return whether a process group is up (launched by torchrun)."""
+        return self.mesh is not None
+
+    @property
+    def coordinator(self) -> bool:
+        """Return whether this rank prints, renames outputs and writes full files."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op standalone)."""
+        if self.distributed:
+            dist.barrier()
+
+    def agreed(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank and fail on every rank if it failed on any."""
+        error: BaseException | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            error = exc
+        self.raise_if_any_failed(error)
+        return result  # type: ignore[return-value]
+
+    def raise_if_any_failed(self, error: BaseException | None) -> None:
+        """Share ``error`` with all ranks; re-raise the lowest failing rank's error everywhere."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else (self.rank, _one_line(error), _exit_code(error))
+        everyone: list[tuple[int, str, int] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        failures = [f for f in everyone if f is not None]
+        if not failures:
+            return
+        first_rank, line, code = min(failures)
+        if first_rank == self.rank and error is not None:
+            error.agreed = True  # every rank knows; this rank is the one that reports it
+            raise error
+        raise RemoteRankError(first_rank, line, code)
+
+    def any_true(self, flag: bool) -> bool:
+        """Return whether ``flag`` is true on any rank."""
+        return _any_rank(flag) if self.distributed else flag
+
+
+def under_torchrun() -> bool:
+    """Return whether the environment was set up by torchrun (or another launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank() -> int:
+    """Return this process's rank from the environment (0 when standalone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def launch(device: str | None = None) -> Iterator[Runtime]:
+    """Yield the runtime for this process, tearing the process group down on every exit path."""
+    if device not in (None, "cpu", "cuda"):
+        raise UsageError(f"unknown --device {device!r}", hint="use --device cpu or --device cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but this machine has no CUDA GPU",
+                         hint="use --device cpu")
+    if not under_torchrun():
+        yield Runtime(device=torch.device(device or "cpu"))
+        return
+
+    rank, world_size = env_rank(), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    has_gpu = device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    timeout = timedelta(seconds=float(os.environ.get("SHARDCKPT_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    # One process group serves both: object and CPU collectives go to gloo, CUDA ones to nccl.
+    backend = "cpu:gloo,cuda:nccl" if has_gpu else "gloo"
+    try:
+        if has_gpu:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    except Exception as exc:
+        raise IOFailure(f"could not join the process group: {_one_line(exc)}",
+                        hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)") from exc
+    ok = False
+    try:
+        all_have_gpu = not _any_rank(not has_gpu)
+        if device == "cuda" and not all_have_gpu:
+            raise UsageError("--device cuda was given but not every rank has a GPU",
+                             hint="use --device cpu, or one process per GPU")
+        use_cuda = all_have_gpu and device != "cpu"
+        dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world_size,))
+        yield Runtime(rank=rank, world_size=world_size, device=dev, mesh=mesh)
+        ok = True
+    finally:
+        # A barrier after a failure could wait on a rank that is already gone.
+        if ok:
+            with contextlib.suppress(Exception):
+                dist.barrier()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, ShardckptError):
+        return error.line()
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _exit_code(error: BaseException) -> int:
+    return getattr(error, "exit_code", IOFailure.exit_code)

@@ -1,0 +1,66 @@
+"""Error types that carry their exit code (SPEC "Exit codes") and a fix-it hint."""
+
+from __future__ import annotations
+
+import os
+
+EXIT_OK = 0
+EXIT_DIFFERENT = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_IO = 4
+EXIT_DST_EXISTS = 5
+
+
+class ShardckptError(Exception):
+    """A failure the user can act on: one line, the file it concerns, and how to fix it."""
+
+    exit_code = EXIT_IO
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None, hint: str = ""):
+        self.message = message
+        self.path = os.fspath(path) if path is not None else None
+        self.hint = hint
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        """Return the one-line message printed to the user."""
+        text = f"'{self.path}': {self.message}" if self.path else self.message
+        return f"{text}: {self.hint}" if self.hint else text
+
+
+class UsageError(ShardckptError):
+    """Options that contradict each other or the source (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class BadInputError(ShardckptError):
+    """Missing, truncated, inconsistent or unknown input (exit 3)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class UnsafePickleError(BadInputError):
+    """A pickle that needs code execution to load, refused without --trust-pickle (exit 3)."""
+
+
+class IOFailure(ShardckptError):
+    """Reading or writing failed, or a collective failed on some rank (exit 4)."""
+
+    exit_code = EXIT_IO
+
+
+class DestinationExistsError(ShardckptError):
+    """DST is already there and --overwrite was not given (exit 5)."""
+
+    exit_code = EXIT_DST_EXISTS
+
+
+class RemoteRankError(ShardckptError):
+    """Another rank failed first; this rank stops with that rank's error and exit code."""
+
+    def __init__(self, rank: int, line: str, exit_code: int):
+        self.rank = rank
+        self.exit_code = exit_code
+        super().__init__(f"rank {rank} failed: {line}")

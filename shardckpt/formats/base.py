@@ -1,0 +1,82 @@
+"""What every format module provides: an ``Index`` of the source and a Reader/Writer pair.
+
+Call order for a conversion (see ``shardckpt/convert.py``):
+  1) (all ranks) ``Reader(src, trust_pickle).index()``: metadata and plain values only.
+  2) (all ranks) ``Reader.read(metas, rows, runtime)`` per batch: each rank its rows.
+  3) (rank 0, full layouts) ``FullWriter.write(meta, tensor)`` in tree order, then ``close()``;
+     (all ranks, sharded layouts) one ``write_sharded(...)`` call.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardckpt.tree import TensorMeta, walk
+
+# Rows [start, stop) of dim 0, or None for the whole tensor.
+Rows = tuple[int, int] | None
+
+
+@dataclass
+class Index:
+    """A source as metadata: its format, world size and tree of ``TensorMeta`` and values."""
+
+    format: str
+    src: str
+    world_size: int | None
+    tree: dict
+
+    def tensors(self) -> list[tuple[tuple, TensorMeta]]:
+        """Return ``(path, meta)`` for every tensor leaf, in tree order."""
+        return [(p, leaf) for p, leaf in walk(self.tree) if isinstance(leaf, TensorMeta)]
+
+
+class Reader(ABC):
+    """Reads one source format: metadata first, then tensor rows on demand."""
+
+    format: str = ""
+
+    def __init__(self, src: str | os.PathLike, trust_pickle: bool = False):
+        self.src = Path(src)
+        self.trust_pickle = trust_pickle
+
+    @abstractmethod
+    def index(self) -> Index:
+        """Return the source's tree with ``TensorMeta`` leaves; reads no tensor data."""
+
+    @abstractmethod
+    def read(self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime) -> list[torch.Tensor]:
+        """Return, for each meta, the requested rows (or all of it) as a CPU or device tensor."""
+
+
+class FullWriter(ABC):
+    """Writes one file holding every tensor whole; only the coordinator makes one."""
+
+    def __init__(self, path: Path, tree: dict):
+        self.path = path
+        self.tree = tree
+
+    @abstractmethod
+    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        """Write one whole tensor; calls come in the tree's tensor order."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the file (headers, checksums) and close it."""
+
+
+def contiguous_bytes(tensor: torch.Tensor) -> memoryview:
+    """Return the raw bytes of ``tensor`` (on CPU, contiguous) without copying when possible."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

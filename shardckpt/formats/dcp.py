@@ -1,0 +1,250 @@
+"""``dcp``: a torch.distributed.checkpoint directory (``.metadata`` + ``*.distcp``).
+
+Reading goes through DCP's own loader with DTensor targets, so each rank reads only
+the stored chunks that overlap its rows. Writing is ``dcp.save`` itself. Two safety
+changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
+metadata classes, and non-tensor values are loaded with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from shardckpt.errors import BadInputError, UnsafePickleError
+from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.tree import Chunk, TensorMeta, build
+
+METADATA_FILE = ".metadata"
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_ALLOWED_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+}
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata; any global outside DCP's metadata vocabulary is refused."""
+
+    def find_class(self, module: str, name: str):
+        obj = super().find_class(module, name) if self._allowed(module, name) else None
+        if obj is None:
+            raise UnsafePickleError(f"metadata references {module}.{name}, which DCP metadata never holds",
+                                    hint="pass --trust-pickle only if you trust this checkpoint")
+        return obj
+
+    @staticmethod
+    def _allowed(module: str, name: str) -> bool:
+        if (module, name) in _ALLOWED:
+            return True
+        if module == "torch":
+            return isinstance(getattr(torch, name, None), torch.dtype)
+        return module in _ALLOWED_MODULES and not name.startswith("__")
+
+
+def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
+    """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted."""
+    file = path / METADATA_FILE
+    if not path.exists():
+        raise BadInputError("no such file or directory", path=path,
+                            hint="check the path of the DCP checkpoint directory")
+    if not file.is_file():
+        raise BadInputError(f"no '{METADATA_FILE}' in this directory", path=path,
+                            hint="pass the DCP checkpoint directory itself, or --format for another format")
+    try:
+        with open(file, "rb") as f:
+            md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
+    except UnsafePickleError as exc:
+        raise UnsafePickleError(exc.message, path=file, hint=exc.hint) from None
+    except Exception as exc:
+        raise BadInputError(f"cannot read DCP metadata ({type(exc).__name__}: {exc})", path=file,
+                            hint="the file is truncated or not written by torch.distributed.checkpoint") from None
+    if not isinstance(md, Metadata):
+        raise BadInputError("not DCP metadata", path=file,
+                            hint="pass a directory written by torch.distributed.checkpoint.save")
+    return md
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that non-tensor values load with ``weights_only=True``."""
+
+    def __init__(self, trust_pickle: bool, where: Path):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.trust_pickle = trust_pickle
+        self.where = where
+        self.values: dict[str, object] = {}
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafePickleError(f"value {key!r} needs code execution to load ({first})",
+                                    path=self.where, hint="pass --trust-pickle only if you trust this checkpoint") from None
+
+
+class _Storage(FileSystemReader):
+    """DCP's file reader, given the metadata we already read safely."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self._metadata
+
+
+def describe_chunks(shape: tuple[int, ...], chunks: Sequence[Chunk], world_size: int | None) -> str:
+    """Return a layout label such as ``full``, ``Shard(0) over 4`` or ``6 chunks``."""
+    if len(chunks) == 1 and tuple(chunks[0].sizes) == tuple(shape):
+        return "full"
+    if shape and all(all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == tuple(shape[1:]) for c in chunks):
+        rows = sorted((c.offsets[0], c.sizes[0]) for c in chunks)
+        if world_size and rows == _dim0_chunks(shape[0], world_size):
+            return f"Shard(0) over {world_size}"
+        return f"Shard(0) in {len(chunks)} chunks"
+    return f"{len(chunks)} chunks"
+
+
+def _dim0_chunks(n: int, world_size: int) -> list[tuple[int, int]]:
+    shares = [Shard.local_shard_size_and_offset(n, world_size, r) for r in range(world_size)]
+    return sorted((int(off), int(size)) for size, off in shares if size > 0)
+
+
+class DcpReader(Reader):
+    """Reads a DCP directory: metadata from ``.metadata``, rows through ``dcp.load``."""
+
+    format = "dcp"
+
+    def __init__(self, src, trust_pickle: bool = False):
+        super().__init__(src, trust_pickle)
+        self.metadata = read_metadata(self.src, trust_pickle)
+
+    def index(self) -> Index:
+        md = self.metadata
+        files = {info.relative_path for info in (md.storage_data or {}).values()}
+        self._check_files(files)
+        ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))]
+        world_size = (max(ranks) + 1) if ranks else (len(files) or None)
+        rank_of = {}
+        for idx, info in (md.storage_data or {}).items():
+            m = _RANK_FILE.match(info.relative_path)
+            rank_of[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = int(m.group(1)) if m else None
+        paths = dict(md.planner_data or {})
+        keys = list(paths) + [k for k in md.state_dict_metadata if k not in paths]
+        byte_keys = [k for k in keys if isinstance(md.state_dict_metadata.get(k), BytesStorageMetadata)]
+        values = self._read_values(byte_keys)
+        items = []
+        for key in keys:
+            entry = md.state_dict_metadata.get(key)
+            if entry is None:
+                continue
+            path = tuple(paths.get(key, (key,)))
+            if isinstance(entry, TensorStorageMetadata):
+                shape = tuple(entry.size)
+                chunks = tuple(
+                    Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks
+                )
+                layout = describe_chunks(shape, chunks, world_size)
+                items.append((path, TensorMeta(key, shape, entry.properties.dtype, layout, chunks)))
+            else:
+                items.append((path, values[key]))
+        return Index(self.format, str(self.src), world_size, build(items))
+
+    def _check_files(self, files: set[str]) -> None:
+        for name in sorted(files):
+            if not (self.src / name).is_file():
+                raise BadInputError(f"missing data file '{name}' named by .metadata", path=self.src,
+                                    hint="copy every *.distcp file of the checkpoint")
+
+    def _read_values(self, keys: list[str]) -> dict[str, object]:
+        if not keys:
+            return {}
+        planner = _SafeLoadPlanner(self.trust_pickle, self.src)
+        self._load(dict.fromkeys(keys), planner)
+        return planner.values
+
+    def read(self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime) -> list[torch.Tensor]:
+        targets: dict[str, torch.Tensor] = {}
+        for meta, r in zip(metas, rows):
+            if r is None:
+                targets[meta.key] = torch.empty(meta.shape, dtype=meta.dtype)
+            else:
+                local = torch.empty((r[1] - r[0],) + meta.shape[1:], dtype=meta.dtype)
+                targets[meta.key] = DTensor.from_local(
+                    local, runtime.mesh, [Shard(0)], run_check=False,
+                    shape=torch.Size(meta.shape), stride=_contiguous_stride(meta.shape),
+                )
+        self._load(targets, _SafeLoadPlanner(self.trust_pickle, self.src))
+        return [t.to_local() if isinstance(t, DTensor) else t for t in (targets[m.key] for m in metas)]
+
+    def _load(self, state_dict: dict, planner: _SafeLoadPlanner) -> None:
+        try:
+            # no_dist: every rank plans and reads on its own; no collective can hang here.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state_dict, storage_reader=_Storage(self.src, self.metadata), planner=planner, no_dist=True)
+        except UnsafePickleError:
+            raise
+        except Exception as exc:
+            raise BadInputError(f"cannot read checkpoint data ({_first_cause(exc)})", path=self.src,
+                                hint="the checkpoint is truncated or inconsistent; re-copy it from where it was written") from None
+
+
+def _first_cause(exc: BaseException) -> str:
+    # DCP wraps per-rank failures in CheckpointException; the first cause is what helps.
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))
+        if isinstance(exc, tuple):
+            exc = exc[0]
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def write_sharded(path: Path, state_dict: dict, runtime) -> None:
+    """Save ``state_dict`` (DTensor shards and plain values) as DCP into ``path`` on all ranks."""
+    writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
+    if runtime.distributed:
+        dcp.save(state_dict, storage_writer=writer)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+
+
+def is_dcp_dir(path: Path) -> bool:
+    """Return whether ``path`` looks like a DCP checkpoint directory."""
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+__all__ = ["DcpReader", "describe_chunks", "is_dcp_dir", "read_metadata", "write_sharded"]

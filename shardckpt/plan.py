@@ -1,0 +1,142 @@
+"""Planning, pure: source index + target layout and world size -> what each rank reads and writes.
+
+No I/O and no collectives happen here, so every rank computes the same plan from the
+same inputs, and the plan can be printed (``--dry-run``) or tested without ranks.
+The row arithmetic is torch's own: ``Shard.local_shard_size_and_offset``, the rule
+``fully_shard`` and DTensor use to split dim 0, remainders and empty ranks included.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Shard
+
+from shardckpt.errors import BadInputError, UsageError
+from shardckpt.formats.base import Index, Rows
+from shardckpt.tree import (
+    Path,
+    TensorMeta,
+    clean_fqn,
+    dotted,
+    prune,
+    rename_keys,
+    split_model_optim,
+    walk,
+)
+
+DEFAULT_BUFFER_BYTES = 256 * 2**20
+
+# Marks a tensor this rank does not read at all (another rank reads the whole of it).
+SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which part of the source goes to DST, and how its keys are named there."""
+
+    only: str = "all"
+    filters: tuple[str, ...] = ()
+    clean_fqns: bool = True
+
+    def __post_init__(self) -> None:
+        if self.only not in ("all", "model", "optim"):
+            raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
+
+
+def select(index: Index, selection: Selection) -> dict:
+    """Return the tree DST will hold: ``--only``, FQN cleaning, then ``--filter`` on cleaned paths."""
+    tree = split_model_optim(index.tree, selection.only)
+    if selection.clean_fqns:
+        try:
+            tree = rename_keys(tree, clean_fqn)
+        except KeyError as exc:
+            first, second, name = exc.args[0]
+            raise BadInputError(f"'{first}' and '{second}' both become '{name}' after FQN cleaning",
+                                path=index.src, hint="pass --no-clean-fqns to keep the keys as they are") from None
+    if selection.filters:
+        tree = prune(tree, lambda path, _: matches(path, selection.filters))
+    if not isinstance(tree, Mapping):
+        tree = {}
+    return dict(tree)
+
+
+def matches(path: Path, globs: Sequence[str]) -> bool:
+    """Return whether the dotted form of ``path`` matches any glob (no globs: everything)."""
+    name = dotted(path)
+    return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> Rows:
+    """Return the dim-0 rows rank ``rank`` holds under ``Shard(0)`` over ``world_size`` ranks."""
+    if not shape:
+        return None
+    size, offset = Shard.local_shard_size_and_offset(shape[0], world_size, rank)
+    return (int(offset), int(offset) + int(size))
+
+
+def is_sharded(meta: TensorMeta) -> bool:
+    """Return whether a tensor is split across ranks (0-dim tensors stay whole, as in FSDP2)."""
+    return len(meta.shape) > 0
+
+
+def rows_to_read(meta: TensorMeta, world_size: int, rank: int, *, whole_on_coordinator: bool) -> Rows | str:
+    """Return what ``rank`` reads of ``meta``: its rows, the whole tensor (None), or ``SKIP``.
+
+    Tensors that stay whole are read by every rank for a sharded DST (each rank's state
+    dict holds them, as in training) but only by rank 0 for a full DST.
+    """
+    if world_size == 1:
+        return None
+    if is_sharded(meta):
+        return dim0_rows(meta.shape, world_size, rank)
+    if whole_on_coordinator and rank != 0:
+        return SKIP
+    return None
+
+
+def batches(metas: Sequence[TensorMeta], limit: int = DEFAULT_BUFFER_BYTES) -> list[list[TensorMeta]]:
+    """Return consecutive groups of tensors of at most ``limit`` bytes (a bigger one goes alone)."""
+    out: list[list[TensorMeta]] = []
+    size = limit
+    for meta in metas:
+        if size + meta.nbytes > limit or not out:
+            out.append([])
+            size = 0
+        out[-1].append(meta)
+        size += meta.nbytes
+    return out
+
+
+@dataclass
+class ConvertPlan:
+    """A conversion decided: DST's tree, its tensors in order, and the batches that move them."""
+
+    layout: str
+    format: str
+    world_size: int
+    tree: dict
+    tensors: list[tuple[Path, TensorMeta]] = field(default_factory=list)
+    batches: list[list[TensorMeta]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes of tensor data DST will hold."""
+        return sum(m.nbytes for _, m in self.tensors)
+
+    @property
+    def num_values(self) -> int:
+        """Return the number of plain (non-tensor) leaves DST will hold."""
+        return sum(1 for _, leaf in walk(self.tree) if not isinstance(leaf, TensorMeta))
+
+
+def make_plan(index: Index, selection: Selection, layout: str, fmt: str, world_size: int,
+              buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> ConvertPlan:
+    """Return the plan that moves ``index``'s selected part into ``layout``/``fmt`` at ``world_size``."""
+    tree = select(index, selection)
+    tensors = [(p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
+    if not tensors and not any(True for _ in walk(tree)):
+        raise UsageError("nothing is selected", path=index.src, hint="check --only and --filter against `shardckpt inspect`")
+    return ConvertPlan(layout, fmt, world_size, tree, tensors, batches([m for _, m in tensors], buffer_bytes))

@@ -1,0 +1,238 @@
+"""Checkpoint trees: paths, leaves, optimizer subtrees and FQN cleaning (pure, no I/O).
+
+A checkpoint is a nested container. Its leaves are tensors (or ``TensorMeta`` stand-ins
+while only metadata is known) and plain Python values. Paths follow DCP's own
+traversal so every format names a leaf the same way: mappings are always entered,
+lists only when they hold tensors or mappings, and everything else (tuples, lists of
+plain values such as ``param_groups[i]["params"]``) is one value leaf. FQNs contain
+dots, so a path is a tuple and a dotted string is only ever for display.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PathItem = str | int
+Path = tuple[PathItem, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: who wrote it and where it sits in the whole."""
+
+    rank: int | None
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor known by metadata only: the reader's key for it, shape, dtype and layout."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str = "full"
+    chunks: tuple[Chunk, ...] = field(default=(), compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Return the size of the whole tensor in bytes."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def is_tensor_leaf(value: object) -> bool:
+    """Return whether ``value`` is a tensor or a tensor's metadata."""
+    return isinstance(value, (torch.Tensor, TensorMeta))
+
+
+def _enters(value: object) -> bool:
+    """Return whether traversal goes into ``value`` (DCP's rule) instead of stopping at it."""
+    if isinstance(value, Mapping):
+        return True
+    if not isinstance(value, list):
+        return False
+    return any(is_tensor_leaf(v) or (isinstance(v, (Mapping, list)) and _enters(v)) for v in value)
+
+
+def walk(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
+    """Yield ``(path, leaf)`` for every leaf, in container order."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from walk(v, prefix + (k,))
+    elif prefix and _enters(tree):
+        for i, v in enumerate(tree):  # type: ignore[arg-type]
+            yield from walk(v, prefix + (i,))
+    else:
+        yield prefix, tree
+
+
+def map_leaves(tree: object, fn: Callable[[Path, object], object], prefix: Path = ()) -> object:
+    """Return a copy of ``tree`` with every leaf replaced by ``fn(path, leaf)``."""
+    if isinstance(tree, Mapping):
+        return {k: map_leaves(v, fn, prefix + (k,)) for k, v in tree.items()}
+    if prefix and _enters(tree):
+        return [map_leaves(v, fn, prefix + (i,)) for i, v in enumerate(tree)]  # type: ignore[arg-type]
+    return fn(prefix, tree)
+
+
+_DROPPED = object()
+
+
+def prune(tree: object, keep: Callable[[Path, object], bool], prefix: Path = ()) -> object:
+    """Return ``tree`` without the leaves ``keep`` rejects; emptied containers go too."""
+    if isinstance(tree, Mapping):
+        kept = {k: prune(v, keep, prefix + (k,)) for k, v in tree.items()}
+        kept = {k: v for k, v in kept.items() if v is not _DROPPED}
+        return kept if kept or not tree or not prefix else _DROPPED
+    if prefix and _enters(tree):
+        kept_list = [prune(v, keep, prefix + (i,)) for i, v in enumerate(tree)]  # type: ignore[arg-type]
+        kept_list = [v for v in kept_list if v is not _DROPPED]
+        return kept_list if kept_list else _DROPPED
+    return tree if keep(prefix, tree) else _DROPPED
+
+
+def build(items: list[tuple[Path, object]]) -> dict:
+    """Return the tree whose leaves are ``items``: str keys make dicts, int keys lists (DCP's rule)."""
+    root: dict = {}
+    for path, value in items:
+        node: Any = root
+        for here, nxt in zip(path, path[1:]):
+            empty: Any = [] if isinstance(nxt, int) else {}
+            if isinstance(node, list):
+                while len(node) <= here:
+                    node.append(None)
+                if node[here] is None:
+                    node[here] = empty
+                node = node[here]
+            else:
+                node = node.setdefault(here, empty)
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+        node[last] = value
+    return root
+
+
+def dotted(path: Path) -> str:
+    """Return the display form of ``path`` (``model.layers.0.weight``); never parsed back."""
+    return ".".join(str(p) for p in path)
+
+
+def path_to_json(path: Path) -> list[PathItem]:
+    """Return ``path`` as a JSON list (str keys, int list indices)."""
+    return list(path)
+
+
+# ---------------------------------------------------------------- optimizer subtrees
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """What an optimizer subtree holds: key type, parameters, state names, groups."""
+
+    path: Path
+    key_type: str  # "fqn", "id" or "empty"
+    num_params: int
+    state_names: tuple[str, ...]
+    num_groups: int
+
+
+def is_optimizer(node: object) -> bool:
+    """Return whether ``node`` is an optimizer state dict (``state`` + ``param_groups``)."""
+    return isinstance(node, Mapping) and "state" in node and "param_groups" in node
+
+
+def find_optimizers(tree: object, prefix: Path = ()) -> list[Path]:
+    """Return the paths of every optimizer subtree, outermost first."""
+    if is_optimizer(tree):
+        return [prefix]
+    if isinstance(tree, Mapping):
+        return [p for k, v in tree.items() for p in find_optimizers(v, prefix + (k,))]
+    return []
+
+
+def subtree(tree: object, path: Path) -> object:
+    """Return the node at ``path``."""
+    node: Any = tree
+    for p in path:
+        node = node[p]
+    return node
+
+
+def describe_optimizer(tree: object, path: Path) -> OptimizerInfo:
+    """Return the summary of the optimizer subtree at ``path``."""
+    node: Any = subtree(tree, path)
+    state = node["state"] if isinstance(node["state"], Mapping) else {}
+    groups = node["param_groups"] if isinstance(node["param_groups"], list) else []
+    params = [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
+    keys = list(state.keys()) + params
+    if not keys:
+        key_type = "empty"
+    elif all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in keys):
+        # DCP stores every mapping key as str, so ID-keyed state comes back as "0", "1", ...
+        key_type = "id"
+    else:
+        key_type = "fqn"
+    names = sorted({n for s in state.values() if isinstance(s, Mapping) for n in s})
+    return OptimizerInfo(path, key_type, len(params) or len(state), tuple(names), len(groups))
+
+
+def split_model_optim(tree: Mapping, only: str) -> dict:
+    """Return the top level of ``tree`` restricted to ``only`` (all, model or optim)."""
+    if only == "all":
+        return dict(tree)
+    want_optim = only == "optim"
+    out = {}
+    for k, v in tree.items():
+        if is_optimizer(v) == want_optim:
+            out[k] = v
+        elif isinstance(v, Mapping) and not is_optimizer(v) and want_optim:
+            inner = split_model_optim(v, only)
+            if inner:
+                out[k] = inner
+    return out
+
+
+# ---------------------------------------------------------------- FQN cleaning
+
+_WRAPPER_PARTS = re.compile(r"(?:_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+_DDP_PREFIX = "module."
+
+
+def clean_fqn(fqn: str) -> str:
+    """Return ``fqn`` without FSDP/checkpoint/compile wrapper parts and a DDP ``module.`` prefix."""
+    fqn = _WRAPPER_PARTS.sub("", fqn)
+    return fqn[len(_DDP_PREFIX) :] if fqn.startswith(_DDP_PREFIX) else fqn
+
+
+def rename_keys(tree: object, rename: Callable[[str], str], prefix: Path = ()) -> object:
+    """Return ``tree`` with ``rename`` applied to str mapping keys and optimizer ``params`` lists.
+
+    Raises ``KeyError`` naming both originals when two keys of one mapping collide.
+    """
+    if isinstance(tree, Mapping):
+        out: dict = {}
+        origin: dict = {}
+        for k, v in tree.items():
+            nk = rename(k) if isinstance(k, str) else k
+            if nk in out:
+                raise KeyError((dotted(prefix + (origin[nk],)), dotted(prefix + (k,)), nk))
+            origin[nk] = k
+            if k == "params" and isinstance(v, list) and all(isinstance(p, str) for p in v):
+                out[nk] = [rename(p) for p in v]
+            else:
+                out[nk] = rename_keys(v, rename, prefix + (k,))
+        return out
+    if prefix and _enters(tree):
+        return [rename_keys(v, rename, prefix + (i,)) for i, v in enumerate(tree)]  # type: ignore[arg-type]
+    return tree
