@@ -113,12 +113,12 @@ class SafetensorsWriter(FullWriter):
         header: dict = {"__metadata__": {"format": "pt", TREE_KEY: encoded}}
         offset = 0
         self._order: list[str] = []
-        for path, leaf in walk(tree):
+        for at, leaf in walk(tree):
             if isinstance(leaf, TensorMeta):
                 if leaf.dtype not in DTYPE_NAMES:
-                    raise UsageError(f"'{names[path]}' has dtype {leaf.dtype}, which safetensors cannot store",
+                    raise UsageError(f"'{names[at]}' has dtype {leaf.dtype}, which safetensors cannot store",
                                      hint="write --format torch")
-                header[names[path]] = {"dtype": DTYPE_NAMES[leaf.dtype], "shape": list(leaf.shape),
+                header[names[at]] = {"dtype": DTYPE_NAMES[leaf.dtype], "shape": list(leaf.shape),
                                        "data_offsets": [offset, offset + leaf.nbytes]}
                 offset += leaf.nbytes
                 self._order.append(leaf.key)

@@ -102,8 +102,10 @@ class TorchWriter(FullWriter):
             skeleton = map_leaves(
                 tree, lambda _, leaf: torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, TensorMeta) else leaf
             )
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(skeleton, path)
+        # Through a stream, torch names the archive "archive" instead of after the (temporary)
+        # file name, so the bytes do not depend on where the file is staged.
+        with torch.serialization.skip_data(materialize_fake_tensors=True), open(path, "wb") as stream:
+            torch.save(skeleton, stream)
         self._records = _locate_records(path, metas)
         self._crc: dict[str, int] = {}
         self._fd = os.open(path, os.O_RDWR)
