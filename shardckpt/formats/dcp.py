@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from shardckpt.errors import BadInputError, UnsafePickleError
+from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.tree import Chunk, TensorMeta, build
 
@@ -209,22 +210,23 @@ class DcpReader(Reader):
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state_dict, storage_reader=_Storage(self.src, self.metadata), planner=planner, no_dist=True)
-        except UnsafePickleError:
-            raise
-        except Exception as exc:
-            raise BadInputError(f"cannot read checkpoint data ({_first_cause(exc)})", path=self.src,
+        except (Exception, CheckpointException) as exc:
+            cause = _first_cause(exc)
+            if isinstance(cause, ShardckptError):
+                raise cause from None
+            text = str(cause).strip().splitlines()
+            raise BadInputError(f"cannot read checkpoint data ({type(cause).__name__}: {text[0] if text else ''})",
+                                path=self.src,
                                 hint="the checkpoint is truncated or inconsistent; re-copy it from where it was written") from None
 
 
-def _first_cause(exc: BaseException) -> str:
-    # DCP wraps per-rank failures in CheckpointException; the first cause is what helps.
+def _first_cause(exc: BaseException) -> BaseException:
+    """Return the error behind DCP's CheckpointException (a BaseException that wraps each rank's)."""
     failures = getattr(exc, "failures", None)
-    if failures:
-        exc = next(iter(failures.values()))
-        if isinstance(exc, tuple):
-            exc = exc[0]
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"
+    if not failures:
+        return exc
+    cause = next(iter(failures.values()))
+    return cause[0] if isinstance(cause, tuple) else cause
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,164 @@
+"""Every bad input gets one line naming the file and the fix, and its exit code (SPEC)."""
+
+from __future__ import annotations
+
+import fractions
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from shardckpt.cli import run
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+@pytest.fixture
+def small(tmp_path):
+    sd = {"model": {"w": torch.arange(21.0).reshape(7, 3)}, "epoch": 1}
+    torch.save(sd, tmp_path / "small.pt")
+    dcp.save(sd, checkpoint_id=tmp_path / "small-dcp", no_dist=True)
+    return tmp_path
+
+
+def error_of(capsys, argv):
+    code = run([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def test_missing_source(capsys, tmp_path):
+    assert error_of(capsys, ["inspect", tmp_path / "nope"]) == (
+        3, f"shardckpt: error: '{tmp_path / 'nope'}': no such file or directory: check the path of the checkpoint")
+
+
+def test_directory_without_metadata(capsys, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "__0_0.distcp").write_bytes(b"x")
+    assert error_of(capsys, ["inspect", tmp_path / "d"]) == (
+        3, f"shardckpt: error: '{tmp_path / 'd'}': has *.distcp files but no '.metadata': "
+           "the DCP save did not finish; use a checkpoint whose save completed")
+
+
+def test_empty_directory(capsys, tmp_path):
+    assert error_of(capsys, ["convert", tmp_path, tmp_path.parent / "o.pt", "--to", "full"])[0] == 3
+
+
+def test_truncated_torch_file(capsys, small):
+    data = (small / "small.pt").read_bytes()
+    (small / "cut.pt").write_bytes(data[: len(data) // 2])
+    code, line = error_of(capsys, ["inspect", small / "cut.pt"])
+    assert code == 3
+    assert line.startswith(f"shardckpt: error: '{small / 'cut.pt'}': not a readable torch.save file (")
+    assert line.endswith("): the file is truncated or in another format; pass --format to say which")
+
+
+def test_truncated_safetensors_file(capsys, small):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(100)}, small / "t.safetensors")
+    data = (small / "t.safetensors").read_bytes()
+    (small / "t.safetensors").write_bytes(data[:-50])
+    code, line = error_of(capsys, ["inspect", small / "t.safetensors"])
+    assert code == 3 and "not a readable safetensors file" in line and line.count("\n") == 0
+
+
+def test_unknown_file(capsys, small):
+    (small / "notes.txt").write_text("hello")
+    assert error_of(capsys, ["inspect", small / "notes.txt"]) == (
+        3, f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
+           "pass --format with one of dcp, torch, safetensors")
+
+
+def test_empty_file(capsys, small):
+    (small / "empty.pt").write_bytes(b"")
+    assert error_of(capsys, ["inspect", small / "empty.pt"]) == (
+        3, f"shardckpt: error: '{small / 'empty.pt'}': is empty: the file was not written completely; re-create it")
+
+
+def test_missing_data_file(capsys, small):
+    os.remove(small / "small-dcp" / "__0_0.distcp")
+    assert error_of(capsys, ["inspect", small / "small-dcp"]) == (
+        3, f"shardckpt: error: '{small / 'small-dcp'}': missing data file '__0_0.distcp' named by .metadata: "
+           "copy every *.distcp file of the checkpoint")
+
+
+def test_corrupt_data_file_leaves_no_destination(capsys, small):
+    path = small / "small-dcp" / "__0_0.distcp"
+    path.write_bytes(path.read_bytes()[:10])
+    code, line = error_of(capsys, ["convert", small / "small-dcp", small / "out.pt", "--to", "full"])
+    assert code == 3 and "cannot read checkpoint data" in line
+    assert not (small / "out.pt").exists() and not (small / ".out.pt.shardckpt-partial").exists()
+
+
+def test_existing_destination_needs_overwrite(capsys, small):
+    (small / "out.pt").write_bytes(b"keep me")
+    assert error_of(capsys, ["convert", small / "small.pt", small / "out.pt", "--to", "full"]) == (
+        5, f"shardckpt: error: '{small / 'out.pt'}': already exists: pass --overwrite to replace it")
+    assert (small / "out.pt").read_bytes() == b"keep me"
+    assert run(["convert", str(small / "small.pt"), str(small / "out.pt"), "--to", "full", "--overwrite"]) == 0
+    assert torch.equal(torch.load(small / "out.pt")["model"]["w"], torch.arange(21.0).reshape(7, 3))
+
+
+def test_destination_inside_source_is_refused(capsys, small):
+    assert error_of(capsys, ["convert", small / "small-dcp", small / "small-dcp" / "x", "--to", "sharded"]) == (
+        2, f"shardckpt: error: '{small / 'small-dcp' / 'x'}': DST is SRC or inside it: "
+           "write the conversion somewhere else; SRC is never modified")
+
+
+def test_format_and_layout_must_agree(capsys, small):
+    assert error_of(capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--format", "torch"]) == (
+        2, "shardckpt: error: --format torch is a full layout, not sharded: pass --to full, or a sharded format")
+
+
+def test_unknown_option_is_a_usage_error(capsys, small):
+    assert run(["inspect", str(small / "small.pt"), "--bogus"]) == 2
+
+
+def test_world_size_other_than_the_launch_is_refused_for_now(capsys, small):
+    assert error_of(capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--world-size", "3"]) == (
+        2, "shardckpt: error: --world-size 3 differs from this launch's 1 ranks: "
+           "launch with torchrun --nproc-per-node 3, or drop --world-size")
+
+
+def test_pickle_that_runs_code_is_refused_in_a_torch_file(capsys, small):
+    torch.save({"w": torch.ones(1), "evil": Evil()}, small / "evil.pt")
+    code, line = error_of(capsys, ["inspect", small / "evil.pt"])
+    assert code == 3
+    assert line.startswith(f"shardckpt: error: '{small / 'evil.pt'}': refused to unpickle (")
+    assert line.endswith("): pass --trust-pickle only if you trust this file")
+
+
+def test_pickle_that_runs_code_is_refused_in_dcp_metadata(capsys, small):
+    md = small / "small-dcp" / ".metadata"
+    md.write_bytes(pickle.dumps(Evil()))
+    assert error_of(capsys, ["inspect", small / "small-dcp"]) == (
+        3, f"shardckpt: error: '{md}': metadata references posix.system, which DCP metadata never holds: "
+           "pass --trust-pickle only if you trust this checkpoint")
+
+
+def test_pickle_that_runs_code_is_refused_in_a_dcp_value(capsys, small):
+    dcp.save({"w": torch.ones(2), "evil": Evil()}, checkpoint_id=small / "evil-dcp", no_dist=True)
+    code, line = error_of(capsys, ["inspect", small / "evil-dcp"])
+    assert code == 3 and "value 'evil' needs code execution to load" in line and "--trust-pickle" in line
+
+
+def test_trust_pickle_opts_out(capsys, small):
+    torch.save({"w": torch.ones(1), "ratio": fractions.Fraction(1, 3)}, small / "frac.pt")
+    assert run(["inspect", str(small / "frac.pt")]) == 3
+    assert run(["inspect", str(small / "frac.pt"), "--trust-pickle"]) == 0
+
+
+def test_dry_run_writes_nothing(capsys, small):
+    assert run(["convert", str(small / "small.pt"), str(small / "o.pt"), "--to", "full", "--dry-run"]) == 0
+    assert "would write" in capsys.readouterr().out and not (small / "o.pt").exists()
+
+
+def test_bad_size_is_a_usage_error(capsys, small):
+    assert error_of(capsys, ["convert", small / "small.pt", small / "o.pt", "--to", "full", "--buffer-size", "lots"]) == (
+        2, "shardckpt: error: --buffer-size 'lots' is not a size: write it like 512MB, 2GiB or 1000000")

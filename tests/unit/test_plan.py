@@ -1,0 +1,74 @@
+"""Planning is pure and uses torch's own dim-0 split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardckpt.errors import BadInputError, UsageError
+from shardckpt.formats.base import Index
+from shardckpt.plan import SKIP, Selection, batches, dim0_rows, make_plan, rows_to_read, select
+from shardckpt.tree import TensorMeta
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 7, 97])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_dim0_rows_tile_the_tensor_as_torch_chunk_does(rows, world_size):
+    # torch.chunk is what fully_shard documents for dim-0 sharding; ranks past the
+    # last chunk hold nothing.
+    chunks = torch.arange(rows).chunk(world_size) if rows else ()
+    expected = [(int(c[0]), int(c[-1]) + 1) for c in chunks if c.numel()]
+    got = [dim0_rows((rows, 5), world_size, r) for r in range(world_size)]
+    assert [g for g in got if g[1] > g[0]] == expected
+    assert all(g[0] <= g[1] <= rows for g in got)
+
+
+def test_zero_dim_tensors_are_read_whole_by_rank_zero_only_for_a_full_dst():
+    step = TensorMeta("s", (), torch.float32)
+    assert rows_to_read(step, 2, 0, whole_on_coordinator=True) is None
+    assert rows_to_read(step, 2, 1, whole_on_coordinator=True) == SKIP
+    assert rows_to_read(step, 2, 1, whole_on_coordinator=False) is None
+
+
+def test_batches_are_bounded_and_keep_order():
+    metas = [TensorMeta(str(i), (n,), torch.uint8) for i, n in enumerate([40, 40, 30, 200, 10])]
+    groups = batches(metas, limit=100)
+    assert [[m.key for m in g] for g in groups] == [["0", "1"], ["2"], ["3"], ["4"]]
+
+
+def _index() -> Index:
+    tree = {
+        "model": {"module.w": TensorMeta("a", (3,), torch.float32)},
+        "optim": {
+            "state": {"module.w": {"step": TensorMeta("b", (), torch.float32)}},
+            "param_groups": [{"lr": 0.1, "params": ["module.w"]}],
+        },
+    }
+    return Index("dcp", "ckpt", 2, tree)
+
+
+def test_select_cleans_fqns_then_filters():
+    tree = select(_index(), Selection(filters=("model.*",)))
+    assert tree == {"model": {"w": TensorMeta("a", (3,), torch.float32)}}
+    assert "module.w" in select(_index(), Selection(clean_fqns=False))["model"]
+
+
+def test_only_optim_keeps_the_optimizer():
+    plan = make_plan(_index(), Selection(only="optim"), "full", "torch", 1)
+    assert list(plan.tree) == ["optim"] and len(plan.tensors) == 1 and plan.num_values == 2
+
+
+def test_selecting_nothing_is_a_usage_error():
+    with pytest.raises(UsageError, match="nothing is selected"):
+        make_plan(_index(), Selection(filters=("nope*",)), "full", "torch", 1)
+
+
+def test_cleaning_collision_names_both_keys():
+    index = _index()
+    index.tree["model"]["w"] = TensorMeta("c", (3,), torch.float32)
+    with pytest.raises(BadInputError) as info:
+        select(index, Selection())
+    assert info.value.line() == (
+        "'ckpt': 'model.module.w' and 'model.w' both become 'w' after FQN cleaning: "
+        "pass --no-clean-fqns to keep the keys as they are"
+    )

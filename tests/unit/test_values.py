@@ -1,0 +1,66 @@
+"""Typed JSON keeps Python value types through formats that hold no pickles."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from shardckpt.formats.values import (
+    UnencodableValue,
+    decode_tree,
+    decode_value,
+    encode_tree,
+    encode_value,
+)
+from shardckpt.tree import TensorMeta
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        0,
+        1,
+        -7,
+        1.0,
+        0.001,
+        "x",
+        [1, 2.0, "a"],
+        (0.9, 0.999),
+        {"a": (1, 2)},
+        {0: "id", "k": None},
+        [(1, [2, (3,)])],
+        (),
+    ],
+)
+def test_values_round_trip_with_their_types(value):
+    back = decode_value(json.loads(json.dumps(encode_value(value))))
+    assert back == value and repr(back) == repr(value)
+
+
+def test_non_finite_floats_stay_floats():
+    back = decode_value(json.loads(json.dumps(encode_value([math.inf, -math.inf, math.nan]))))
+    assert back[0] == math.inf and back[1] == -math.inf and math.isnan(back[2])
+
+
+def test_unsupported_value_names_its_path():
+    with pytest.raises(UnencodableValue, match="value at 'optim.x' is a object"):
+        encode_value(object(), ("optim", "x"))
+
+
+def test_tree_round_trip_keeps_int_keys_and_holes():
+    meta = TensorMeta("k0", (2,), torch.float32)
+    tree = {
+        "optim": {
+            "state": {0: {"step": meta}},
+            "param_groups": [{"params": [0], "betas": (0.9, 0.99)}],
+        }
+    }
+    encoded = json.loads(json.dumps(encode_tree(tree, lambda p, m: "name")))
+    back = decode_tree(encoded, lambda name: meta)
+    assert back == tree
+    assert isinstance(back["optim"]["param_groups"][0]["betas"], tuple)
