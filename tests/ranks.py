@@ -1,0 +1,38 @@
+"""Functions the dist tests run on every gloo rank (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardckpt import api
+from shardckpt.dist import Runtime
+from shardckpt.errors import ShardckptError
+
+
+def world_runtime() -> Runtime:
+    """Return the runtime shardckpt's launch would build on this already-joined gloo rank."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    return Runtime(rank=dist.get_rank(), world_size=world_size, device=torch.device("cpu"), mesh=mesh)
+
+
+def convert(src: str, dst: str, to: str, kwargs: dict) -> dict:
+    """Run ``api.convert`` on this rank; return its summary."""
+    result = api.convert(src, dst, to=to, runtime=world_runtime(), **kwargs)
+    return {"tensors": result.tensors, "world_size": result.world_size, "verified": result.verified}
+
+
+def diff(a: str, b: str) -> list:
+    """Run ``api.diff`` on this rank; return the differing paths."""
+    return [(d.path, d.reason) for d in api.diff(a, b, runtime=world_runtime()).differences]
+
+
+def convert_expecting_failure(srcs: list[str], dst: str, to: str) -> tuple[str, int, str]:
+    """Convert from ``srcs[rank]`` (so ranks can disagree); return (error type, exit code, line)."""
+    try:
+        api.convert(srcs[dist.get_rank()], dst, to=to, runtime=world_runtime())
+    except ShardckptError as exc:
+        return type(exc).__name__, exc.exit_code, exc.line()
+    return "no error", 0, ""
