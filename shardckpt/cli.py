@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
+import time
 from enum import Enum
 from typing import Annotated
 
@@ -160,14 +163,16 @@ def report(error: ShardckptError) -> None:
     _record_for_torchrun(error)
 
 
-def _record_for_torchrun(error: BaseException) -> None:
-    # torchrun's root-cause summary reads this file; without it, it says only "exitcode 4".
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(error)
-    except Exception:  # noqa: BLE001 - the summary is a courtesy; the error line is printed already
-        pass
+def _record_for_torchrun(error: ShardckptError) -> None:
+    """Give torchrun's root-cause summary our one-line error instead of a Python stack."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    line = f"shardckpt: error: {error.line()}"
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    # The summary is a courtesy: the error line is already on stderr, so a failed write is ignored.
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(record, f)
 
 
 def run(argv: list[str] | None = None) -> int:
