@@ -74,7 +74,7 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
     doc = inspection_json(insp, shards)
     lines = [f"{insp.index.src}: format {doc['format']}, world size {doc['world_size'] or '-'}", ""]
     rows = [("PATH", "SHAPE", "DTYPE", "BYTES", "LAYOUT / VALUE")]
-    for e in doc["entries"]:
+    for e, (_, leaf) in zip(doc["entries"], insp.leaves):
         name = dotted(tuple(e["path"]))
         if e["kind"] == "tensor":
             shape = "x".join(map(str, e["shape"])) or "()"
@@ -82,7 +82,7 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             for s in e.get("shards", []):
                 rows.append(("", f"  rank {s['rank']}", f"at {s['offsets']}", f"size {s['sizes']}", ""))
         else:
-            rows.append((name, "", "", "", _short(repr(e["value"]))))
+            rows.append((name, "", "", "", _short(repr(leaf))))
     lines += _table(rows)
     for o in doc["optimizers"]:
         lines += ["", f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "

@@ -6,9 +6,9 @@ import zipfile
 
 import pytest
 import torch
+from reference import assert_trees_equal
 from safetensors.torch import load_file, save_file
 
-from reference import assert_trees_equal
 from shardckpt import api
 from shardckpt.formats import detect, open_reader
 from shardckpt.formats.safetensors_file import SafetensorsWriter

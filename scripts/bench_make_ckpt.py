@@ -1,0 +1,92 @@
+"""Write the benchmark's source: an FSDP2 DCP checkpoint of model + AdamW state.
+
+Run under torchrun (CPU, gloo), e.g.:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        scripts/bench_make_ckpt.py .bench/dcp-1gb --size-gb 1.0
+
+The model is a stack of square Linear layers sized so that parameters plus the two
+AdamW moments (all fp32) come to at least SIZE_GB (1 GB = 1e9 bytes). The checkpoint
+is saved beside OUT_DIR and renamed into place only when complete, so a reused
+OUT_DIR is never a half-written one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+# fp32 parameter + exp_avg + exp_avg_sq
+BYTES_PER_PARAM = 3 * 4
+MAX_WIDTH = 2048
+MIN_LAYERS = 8
+
+
+def model_shape(size_gb: float) -> tuple[int, int]:
+    """Return (width, layers) of a Linear stack whose model + AdamW state is >= size_gb."""
+    params = size_gb * 1e9 / BYTES_PER_PARAM
+    # Wide layers keep the per-tensor overhead small; small sizes still get several
+    # layers so the checkpoint has more than a couple of tensors to shard.
+    width = max(64, min(MAX_WIDTH, int(math.sqrt(params / MIN_LAYERS)) // 64 * 64))
+    layers = max(1, math.ceil(params / (width * width + width)))
+    return width, layers
+
+
+def build(width: int, layers: int) -> nn.Sequential:
+    """Return an FSDP2-sharded Linear stack (one fully_shard per layer, plus the root)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def main() -> None:
+    """Train one step and save {"model", "optim"} with DCP into OUT_DIR."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    width, layers = model_shape(args.size_gb)
+    if rank == 0:
+        print(f"bench_make_ckpt: {layers} x Linear({width}, {width}), fp32 + AdamW", flush=True)
+
+    model = build(width, layers)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # One step on a tiny batch gives AdamW real exp_avg / exp_avg_sq / step state.
+    model(torch.randn(2, width)).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+    msd, osd = get_state_dict(model, optim)
+    tmp = args.out_dir.with_name(args.out_dir.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(args.out_dir, ignore_errors=True)
+        os.replace(tmp, args.out_dir)
+    # gloo can abort at teardown on a loaded machine unless ranks leave together.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
