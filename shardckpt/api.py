@@ -41,8 +41,14 @@ class Inspection:
     warnings: list[str] = field(default_factory=list)
 
 
-def inspect(src: str | os.PathLike, *, fmt: str | None = None, filters: Sequence[str] = (),
-            trust_pickle: bool = False, runtime: Runtime | None = None) -> Inspection:
+def inspect(
+    src: str | os.PathLike,
+    *,
+    fmt: str | None = None,
+    filters: Sequence[str] = (),
+    trust_pickle: bool = False,
+    runtime: Runtime | None = None,
+) -> Inspection:
     """Return the metadata of ``src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
     runtime = runtime or Runtime()
     index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle).index())
@@ -59,16 +65,25 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
         for p in info.path:
             node = node[p]
         state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
-        params = [p for g in node.get("param_groups", []) if isinstance(g, dict) for p in g.get("params", [])]
+        params = [
+            p
+            for g in node.get("param_groups", [])
+            if isinstance(g, dict)
+            for p in g.get("params", [])
+        ]
         listed = {str(p) for p in params}
         stray = [k for k in state if str(k) not in listed]
         if params and stray:
-            notes.append(f"{'.'.join(map(str, info.path))}: state for {len(stray)} key(s) in no param group, "
-                         f"e.g. {stray[0]!r}")
+            notes.append(
+                f"{'.'.join(map(str, info.path))}: state for {len(stray)} key(s) in no param group, "
+                f"e.g. {stray[0]!r}"
+            )
         stateless = [p for p in params if p not in state and str(p) not in {str(k) for k in state}]
         if state and stateless:
-            notes.append(f"{'.'.join(map(str, info.path))}: {len(stateless)} parameter(s) without state yet, "
-                         f"e.g. {stateless[0]!r}")
+            notes.append(
+                f"{'.'.join(map(str, info.path))}: {len(stateless)} parameter(s) without state yet, "
+                f"e.g. {stateless[0]!r}"
+            )
     return notes
 
 
@@ -106,29 +121,52 @@ def _check_target(to: str, fmt: str, world_size: int | None, runtime: Runtime) -
     if fmt not in LAYOUT_OF:
         raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(LAYOUT_OF)}")
     if LAYOUT_OF[fmt] != to:
-        raise UsageError(f"--format {fmt} is a {LAYOUT_OF[fmt]} layout, not {to}",
-                         hint=f"pass --to {LAYOUT_OF[fmt]}, or a {to} format")
+        raise UsageError(
+            f"--format {fmt} is a {LAYOUT_OF[fmt]} layout, not {to}",
+            hint=f"pass --to {LAYOUT_OF[fmt]}, or a {to} format",
+        )
     if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS:
-        raise UsageError(f"writing --format {fmt} is not supported yet",
-                         hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS])}")
+        raise UsageError(
+            f"writing --format {fmt} is not supported yet",
+            hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS])}",
+        )
     if world_size is not None and to == "full":
-        raise UsageError("--world-size applies to sharded and local outputs only", hint="drop --world-size")
+        raise UsageError(
+            "--world-size applies to sharded and local outputs only", hint="drop --world-size"
+        )
     if world_size is not None and world_size != runtime.world_size:
-        raise UsageError(f"--world-size {world_size} differs from this launch's {runtime.world_size} ranks",
-                         hint=f"launch with torchrun --nproc-per-node {world_size}, or drop --world-size")
+        raise UsageError(
+            f"--world-size {world_size} differs from this launch's {runtime.world_size} ranks",
+            hint=f"launch with torchrun --nproc-per-node {world_size}, or drop --world-size",
+        )
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str | None = None,
-            src_format: str | None = None, world_size: int | None = None, only: str = "all",
-            filters: Sequence[str] = (), clean_fqns: bool = True, overwrite: bool = False,
-            dry_run: bool = False, verify: bool = False, trust_pickle: bool = False,
-            buffer_bytes: int = DEFAULT_BUFFER_BYTES, runtime: Runtime | None = None,
-            progress: Progress | None = None) -> ConvertResult:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    to: str,
+    fmt: str | None = None,
+    src_format: str | None = None,
+    world_size: int | None = None,
+    only: str = "all",
+    filters: Sequence[str] = (),
+    clean_fqns: bool = True,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    verify: bool = False,
+    trust_pickle: bool = False,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    runtime: Runtime | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
     """Convert ``src`` into ``dst`` with layout ``to``; return what was written."""
     runtime = runtime or Runtime()
     start = time.perf_counter()
     fmt = fmt or (default_format(to, dst) if to in LAYOUTS else "")
-    staging = Staging(dst, overwrite=overwrite, is_dir=LAYOUT_OF.get(fmt) != "full", srcs=(Path(src),))
+    staging = Staging(
+        dst, overwrite=overwrite, is_dir=LAYOUT_OF.get(fmt) != "full", srcs=(Path(src),)
+    )
 
     def prepare():
         _check_target(to, fmt, world_size, runtime)
@@ -138,7 +176,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str
         if not dry_run:
             staging.check()
         reader = open_reader(src, src_format, trust_pickle)
-        return reader, make_plan(reader.index(), selection, to, fmt, runtime.world_size, buffer_bytes)
+        return reader, make_plan(
+            reader.index(), selection, to, fmt, runtime.world_size, buffer_bytes
+        )
 
     reader, plan = runtime.agreed(prepare)
     if not dry_run:
@@ -150,29 +190,58 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str
             progress.close()
     verified = None
     if verify and not dry_run:
-        check = _diff_readers(reader, plan.tree, open_reader(dst, fmt, trust_pickle), runtime, clean_fqns=False)
+        check = _diff_readers(
+            reader, plan.tree, open_reader(dst, fmt, trust_pickle), runtime, clean_fqns=False
+        )
         verified = check.equal
         if not verified:
             first = check.differences[0]
-            raise IOFailure(f"--verify found {len(check.differences)} differing leaves, first "
-                            f"'{'.'.join(map(str, first.path))}' ({first.reason})", path=dst,
-                            hint="the output was written but does not read back equal; please report this")
-    return ConvertResult(str(src), str(dst), fmt, to, runtime.world_size, len(plan.tensors), plan.nbytes,
-                         plan.num_values, time.perf_counter() - start, dry_run, verified, plan)
+            raise IOFailure(
+                f"--verify found {len(check.differences)} differing leaves, first "
+                f"'{'.'.join(map(str, first.path))}' ({first.reason})",
+                path=dst,
+                hint="the output was written but does not read back equal; please report this",
+            )
+    return ConvertResult(
+        str(src),
+        str(dst),
+        fmt,
+        to,
+        runtime.world_size,
+        len(plan.tensors),
+        plan.nbytes,
+        plan.num_values,
+        time.perf_counter() - start,
+        dry_run,
+        verified,
+        plan,
+    )
 
 
 # ---------------------------------------------------------------- diff
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, *, fmt_a: str | None = None, fmt_b: str | None = None,
-         atol: float = 0.0, rtol: float = 0.0, clean_fqns: bool = True, trust_pickle: bool = False,
-         runtime: Runtime | None = None, progress: Progress | None = None) -> DiffResult:
+def diff(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    *,
+    fmt_a: str | None = None,
+    fmt_b: str | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    clean_fqns: bool = True,
+    trust_pickle: bool = False,
+    runtime: Runtime | None = None,
+    progress: Progress | None = None,
+) -> DiffResult:
     """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning."""
     runtime = runtime or Runtime()
     for name, tol in (("--atol", atol), ("--rtol", rtol)):
         if not (tol >= 0 and math.isfinite(tol)):
             raise UsageError(f"{name} must be a finite number >= 0, not {tol}")
-    ra, rb = runtime.agreed(lambda: (open_reader(a, fmt_a, trust_pickle), open_reader(b, fmt_b, trust_pickle)))
+    ra, rb = runtime.agreed(
+        lambda: (open_reader(a, fmt_a, trust_pickle), open_reader(b, fmt_b, trust_pickle))
+    )
     sel = Selection(clean_fqns=clean_fqns)
     tree_a, tree_b = runtime.agreed(lambda: (select(ra.index(), sel), select(rb.index(), sel)))
     progress = progress or Progress()

@@ -48,13 +48,36 @@ class Device(str, Enum):
 
 
 # Option types shared by the commands.
-SrcFormat = Annotated[str | None, typer.Option("--format", help="Source format (default: detected): dcp, torch, safetensors.")]
-Filters = Annotated[list[str] | None, typer.Option("--filter", help="Keep leaves whose dotted path matches this glob (repeatable).")]
+SrcFormat = Annotated[
+    str | None,
+    typer.Option("--format", help="Source format (default: detected): dcp, torch, safetensors."),
+]
+Filters = Annotated[
+    list[str] | None,
+    typer.Option("--filter", help="Keep leaves whose dotted path matches this glob (repeatable)."),
+]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
-TrustPickle = Annotated[bool, typer.Option("--trust-pickle", help="Allow pickles that run code when loaded (only for files you trust).")]
-DeviceOpt = Annotated[Device | None, typer.Option("--device", help="Under torchrun: cpu (gloo) or cuda (nccl); default: cuda when every rank has a GPU.")]
-CleanFqns = Annotated[bool, typer.Option("--clean-fqns/--no-clean-fqns", help="Strip _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a DDP module. prefix.")]
+TrustPickle = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle", help="Allow pickles that run code when loaded (only for files you trust)."
+    ),
+]
+DeviceOpt = Annotated[
+    Device | None,
+    typer.Option(
+        "--device",
+        help="Under torchrun: cpu (gloo) or cuda (nccl); default: cuda when every rank has a GPU.",
+    ),
+]
+CleanFqns = Annotated[
+    bool,
+    typer.Option(
+        "--clean-fqns/--no-clean-fqns",
+        help="Strip _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a DDP module. prefix.",
+    ),
+]
 
 
 def _emit(text: str) -> None:
@@ -63,39 +86,95 @@ def _emit(text: str) -> None:
         typer.echo(text)
 
 
-@app.command(epilog="Examples:\n\n  shardckpt inspect ckpt/step-100\n\n  shardckpt inspect model.safetensors --json --filter 'model.layers.0.*'")
+@app.command(
+    epilog="Examples:\n\n  shardckpt inspect ckpt/step-100\n\n  shardckpt inspect model.safetensors --json --filter 'model.layers.0.*'"
+)
 def inspect(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: DCP directory, .pt/.bin file or .safetensors file.")],
+    src: Annotated[
+        str,
+        typer.Argument(
+            metavar="SRC", help="Checkpoint: DCP directory, .pt/.bin file or .safetensors file."
+        ),
+    ],
     fmt: SrcFormat = None,
     filters: Filters = None,
-    shards: Annotated[bool, typer.Option("--shards", help="List every stored shard: rank, offsets, sizes.")] = False,
+    shards: Annotated[
+        bool, typer.Option("--shards", help="List every stored shard: rank, offsets, sizes.")
+    ] = False,
     json_out: JsonOut = False,
     trust_pickle: TrustPickle = False,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
     with launch("cpu") as runtime:
-        result = api.inspect(src, fmt=fmt, filters=filters or (), trust_pickle=trust_pickle, runtime=runtime)
-    _emit(json.dumps(render.inspection_json(result, shards)) if json_out else render.inspection_text(result, shards))
+        result = api.inspect(
+            src, fmt=fmt, filters=filters or (), trust_pickle=trust_pickle, runtime=runtime
+        )
+    _emit(
+        json.dumps(render.inspection_json(result, shards))
+        if json_out
+        else render.inspection_text(result, shards)
+    )
     return 0
 
 
-@app.command(epilog="Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
-             "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
-             "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded")
+@app.command(
+    epilog="Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
+    "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
+    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded"
+)
 def convert(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint (format detected; see --from).")],
-    dst: Annotated[str, typer.Argument(metavar="DST", help="Destination; written beside its name and renamed when complete.")],
-    to: Annotated[Layout, typer.Option("--to", help="Layout of DST: full (one file) or sharded (DCP at the launch's world size).")],
-    fmt: Annotated[str | None, typer.Option("--format", help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded.")] = None,
-    src_format: Annotated[str | None, typer.Option("--from", help="Source format, when detection is not wanted: dcp, torch, safetensors.")] = None,
-    world_size: Annotated[int | None, typer.Option("--world-size", help="Target world size of a sharded DST (default: the launch's).")] = None,
-    only: Annotated[Only, typer.Option("--only", help="all, model (everything but optimizers) or optim.")] = Only.all,
+    src: Annotated[
+        str, typer.Argument(metavar="SRC", help="Source checkpoint (format detected; see --from).")
+    ],
+    dst: Annotated[
+        str,
+        typer.Argument(
+            metavar="DST", help="Destination; written beside its name and renamed when complete."
+        ),
+    ],
+    to: Annotated[
+        Layout,
+        typer.Option(
+            "--to",
+            help="Layout of DST: full (one file) or sharded (DCP at the launch's world size).",
+        ),
+    ],
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded.",
+        ),
+    ] = None,
+    src_format: Annotated[
+        str | None,
+        typer.Option(
+            "--from", help="Source format, when detection is not wanted: dcp, torch, safetensors."
+        ),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size", help="Target world size of a sharded DST (default: the launch's)."
+        ),
+    ] = None,
+    only: Annotated[
+        Only, typer.Option("--only", help="all, model (everything but optimizers) or optim.")
+    ] = Only.all,
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing DST.")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Re-read DST and compare every value with SRC.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
-    buffer_size: Annotated[str, typer.Option("--buffer-size", help="Bytes of tensors moved per batch (e.g. 256MiB).")] = "256MiB",
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing DST.")
+    ] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Re-read DST and compare every value with SRC.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
+    ] = False,
+    buffer_size: Annotated[
+        str, typer.Option("--buffer-size", help="Bytes of tensors moved per batch (e.g. 256MiB).")
+    ] = "256MiB",
     json_out: JsonOut = False,
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
@@ -104,10 +183,24 @@ def convert(
     """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
     with launch(device.value if device else None) as runtime:
         result = api.convert(
-            src, dst, to=to.value, fmt=fmt, src_format=src_format, world_size=world_size, only=only.value,
-            filters=filters or (), clean_fqns=clean_fqns, overwrite=overwrite, dry_run=dry_run, verify=verify,
-            trust_pickle=trust_pickle, buffer_bytes=parse_size(buffer_size, "--buffer-size"), runtime=runtime,
-            progress=Progress(enabled=runtime.coordinator and not quiet and not json_out, desc="convert"),
+            src,
+            dst,
+            to=to.value,
+            fmt=fmt,
+            src_format=src_format,
+            world_size=world_size,
+            only=only.value,
+            filters=filters or (),
+            clean_fqns=clean_fqns,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            verify=verify,
+            trust_pickle=trust_pickle,
+            buffer_bytes=parse_size(buffer_size, "--buffer-size"),
+            runtime=runtime,
+            progress=Progress(
+                enabled=runtime.coordinator and not quiet and not json_out, desc="convert"
+            ),
         )
     if json_out:
         _emit(json.dumps(render.convert_json(result)))
@@ -116,14 +209,24 @@ def convert(
     return 0
 
 
-@app.command(epilog="Examples:\n\n  shardckpt diff ckpt/step-100 full.pt\n\n  shardckpt diff a.safetensors b.safetensors --atol 1e-6 --json")
+@app.command(
+    epilog="Examples:\n\n  shardckpt diff ckpt/step-100 full.pt\n\n  shardckpt diff a.safetensors b.safetensors --atol 1e-6 --json"
+)
 def diff(
     a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
     b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance (default: exact).")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance (default: exact).")] = 0.0,
-    fmt_a: Annotated[str | None, typer.Option("--format-a", help="Format of A (default: detected).")] = None,
-    fmt_b: Annotated[str | None, typer.Option("--format-b", help="Format of B (default: detected).")] = None,
+    atol: Annotated[
+        float, typer.Option("--atol", help="Absolute tolerance (default: exact).")
+    ] = 0.0,
+    rtol: Annotated[
+        float, typer.Option("--rtol", help="Relative tolerance (default: exact).")
+    ] = 0.0,
+    fmt_a: Annotated[
+        str | None, typer.Option("--format-a", help="Format of A (default: detected).")
+    ] = None,
+    fmt_b: Annotated[
+        str | None, typer.Option("--format-b", help="Format of B (default: detected).")
+    ] = None,
     clean_fqns: CleanFqns = True,
     json_out: JsonOut = False,
     quiet: Quiet = False,
@@ -132,16 +235,41 @@ def diff(
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
     with launch(device.value if device else None) as runtime:
-        result = api.diff(a, b, fmt_a=fmt_a, fmt_b=fmt_b, atol=atol, rtol=rtol, clean_fqns=clean_fqns,
-                          trust_pickle=trust_pickle, runtime=runtime,
-                          progress=Progress(enabled=runtime.coordinator and not quiet and not json_out, desc="diff"))
+        result = api.diff(
+            a,
+            b,
+            fmt_a=fmt_a,
+            fmt_b=fmt_b,
+            atol=atol,
+            rtol=rtol,
+            clean_fqns=clean_fqns,
+            trust_pickle=trust_pickle,
+            runtime=runtime,
+            progress=Progress(
+                enabled=runtime.coordinator and not quiet and not json_out, desc="diff"
+            ),
+        )
     _emit(json.dumps(render.diff_json(result)) if json_out else render.diff_text(result))
     return 0 if result.equal else EXIT_DIFFERENT
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str, option: str) -> int:
@@ -149,7 +277,9 @@ def parse_size(text: str, option: str) -> int:
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise UsageError(f"{option} {text!r} is not a size", hint="write it like 512MB, 2GiB or 1000000")
+        raise UsageError(
+            f"{option} {text!r} is not a size", hint="write it like 512MB, 2GiB or 1000000"
+        )
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -169,7 +299,12 @@ def _record_for_torchrun(error: ShardckptError) -> None:
     if not path:
         return
     line = f"shardckpt: error: {error.line()}"
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    record = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+        }
+    }
     # The summary is a courtesy: the error line is already on stderr, so a failed write is ignored.
     with contextlib.suppress(OSError), open(path, "w") as f:
         json.dump(record, f)
@@ -184,7 +319,9 @@ def run(argv: list[str] | None = None) -> int:
         report(exc)
         return exc.exit_code
     except OSError as exc:
-        failure = IOFailure(exc.strerror or str(exc), path=exc.filename, hint="check free space and permissions")
+        failure = IOFailure(
+            exc.strerror or str(exc), path=exc.filename, hint="check free space and permissions"
+        )
         failure.agreed = getattr(exc, "agreed", False)
         report(failure)
         return failure.exit_code

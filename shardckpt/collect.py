@@ -1,12 +1,16 @@
 """The collective hop: rows read on each rank become whole tensors or DTensor shards.
 
-Both directions use DTensor, so the data movement is torch's own (all-gather with
-padding for uneven rows over gloo or NCCL), never a hand-written exchange.
+Rows are the ones DTensor's ``Shard(0)`` gives each rank, so rank r's rows start at
+``r * ceil(n / N)`` and every non-final rank holds exactly ``ceil(n / N)`` rows. A whole
+tensor is therefore one ``dist.gather`` into row blocks of a padded buffer on rank 0:
+each rank's rows land in place, nothing is copied twice, and no other rank receives
+anything.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from shardckpt.tree import TensorMeta
@@ -15,11 +19,19 @@ from shardckpt.tree import TensorMeta
 def as_dtensor(local: torch.Tensor, meta: TensorMeta, runtime) -> DTensor:
     """Return the DTensor whose shard on this rank is ``local`` (``Shard(0)`` over all ranks)."""
     stride = torch.empty(meta.shape, device="meta").stride()
-    return DTensor.from_local(local.to(runtime.device), runtime.mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size(meta.shape), stride=stride)
+    return DTensor.from_local(
+        local.to(runtime.device),
+        runtime.mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size(meta.shape),
+        stride=stride,
+    )
 
 
-def assemble(local: torch.Tensor | None, meta: TensorMeta, runtime, sharded: bool) -> torch.Tensor | None:
+def assemble(
+    local: torch.Tensor | None, meta: TensorMeta, runtime, sharded: bool
+) -> torch.Tensor | None:
     """Return the whole tensor on the coordinator (None elsewhere) from each rank's rows.
 
     ``sharded`` says whether every rank holds rows of it (a collective) or the
@@ -27,5 +39,15 @@ def assemble(local: torch.Tensor | None, meta: TensorMeta, runtime, sharded: boo
     """
     if not runtime.distributed or not sharded:
         return local.cpu() if local is not None and runtime.coordinator else None
-    whole = as_dtensor(local, meta, runtime).full_tensor()
-    return whole.cpu() if runtime.coordinator else None
+    rows, world = meta.shape[0], runtime.world_size
+    block = -(-rows // world)  # ceil: the rows of every rank but the last non-empty one
+    padded = torch.zeros((block,) + tuple(meta.shape[1:]), dtype=meta.dtype, device=runtime.device)
+    padded[: local.shape[0]].copy_(local)
+    if not runtime.coordinator:
+        dist.gather(padded, None, dst=0)
+        return None
+    whole = torch.empty(
+        (block * world,) + tuple(meta.shape[1:]), dtype=meta.dtype, device=runtime.device
+    )
+    dist.gather(padded, list(whole.chunk(world)) if block else [padded] * world, dst=0)
+    return whole[:rows].cpu()

@@ -40,8 +40,17 @@ class DiffResult:
         return not self.differences
 
 
-def compare(a: Reader, tree_a: dict, b: Reader, tree_b: dict, runtime, *, atol: float = 0.0, rtol: float = 0.0,
-            progress=lambda n: None) -> DiffResult:
+def compare(
+    a: Reader,
+    tree_a: dict,
+    b: Reader,
+    tree_b: dict,
+    runtime,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    progress=lambda n: None,
+) -> DiffResult:
     """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``)."""
     leaves_a, leaves_b = dict(walk(tree_a)), dict(walk(tree_b))
     result = DiffResult(compared=len(set(leaves_a) | set(leaves_b)))
@@ -99,9 +108,14 @@ def values_equal(x: object, y: object) -> bool:
     return x == y
 
 
-def _compare_rows(a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float) -> list[tuple[bool, float]]:
+def _compare_rows(
+    a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float
+) -> list[tuple[bool, float]]:
     """Return (differs, max |a-b|) per tensor, each rank comparing its rows, reduced over ranks."""
-    wanted = [rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True) for _, ma, _ in chunk]
+    wanted = [
+        rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
+        for _, ma, _ in chunk
+    ]
     mine = [(ma, mb, r) for (_, ma, mb), r in zip(chunk, wanted) if r != SKIP]
 
     def read_both():
@@ -126,14 +140,18 @@ def _compare_rows(a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float
     return [(bool(f), float(d)) for f, d in zip(flags.tolist(), diffs.tolist())]
 
 
-def tensors_differ(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> tuple[bool, float]:
+def tensors_differ(
+    x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float
+) -> tuple[bool, float]:
     """Return whether two same-shape tensors differ (bitwise when atol = rtol = 0) and max |x-y|."""
     if x.numel() == 0:
         return False, 0.0
     wide = torch.complex128 if x.is_complex() else torch.float64
     xd, yd = x.to(wide), y.to(wide)
     delta = (xd - yd).abs()
-    both_nan = torch.isnan(xd.real if xd.is_complex() else xd) & torch.isnan(yd.real if yd.is_complex() else yd)
+    both_nan = torch.isnan(xd.real if xd.is_complex() else xd) & torch.isnan(
+        yd.real if yd.is_complex() else yd
+    )
     delta = torch.where(both_nan, torch.zeros_like(delta), delta)
     max_diff = float(torch.nan_to_num(delta, nan=math.inf).max()) if delta.numel() else 0.0
     if atol == 0.0 and rtol == 0.0:

@@ -41,10 +41,19 @@ def run(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: 
         raise
 
 
-def _read_batch(reader: Reader, batch: list[TensorMeta], runtime, whole_on_coordinator: bool) -> dict[str, torch.Tensor]:
+def _read_batch(
+    reader: Reader, batch: list[TensorMeta], runtime, whole_on_coordinator: bool
+) -> dict[str, torch.Tensor]:
     """Return this rank's rows of each tensor in ``batch`` it has to read, by key."""
-    wanted = [(m, rows_to_read(m, runtime.world_size, runtime.rank, whole_on_coordinator=whole_on_coordinator))
-              for m in batch]
+    wanted = [
+        (
+            m,
+            rows_to_read(
+                m, runtime.world_size, runtime.rank, whole_on_coordinator=whole_on_coordinator
+            ),
+        )
+        for m in batch
+    ]
     wanted = [(m, r) for m, r in wanted if r != SKIP]
     if not wanted:
         return {}
@@ -52,11 +61,17 @@ def _read_batch(reader: Reader, batch: list[TensorMeta], runtime, whole_on_coord
     return {m.key: t for (m, _), t in zip(wanted, tensors)}
 
 
-def _to_full(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress) -> None:
+def _to_full(
+    reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
+) -> None:
     writer_cls = FULL_WRITERS[plan.format]
-    writer = runtime.agreed(lambda: writer_cls(staging.tmp, plan.tree) if runtime.coordinator else None)
+    writer = runtime.agreed(
+        lambda: writer_cls(staging.tmp, plan.tree) if runtime.coordinator else None
+    )
     for batch in plan.batches:
-        rows = runtime.agreed(lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=True))
+        rows = runtime.agreed(
+            lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=True)
+        )
         error: BaseException | None = None
         for meta in batch:
             whole = assemble(rows.pop(meta.key, None), meta, runtime, sharded=is_sharded(meta))
@@ -71,10 +86,16 @@ def _to_full(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progr
     runtime.agreed(lambda: writer.close() if writer is not None else None)
 
 
-def _to_sharded(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress) -> None:
+def _to_sharded(
+    reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
+) -> None:
     shards: dict[str, torch.Tensor] = {}
     for batch in plan.batches:
-        shards.update(runtime.agreed(lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=False)))
+        shards.update(
+            runtime.agreed(
+                lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=False)
+            )
+        )
         progress(sum(m.nbytes for m in batch))
 
     def place(_path, leaf):

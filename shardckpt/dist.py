@@ -106,15 +106,18 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
     if device not in (None, "cpu", "cuda"):
         raise UsageError(f"unknown --device {device!r}", hint="use --device cpu or --device cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but this machine has no CUDA GPU",
-                         hint="use --device cpu")
+        raise UsageError(
+            "--device cuda was given but this machine has no CUDA GPU", hint="use --device cpu"
+        )
     if not under_torchrun():
         yield Runtime(device=torch.device(device or "cpu"))
         return
 
     rank, world_size = env_rank(), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    has_gpu = device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    has_gpu = (
+        device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    )
     timeout = timedelta(seconds=float(os.environ.get("SHARDCKPT_TIMEOUT", DEFAULT_TIMEOUT_S)))
     # One process group serves both: object and CPU collectives go to gloo, CUDA ones to nccl.
     backend = "cpu:gloo,cuda:nccl" if has_gpu else "gloo"
@@ -123,14 +126,18 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, timeout=timeout)
     except Exception as exc:
-        raise IOFailure(f"could not join the process group: {_one_line(exc)}",
-                        hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)") from exc
+        raise IOFailure(
+            f"could not join the process group: {_one_line(exc)}",
+            hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
+        ) from exc
     ok = False
     try:
         all_have_gpu = not _any_rank(not has_gpu)
         if device == "cuda" and not all_have_gpu:
-            raise UsageError("--device cuda was given but not every rank has a GPU",
-                             hint="use --device cpu, or one process per GPU")
+            raise UsageError(
+                "--device cuda was given but not every rank has a GPU",
+                hint="use --device cpu, or one process per GPU",
+            )
         use_cuda = all_have_gpu and device != "cpu"
         dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         from torch.distributed.device_mesh import init_device_mesh

@@ -54,8 +54,11 @@ def select(index: Index, selection: Selection) -> dict:
             tree = rename_keys(tree, clean_fqn)
         except KeyError as exc:
             first, second, name = exc.args[0]
-            raise BadInputError(f"'{first}' and '{second}' both become '{name}' after FQN cleaning",
-                                path=index.src, hint="pass --no-clean-fqns to keep the keys as they are") from None
+            raise BadInputError(
+                f"'{first}' and '{second}' both become '{name}' after FQN cleaning",
+                path=index.src,
+                hint="pass --no-clean-fqns to keep the keys as they are",
+            ) from None
     if selection.filters:
         tree = prune(tree, lambda path, _: matches(path, selection.filters))
     if not isinstance(tree, Mapping):
@@ -82,7 +85,9 @@ def is_sharded(meta: TensorMeta) -> bool:
     return len(meta.shape) > 0
 
 
-def rows_to_read(meta: TensorMeta, world_size: int, rank: int, *, whole_on_coordinator: bool) -> Rows | str:
+def rows_to_read(
+    meta: TensorMeta, world_size: int, rank: int, *, whole_on_coordinator: bool
+) -> Rows | str:
     """Return what ``rank`` reads of ``meta``: its rows, the whole tensor (None), or ``SKIP``.
 
     Tensors that stay whole are read by every rank for a sharded DST (each rank's state
@@ -97,7 +102,9 @@ def rows_to_read(meta: TensorMeta, world_size: int, rank: int, *, whole_on_coord
     return None
 
 
-def batches(metas: Sequence[TensorMeta], limit: int = DEFAULT_BUFFER_BYTES) -> list[list[TensorMeta]]:
+def batches(
+    metas: Sequence[TensorMeta], limit: int = DEFAULT_BUFFER_BYTES
+) -> list[list[TensorMeta]]:
     """Return consecutive groups of tensors of at most ``limit`` bytes (a bigger one goes alone)."""
     out: list[list[TensorMeta]] = []
     size = limit
@@ -132,11 +139,23 @@ class ConvertPlan:
         return sum(1 for _, leaf in walk(self.tree) if not isinstance(leaf, TensorMeta))
 
 
-def make_plan(index: Index, selection: Selection, layout: str, fmt: str, world_size: int,
-              buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> ConvertPlan:
+def make_plan(
+    index: Index,
+    selection: Selection,
+    layout: str,
+    fmt: str,
+    world_size: int,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+) -> ConvertPlan:
     """Return the plan that moves ``index``'s selected part into ``layout``/``fmt`` at ``world_size``."""
     tree = select(index, selection)
     tensors = [(p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
     if not tensors and not any(True for _ in walk(tree)):
-        raise UsageError("nothing is selected", path=index.src, hint="check --only and --filter against `shardckpt inspect`")
-    return ConvertPlan(layout, fmt, world_size, tree, tensors, batches([m for _, m in tensors], buffer_bytes))
+        raise UsageError(
+            "nothing is selected",
+            path=index.src,
+            hint="check --only and --filter against `shardckpt inspect`",
+        )
+    return ConvertPlan(
+        layout, fmt, world_size, tree, tensors, batches([m for _, m in tensors], buffer_bytes)
+    )

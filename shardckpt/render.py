@@ -49,24 +49,44 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
     count = total = 0
     for path, leaf in insp.leaves:
         if isinstance(leaf, TensorMeta):
-            entry = {"path": path_to_json(path), "kind": "tensor", "shape": list(leaf.shape),
-                     "dtype": dtype_name(leaf.dtype), "nbytes": leaf.nbytes, "layout": leaf.layout}
+            entry = {
+                "path": path_to_json(path),
+                "kind": "tensor",
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "nbytes": leaf.nbytes,
+                "layout": leaf.layout,
+            }
             if shards:
-                entry["shards"] = [{"rank": c.rank, "offsets": list(c.offsets), "sizes": list(c.sizes)}
-                                   for c in (leaf.chunks or ())] or [
-                    {"rank": 0, "offsets": [0] * len(leaf.shape), "sizes": list(leaf.shape)}]
+                entry["shards"] = [
+                    {"rank": c.rank, "offsets": list(c.offsets), "sizes": list(c.sizes)}
+                    for c in (leaf.chunks or ())
+                ] or [{"rank": 0, "offsets": [0] * len(leaf.shape), "sizes": list(leaf.shape)}]
             entries.append(entry)
             by_dtype[dtype_name(leaf.dtype)] += leaf.nbytes
             count += 1
             total += leaf.nbytes
         else:
             entries.append({"path": path_to_json(path), "kind": "value", "value": jsonable(leaf)})
-    optimizers = [{"path": path_to_json(o.path), "key_type": o.key_type, "num_params": o.num_params,
-                   "state_names": list(o.state_names), "num_groups": o.num_groups} for o in insp.optimizers]
-    return {"schema": SCHEMA_VERSION, "format": insp.index.format, "world_size": insp.index.world_size,
-            "entries": entries, "optimizers": optimizers,
-            "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
-            "warnings": insp.warnings}
+    optimizers = [
+        {
+            "path": path_to_json(o.path),
+            "key_type": o.key_type,
+            "num_params": o.num_params,
+            "state_names": list(o.state_names),
+            "num_groups": o.num_groups,
+        }
+        for o in insp.optimizers
+    ]
+    return {
+        "schema": SCHEMA_VERSION,
+        "format": insp.index.format,
+        "world_size": insp.index.world_size,
+        "entries": entries,
+        "optimizers": optimizers,
+        "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
+        "warnings": insp.warnings,
+    }
 
 
 def inspection_text(insp: Inspection, shards: bool = False) -> str:
@@ -80,17 +100,25 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             shape = "x".join(map(str, e["shape"])) or "()"
             rows.append((name, shape, e["dtype"], human_bytes(e["nbytes"]), e["layout"]))
             for s in e.get("shards", []):
-                rows.append(("", f"  rank {s['rank']}", f"at {s['offsets']}", f"size {s['sizes']}", ""))
+                rows.append(
+                    ("", f"  rank {s['rank']}", f"at {s['offsets']}", f"size {s['sizes']}", "")
+                )
         else:
             rows.append((name, "", "", "", _short(repr(leaf))))
     lines += _table(rows)
     for o in doc["optimizers"]:
-        lines += ["", f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "
-                      f"{o['num_params']} params, {o['num_groups']} param groups, "
-                      f"state {', '.join(o['state_names']) or '(none yet)'}"]
+        lines += [
+            "",
+            f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "
+            f"{o['num_params']} params, {o['num_groups']} param groups, "
+            f"state {', '.join(o['state_names']) or '(none yet)'}",
+        ]
     t = doc["totals"]
-    lines += ["", f"total: {t['tensors']} tensors, {human_bytes(t['nbytes'])}"
-                  + "".join(f"; {k} {human_bytes(v)}" for k, v in t["by_dtype"].items())]
+    lines += [
+        "",
+        f"total: {t['tensors']} tensors, {human_bytes(t['nbytes'])}"
+        + "".join(f"; {k} {human_bytes(v)}" for k, v in t["by_dtype"].items()),
+    ]
     lines += [f"warning: {w}" for w in doc["warnings"]]
     return "\n".join(lines)
 
@@ -109,9 +137,18 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def convert_json(result: ConvertResult) -> dict:
     """Return the ``convert --json`` summary."""
-    doc = {"src": result.src, "dst": result.dst, "format": result.format, "layout": result.layout,
-           "world_size": result.world_size, "tensors": result.tensors, "nbytes": result.nbytes,
-           "values": result.values, "seconds": round(result.seconds, 3), "dry_run": result.dry_run}
+    doc = {
+        "src": result.src,
+        "dst": result.dst,
+        "format": result.format,
+        "layout": result.layout,
+        "world_size": result.world_size,
+        "tensors": result.tensors,
+        "nbytes": result.nbytes,
+        "values": result.values,
+        "seconds": round(result.seconds, 3),
+        "dry_run": result.dry_run,
+    }
     if result.verified is not None:
         doc["verified"] = result.verified
     if result.dry_run and result.plan is not None:
@@ -121,8 +158,10 @@ def convert_json(result: ConvertResult) -> dict:
 
 def convert_text(result: ConvertResult) -> str:
     """Return the one-paragraph ``convert`` summary (or the plan, for ``--dry-run``)."""
-    what = (f"{result.tensors} tensors ({human_bytes(result.nbytes)}) and {result.values} values, "
-            f"{result.layout} {result.format} at world size {result.world_size}")
+    what = (
+        f"{result.tensors} tensors ({human_bytes(result.nbytes)}) and {result.values} values, "
+        f"{result.layout} {result.format} at world size {result.world_size}"
+    )
     if result.dry_run:
         batches = len(result.plan.batches) if result.plan else 0
         return f"would write {result.dst}: {what}, in {batches} batches (dry run: nothing written)"
@@ -135,9 +174,14 @@ def convert_text(result: ConvertResult) -> str:
 
 def diff_json(result: DiffResult) -> dict:
     """Return the ``diff --json`` document."""
-    return {"equal": result.equal, "compared": result.compared,
-            "differences": [{"path": path_to_json(d.path), "reason": d.reason, "max_abs_diff": d.max_abs_diff}
-                            for d in result.differences]}
+    return {
+        "equal": result.equal,
+        "compared": result.compared,
+        "differences": [
+            {"path": path_to_json(d.path), "reason": d.reason, "max_abs_diff": d.max_abs_diff}
+            for d in result.differences
+        ],
+    }
 
 
 def diff_text(result: DiffResult) -> str:

@@ -22,7 +22,9 @@ from shardckpt.errors import DestinationExistsError, IOFailure, UsageError
 class Staging:
     """A DST path and the partial path beside it that becomes DST on commit."""
 
-    def __init__(self, dst: str | os.PathLike, *, overwrite: bool, is_dir: bool, srcs: tuple[Path, ...] = ()):
+    def __init__(
+        self, dst: str | os.PathLike, *, overwrite: bool, is_dir: bool, srcs: tuple[Path, ...] = ()
+    ):
         self.dst = Path(dst)
         self.overwrite = overwrite
         self.is_dir = is_dir
@@ -36,10 +38,15 @@ class Staging:
         for src in self.srcs:
             src = src.resolve()
             if dst == src or src in dst.parents:
-                raise UsageError("DST is SRC or inside it", path=self.dst,
-                                 hint="write the conversion somewhere else; SRC is never modified")
+                raise UsageError(
+                    "DST is SRC or inside it",
+                    path=self.dst,
+                    hint="write the conversion somewhere else; SRC is never modified",
+                )
         if self.dst.exists() and not self.overwrite:
-            raise DestinationExistsError("already exists", path=self.dst, hint="pass --overwrite to replace it")
+            raise DestinationExistsError(
+                "already exists", path=self.dst, hint="pass --overwrite to replace it"
+            )
 
     def prepare(self) -> None:
         """Clear what a crashed run left and create the partial output's parent (rank 0)."""
@@ -49,8 +56,11 @@ class Staging:
             if self.is_dir:
                 self.tmp.mkdir()
         except OSError as exc:
-            raise IOFailure(f"cannot prepare the output ({exc.strerror or exc})", path=self.dst,
-                            hint="check that the directory is writable and has free space") from None
+            raise IOFailure(
+                f"cannot prepare the output ({exc.strerror or exc})",
+                path=self.dst,
+                hint="check that the directory is writable and has free space",
+            ) from None
 
     def commit(self) -> None:
         """Move the complete output onto DST (rank 0)."""
@@ -61,8 +71,11 @@ class Staging:
             os.replace(self.tmp, self.dst)
             _remove(self._old)
         except OSError as exc:
-            raise IOFailure(f"cannot move the finished output into place ({exc.strerror or exc})", path=self.dst,
-                            hint="check permissions of its directory") from None
+            raise IOFailure(
+                f"cannot move the finished output into place ({exc.strerror or exc})",
+                path=self.dst,
+                hint="check permissions of its directory",
+            ) from None
 
     def abort(self) -> None:
         """Remove the partial output; never raises (rank 0)."""

@@ -15,7 +15,9 @@ def world_runtime() -> Runtime:
     """Return the runtime shardckpt's launch would build on this already-joined gloo rank."""
     world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
-    return Runtime(rank=dist.get_rank(), world_size=world_size, device=torch.device("cpu"), mesh=mesh)
+    return Runtime(
+        rank=dist.get_rank(), world_size=world_size, device=torch.device("cpu"), mesh=mesh
+    )
 
 
 def convert(src: str, dst: str, to: str, kwargs: dict) -> dict:

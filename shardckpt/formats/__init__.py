@@ -22,7 +22,11 @@ LAYOUT_OF = {
     "fsdp1-sharded": "local",
     "fsdp1-local": "local",
 }
-READERS: dict[str, type[Reader]] = {"dcp": DcpReader, "torch": TorchReader, "safetensors": SafetensorsReader}
+READERS: dict[str, type[Reader]] = {
+    "dcp": DcpReader,
+    "torch": TorchReader,
+    "safetensors": SafetensorsReader,
+}
 FULL_WRITERS: dict[str, type[FullWriter]] = {"torch": TorchWriter, "safetensors": SafetensorsWriter}
 SHARDED_WRITERS = {"dcp"}
 SUPPORTED_READ = ", ".join(READERS)
@@ -31,39 +35,69 @@ SUPPORTED_READ = ", ".join(READERS)
 def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     if not src.exists():
-        raise BadInputError("no such file or directory", path=src, hint="check the path of the checkpoint")
+        raise BadInputError(
+            "no such file or directory", path=src, hint="check the path of the checkpoint"
+        )
     if src.is_dir():
         if (src / METADATA_FILE).is_file():
             return "dcp"
         if (src / "model.safetensors.index.json").is_file():
             return "hf"
         if any(p.suffix == ".distcp" for p in src.iterdir()):
-            raise BadInputError(f"has *.distcp files but no '{METADATA_FILE}'", path=src,
-                                hint="the DCP save did not finish; use a checkpoint whose save completed")
-        raise BadInputError("is a directory with no checkpoint in it", path=src,
-                            hint=f"pass a DCP directory (with '{METADATA_FILE}') or a checkpoint file")
+            raise BadInputError(
+                f"has *.distcp files but no '{METADATA_FILE}'",
+                path=src,
+                hint="the DCP save did not finish; use a checkpoint whose save completed",
+            )
+        raise BadInputError(
+            "is a directory with no checkpoint in it",
+            path=src,
+            hint=f"pass a DCP directory (with '{METADATA_FILE}') or a checkpoint file",
+        )
     with open(src, "rb") as f:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
         return "torch"
-    if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < os.path.getsize(src):
+    if (
+        len(head) == 9
+        and head[8:9] == b"{"
+        and struct.unpack("<Q", head[:8])[0] < os.path.getsize(src)
+    ):
         return "safetensors"
     if not head:
-        raise BadInputError("is empty", path=src, hint="the file was not written completely; re-create it")
-    raise BadInputError("cannot tell the format of this file", path=src,
-                        hint=f"pass --format with one of {SUPPORTED_READ}")
+        raise BadInputError(
+            "is empty", path=src, hint="the file was not written completely; re-create it"
+        )
+    raise BadInputError(
+        "cannot tell the format of this file",
+        path=src,
+        hint=f"pass --format with one of {SUPPORTED_READ}",
+    )
 
 
-def open_reader(src: str | os.PathLike, fmt: str | None = None, trust_pickle: bool = False) -> Reader:
+def open_reader(
+    src: str | os.PathLike, fmt: str | None = None, trust_pickle: bool = False
+) -> Reader:
     """Return a reader for ``src``, detecting its format unless ``fmt`` names one."""
     path = Path(src)
     fmt = fmt or detect(path)
     if fmt not in LAYOUT_OF:
         raise UsageError(f"unknown format {fmt!r}", hint=f"use one of {', '.join(LAYOUT_OF)}")
     if fmt not in READERS:
-        raise UsageError(f"reading format {fmt!r} is not supported yet", path=path,
-                         hint=f"shardckpt reads {SUPPORTED_READ} today")
+        raise UsageError(
+            f"reading format {fmt!r} is not supported yet",
+            path=path,
+            hint=f"shardckpt reads {SUPPORTED_READ} today",
+        )
     return READERS[fmt](path, trust_pickle)
 
 
-__all__ = ["FULL_WRITERS", "Index", "LAYOUT_OF", "READERS", "SHARDED_WRITERS", "detect", "open_reader"]
+__all__ = [
+    "FULL_WRITERS",
+    "Index",
+    "LAYOUT_OF",
+    "READERS",
+    "SHARDED_WRITERS",
+    "detect",
+    "open_reader",
+]

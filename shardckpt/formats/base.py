@@ -51,7 +51,9 @@ class Reader(ABC):
         """Return the source's tree with ``TensorMeta`` leaves; reads no tensor data."""
 
     @abstractmethod
-    def read(self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime) -> list[torch.Tensor]:
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
         """Return, for each meta, the requested rows (or all of it) as a CPU or device tensor."""
 
 

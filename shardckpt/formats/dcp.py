@@ -54,8 +54,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         obj = super().find_class(module, name) if self._allowed(module, name) else None
         if obj is None:
-            raise UnsafePickleError(f"metadata references {module}.{name}, which DCP metadata never holds",
-                                    hint="pass --trust-pickle only if you trust this checkpoint")
+            raise UnsafePickleError(
+                f"metadata references {module}.{name}, which DCP metadata never holds",
+                hint="pass --trust-pickle only if you trust this checkpoint",
+            )
         return obj
 
     @staticmethod
@@ -71,22 +73,34 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
     """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted."""
     file = path / METADATA_FILE
     if not path.exists():
-        raise BadInputError("no such file or directory", path=path,
-                            hint="check the path of the DCP checkpoint directory")
+        raise BadInputError(
+            "no such file or directory",
+            path=path,
+            hint="check the path of the DCP checkpoint directory",
+        )
     if not file.is_file():
-        raise BadInputError(f"no '{METADATA_FILE}' in this directory", path=path,
-                            hint="pass the DCP checkpoint directory itself, or --format for another format")
+        raise BadInputError(
+            f"no '{METADATA_FILE}' in this directory",
+            path=path,
+            hint="pass the DCP checkpoint directory itself, or --format for another format",
+        )
     try:
         with open(file, "rb") as f:
             md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
     except UnsafePickleError as exc:
         raise UnsafePickleError(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
-        raise BadInputError(f"cannot read DCP metadata ({type(exc).__name__}: {exc})", path=file,
-                            hint="the file is truncated or not written by torch.distributed.checkpoint") from None
+        raise BadInputError(
+            f"cannot read DCP metadata ({type(exc).__name__}: {exc})",
+            path=file,
+            hint="the file is truncated or not written by torch.distributed.checkpoint",
+        ) from None
     if not isinstance(md, Metadata):
-        raise BadInputError("not DCP metadata", path=file,
-                            hint="pass a directory written by torch.distributed.checkpoint.save")
+        raise BadInputError(
+            "not DCP metadata",
+            path=file,
+            hint="pass a directory written by torch.distributed.checkpoint.save",
+        )
     return md
 
 
@@ -105,8 +119,11 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
         except pickle.UnpicklingError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UnsafePickleError(f"value {key!r} needs code execution to load ({first})",
-                                    path=self.where, hint="pass --trust-pickle only if you trust this checkpoint") from None
+            raise UnsafePickleError(
+                f"value {key!r} needs code execution to load ({first})",
+                path=self.where,
+                hint="pass --trust-pickle only if you trust this checkpoint",
+            ) from None
 
 
 class _Storage(FileSystemReader):
@@ -124,7 +141,10 @@ def describe_chunks(shape: tuple[int, ...], chunks: Sequence[Chunk], world_size:
     """Return a layout label such as ``full``, ``Shard(0) over 4`` or ``6 chunks``."""
     if len(chunks) == 1 and tuple(chunks[0].sizes) == tuple(shape):
         return "full"
-    if shape and all(all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == tuple(shape[1:]) for c in chunks):
+    if shape and all(
+        all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == tuple(shape[1:])
+        for c in chunks
+    ):
         rows = sorted((c.offsets[0], c.sizes[0]) for c in chunks)
         if world_size and rows == _dim0_chunks(shape[0], world_size):
             return f"Shard(0) over {world_size}"
@@ -155,10 +175,14 @@ class DcpReader(Reader):
         rank_of = {}
         for idx, info in (md.storage_data or {}).items():
             m = _RANK_FILE.match(info.relative_path)
-            rank_of[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = int(m.group(1)) if m else None
+            rank_of[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = (
+                int(m.group(1)) if m else None
+            )
         paths = dict(md.planner_data or {})
         keys = list(paths) + [k for k in md.state_dict_metadata if k not in paths]
-        byte_keys = [k for k in keys if isinstance(md.state_dict_metadata.get(k), BytesStorageMetadata)]
+        byte_keys = [
+            k for k in keys if isinstance(md.state_dict_metadata.get(k), BytesStorageMetadata)
+        ]
         values = self._read_values(byte_keys)
         items = []
         for key in keys:
@@ -169,7 +193,8 @@ class DcpReader(Reader):
             if isinstance(entry, TensorStorageMetadata):
                 shape = tuple(entry.size)
                 chunks = tuple(
-                    Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks
+                    Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes))
+                    for c in entry.chunks
                 )
                 layout = describe_chunks(shape, chunks, world_size)
                 items.append((path, TensorMeta(key, shape, entry.properties.dtype, layout, chunks)))
@@ -180,8 +205,11 @@ class DcpReader(Reader):
     def _check_files(self, files: set[str]) -> None:
         for name in sorted(files):
             if not (self.src / name).is_file():
-                raise BadInputError(f"missing data file '{name}' named by .metadata", path=self.src,
-                                    hint="copy every *.distcp file of the checkpoint")
+                raise BadInputError(
+                    f"missing data file '{name}' named by .metadata",
+                    path=self.src,
+                    hint="copy every *.distcp file of the checkpoint",
+                )
 
     def _read_values(self, keys: list[str]) -> dict[str, object]:
         if not keys:
@@ -190,7 +218,9 @@ class DcpReader(Reader):
         self._load(dict.fromkeys(keys), planner)
         return planner.values
 
-    def read(self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime) -> list[torch.Tensor]:
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
         for meta, r in zip(metas, rows):
             if r is None:
@@ -198,26 +228,39 @@ class DcpReader(Reader):
             else:
                 local = torch.empty((r[1] - r[0],) + meta.shape[1:], dtype=meta.dtype)
                 targets[meta.key] = DTensor.from_local(
-                    local, runtime.mesh, [Shard(0)], run_check=False,
-                    shape=torch.Size(meta.shape), stride=_contiguous_stride(meta.shape),
+                    local,
+                    runtime.mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size(meta.shape),
+                    stride=_contiguous_stride(meta.shape),
                 )
         self._load(targets, _SafeLoadPlanner(self.trust_pickle, self.src))
-        return [t.to_local() if isinstance(t, DTensor) else t for t in (targets[m.key] for m in metas)]
+        return [
+            t.to_local() if isinstance(t, DTensor) else t for t in (targets[m.key] for m in metas)
+        ]
 
     def _load(self, state_dict: dict, planner: _SafeLoadPlanner) -> None:
         try:
             # no_dist: every rank plans and reads on its own; no collective can hang here.
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state_dict, storage_reader=_Storage(self.src, self.metadata), planner=planner, no_dist=True)
+                dcp.load(
+                    state_dict,
+                    storage_reader=_Storage(self.src, self.metadata),
+                    planner=planner,
+                    no_dist=True,
+                )
         except (Exception, CheckpointException) as exc:
             cause = _first_cause(exc)
             if isinstance(cause, ShardckptError):
                 raise cause from None
             text = str(cause).strip().splitlines()
-            raise BadInputError(f"cannot read checkpoint data ({type(cause).__name__}: {text[0] if text else ''})",
-                                path=self.src,
-                                hint="the checkpoint is truncated or inconsistent; re-copy it from where it was written") from None
+            raise BadInputError(
+                f"cannot read checkpoint data ({type(cause).__name__}: {text[0] if text else ''})",
+                path=self.src,
+                hint="the checkpoint is truncated or inconsistent; re-copy it from where it was written",
+            ) from None
 
 
 def _first_cause(exc: BaseException) -> BaseException:

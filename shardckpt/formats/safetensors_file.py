@@ -31,10 +31,21 @@ SUFFIX = ".safetensors"
 TREE_KEY = "shardckpt"
 
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
     torch.complex64: "C64",
 }
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -48,7 +59,9 @@ class SafetensorsReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         if not self.src.exists():
-            raise BadInputError("no such file or directory", path=self.src, hint="check the path of the checkpoint")
+            raise BadInputError(
+                "no such file or directory", path=self.src, hint="check the path of the checkpoint"
+            )
         try:
             with safe_open(self.src, framework="pt") as f:
                 self._metas = {k: self._meta(k, f.get_slice(k)) for k in f.keys()}
@@ -56,14 +69,20 @@ class SafetensorsReader(Reader):
         except BadInputError:
             raise
         except Exception as exc:
-            raise BadInputError(f"not a readable safetensors file ({type(exc).__name__}: {exc})", path=self.src,
-                                hint="the file is truncated or in another format; pass --format to say which") from None
+            raise BadInputError(
+                f"not a readable safetensors file ({type(exc).__name__}: {exc})",
+                path=self.src,
+                hint="the file is truncated or in another format; pass --format to say which",
+            ) from None
 
     def _meta(self, key: str, sl) -> TensorMeta:
         dtype = DTYPES.get(sl.get_dtype())
         if dtype is None:
-            raise BadInputError(f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
-                                path=self.src, hint="convert it with the safetensors library first")
+            raise BadInputError(
+                f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
+                path=self.src,
+                hint="convert it with the safetensors library first",
+            )
         return TensorMeta(key, tuple(sl.get_shape()), dtype)
 
     def index(self) -> Index:
@@ -73,15 +92,24 @@ class SafetensorsReader(Reader):
         try:
             tree = decode_tree(json.loads(encoded), self._metas.__getitem__)
         except (ValueError, KeyError, TypeError) as exc:
-            raise BadInputError(f"malformed '{TREE_KEY}' header metadata ({exc})", path=self.src,
-                                hint="the file was altered after shardckpt wrote it") from None
+            raise BadInputError(
+                f"malformed '{TREE_KEY}' header metadata ({exc})",
+                path=self.src,
+                hint="the file was altered after shardckpt wrote it",
+            ) from None
         return Index(self.format, str(self.src), 1, tree)
 
-    def read(self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime) -> list[torch.Tensor]:
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
         out = []
         with safe_open(self.src, framework="pt") as f:
             for meta, r in zip(metas, rows):
-                out.append(f.get_tensor(meta.key) if r is None or not meta.shape else f.get_slice(meta.key)[r[0] : r[1]])
+                out.append(
+                    f.get_tensor(meta.key)
+                    if r is None or not meta.shape
+                    else f.get_slice(meta.key)[r[0] : r[1]]
+                )
         return out
 
 
@@ -93,8 +121,10 @@ def tensor_names(tree: dict) -> dict[tuple, str]:
         if isinstance(leaf, TensorMeta):
             name = dotted(path)
             if name in seen:
-                raise UsageError(f"paths {list(seen[name])} and {list(path)} both print as '{name}'",
-                                 hint="rename one with --rename, or write --format torch")
+                raise UsageError(
+                    f"paths {list(seen[name])} and {list(path)} both print as '{name}'",
+                    hint="rename one with --rename, or write --format torch",
+                )
             seen[name] = path
             names[path] = name
     return names
@@ -109,17 +139,24 @@ class SafetensorsWriter(FullWriter):
         try:
             encoded = json.dumps(encode_tree(tree, lambda p, _: names[p]), separators=(",", ":"))
         except UnencodableValue as exc:
-            raise UsageError(str(exc), hint="write --format torch, or leave it out with --filter/--only") from None
+            raise UsageError(
+                str(exc), hint="write --format torch, or leave it out with --filter/--only"
+            ) from None
         header: dict = {"__metadata__": {"format": "pt", TREE_KEY: encoded}}
         offset = 0
         self._order: list[str] = []
         for at, leaf in walk(tree):
             if isinstance(leaf, TensorMeta):
                 if leaf.dtype not in DTYPE_NAMES:
-                    raise UsageError(f"'{names[at]}' has dtype {leaf.dtype}, which safetensors cannot store",
-                                     hint="write --format torch")
-                header[names[at]] = {"dtype": DTYPE_NAMES[leaf.dtype], "shape": list(leaf.shape),
-                                       "data_offsets": [offset, offset + leaf.nbytes]}
+                    raise UsageError(
+                        f"'{names[at]}' has dtype {leaf.dtype}, which safetensors cannot store",
+                        hint="write --format torch",
+                    )
+                header[names[at]] = {
+                    "dtype": DTYPE_NAMES[leaf.dtype],
+                    "shape": list(leaf.shape),
+                    "data_offsets": [offset, offset + leaf.nbytes],
+                }
                 offset += leaf.nbytes
                 self._order.append(leaf.key)
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -130,7 +167,9 @@ class SafetensorsWriter(FullWriter):
 
     def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         if self._order[self._next] != meta.key:
-            raise RuntimeError(f"internal: expected tensor {self._order[self._next]}, got {meta.key}")
+            raise RuntimeError(
+                f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
+            )
         self._next += 1
         self._file.write(contiguous_bytes(tensor))
 

@@ -31,10 +31,15 @@ SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 def load(path: Path, trust_pickle: bool) -> object:
     """Return the object in a ``torch.save`` file, memory-mapped, refusing code execution."""
     if not path.exists():
-        raise BadInputError("no such file or directory", path=path, hint="check the path of the checkpoint")
+        raise BadInputError(
+            "no such file or directory", path=path, hint="check the path of the checkpoint"
+        )
     if path.is_dir():
-        raise BadInputError("is a directory, not a torch.save file", path=path,
-                            hint="pass the file itself, or --format dcp for a DCP directory")
+        raise BadInputError(
+            "is a directory, not a torch.save file",
+            path=path,
+            hint="pass the file itself, or --format dcp for a DCP directory",
+        )
     try:
         try:
             return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
@@ -45,11 +50,17 @@ def load(path: Path, trust_pickle: bool) -> object:
             return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
         reason = _first_line(exc)
-        raise UnsafePickleError(f"refused to unpickle ({reason})", path=path,
-                                hint="pass --trust-pickle only if you trust this file") from None
+        raise UnsafePickleError(
+            f"refused to unpickle ({reason})",
+            path=path,
+            hint="pass --trust-pickle only if you trust this file",
+        ) from None
     except Exception as exc:
-        raise BadInputError(f"not a readable torch.save file ({_first_line(exc)})", path=path,
-                            hint="the file is truncated or in another format; pass --format to say which") from None
+        raise BadInputError(
+            f"not a readable torch.save file ({_first_line(exc)})",
+            path=path,
+            hint="the file is truncated or in another format; pass --format to say which",
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -66,8 +77,11 @@ class TorchReader(Reader):
         super().__init__(src, trust_pickle)
         obj = load(self.src, trust_pickle)
         if not isinstance(obj, dict):
-            raise BadInputError(f"holds a {type(obj).__name__}, not a state dict", path=self.src,
-                                hint="shardckpt reads files whose top level is a dict")
+            raise BadInputError(
+                f"holds a {type(obj).__name__}, not a state dict",
+                path=self.src,
+                hint="shardckpt reads files whose top level is a dict",
+            )
         self._tensors: dict[str, torch.Tensor] = {}
         self._tree = map_leaves(obj, self._describe)
 
@@ -75,8 +89,11 @@ class TorchReader(Reader):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
-            raise BadInputError(f"'{'.'.join(map(str, path))}' is a {type(leaf).__name__}, not a whole tensor",
-                                path=self.src, hint="per-rank files of a training job need a local-layout --format")
+            raise BadInputError(
+                f"'{'.'.join(map(str, path))}' is a {type(leaf).__name__}, not a whole tensor",
+                path=self.src,
+                hint="per-rank files of a training job need a local-layout --format",
+            )
         key = str(len(self._tensors))
         self._tensors[key] = leaf.detach()
         return TensorMeta(key, tuple(leaf.shape), leaf.dtype)
@@ -84,7 +101,9 @@ class TorchReader(Reader):
     def index(self) -> Index:
         return Index(self.format, str(self.src), 1, self._tree)
 
-    def read(self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime) -> list[torch.Tensor]:
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
         out = []
         for meta, r in zip(metas, rows):
             t = self._tensors[meta.key]
@@ -100,11 +119,19 @@ class TorchWriter(FullWriter):
         metas = [leaf for _, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
         with FakeTensorMode():
             skeleton = map_leaves(
-                tree, lambda _, leaf: torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, TensorMeta) else leaf
+                tree,
+                lambda _, leaf: (
+                    torch.empty(leaf.shape, dtype=leaf.dtype)
+                    if isinstance(leaf, TensorMeta)
+                    else leaf
+                ),
             )
         # Through a stream, torch names the archive "archive" instead of after the (temporary)
         # file name, so the bytes do not depend on where the file is staged.
-        with torch.serialization.skip_data(materialize_fake_tensors=True), open(path, "wb") as stream:
+        with (
+            torch.serialization.skip_data(materialize_fake_tensors=True),
+            open(path, "wb") as stream,
+        ):
             torch.save(skeleton, stream)
         self._records = _locate_records(path, metas)
         self._crc: dict[str, int] = {}
@@ -114,7 +141,9 @@ class TorchWriter(FullWriter):
         name, offset, size = self._records[meta.key]
         data = contiguous_bytes(tensor)
         if len(data) != size:
-            raise IOFailure(f"internal: {meta.key} has {len(data)} bytes, its record {size}", path=self.path)
+            raise IOFailure(
+                f"internal: {meta.key} has {len(data)} bytes, its record {size}", path=self.path
+            )
         written = 0
         while written < size:
             written += os.pwrite(self._fd, data[written:], offset + written)
@@ -139,18 +168,27 @@ def _locate_records(path: Path, metas: list[TensorMeta]) -> dict[str, tuple[str,
         prefix = infos[0].filename.split("/", 1)[0]
         data = {i.filename: i for i in infos if i.filename.startswith(f"{prefix}/data/")}
         if len(data) != len(metas):
-            raise IOFailure(f"internal: torch.save wrote {len(data)} storages for {len(metas)} tensors", path=path)
+            raise IOFailure(
+                f"internal: torch.save wrote {len(data)} storages for {len(metas)} tensors",
+                path=path,
+            )
         out = {}
         with open(path, "rb") as f:
             for k, meta in enumerate(metas):
                 info = data[f"{prefix}/data/{k}"]
                 if info.file_size != meta.nbytes:
-                    raise IOFailure(f"internal: storage {k} has {info.file_size} bytes, tensor {meta.key} {meta.nbytes}",
-                                    path=path)
+                    raise IOFailure(
+                        f"internal: storage {k} has {info.file_size} bytes, tensor {meta.key} {meta.nbytes}",
+                        path=path,
+                    )
                 f.seek(info.header_offset)
                 header = f.read(30)
                 name_len, extra_len = struct.unpack("<HH", header[26:30])
-                out[meta.key] = (info.filename, info.header_offset + 30 + name_len + extra_len, info.file_size)
+                out[meta.key] = (
+                    info.filename,
+                    info.header_offset + 30 + name_len + extra_len,
+                    info.file_size,
+                )
     return out
 
 

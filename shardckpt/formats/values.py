@@ -16,10 +16,17 @@ class UnencodableValue(ValueError):
     """A value with no typed-JSON form (the message names its path and type)."""
 
 
-def encode_tree(tree: object, name_of: Callable[[tuple, TensorMeta], str], path: tuple = ()) -> object:
+def encode_tree(
+    tree: object, name_of: Callable[[tuple, TensorMeta], str], path: tuple = ()
+) -> object:
     """Return the typed-JSON form of ``tree``; tensor leaves become ``{"tensor": name}``."""
     if isinstance(tree, Mapping):
-        return {"dict": [[_encode_key(k, path), encode_tree(v, name_of, path + (k,))] for k, v in tree.items()]}
+        return {
+            "dict": [
+                [_encode_key(k, path), encode_tree(v, name_of, path + (k,))]
+                for k, v in tree.items()
+            ]
+        }
     if path and _enters(tree):
         return {"list": [encode_tree(v, name_of, path + (i,)) for i, v in enumerate(tree)]}  # type: ignore[arg-type]
     if isinstance(tree, TensorMeta):
@@ -31,7 +38,7 @@ def decode_tree(node: object, tensor: Callable[[str], object]) -> object:
     """Return the tree encoded by ``encode_tree``, with ``tensor(name)`` for each hole."""
     if not isinstance(node, dict) or len(node) != 1:
         raise ValueError(f"malformed tree node {node!r}")
-    (kind, body), = node.items()
+    ((kind, body),) = node.items()
     if kind == "dict":
         return {decode_value(k): decode_tree(v, tensor) for k, v in body}
     if kind == "list":
@@ -63,7 +70,9 @@ def encode_value(value: object, path: tuple = ()) -> object:
         return {"tuple": [encode_value(v, path) for v in value]}
     if isinstance(value, dict):
         return {"dict": [[encode_value(k, path), encode_value(v, path)] for k, v in value.items()]}
-    raise UnencodableValue(f"value at '{dotted(path)}' is a {type(value).__name__}, which has no JSON form")
+    raise UnencodableValue(
+        f"value at '{dotted(path)}' is a {type(value).__name__}, which has no JSON form"
+    )
 
 
 def decode_value(node: object) -> object:
@@ -71,7 +80,7 @@ def decode_value(node: object) -> object:
     if isinstance(node, list):
         return [decode_value(v) for v in node]
     if isinstance(node, dict):
-        (kind, body), = node.items()
+        ((kind, body),) = node.items()
         if kind == "tuple":
             return tuple(decode_value(v) for v in body)
         if kind == "dict":

@@ -12,14 +12,25 @@ from shardckpt.cli import run
 
 
 def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "shardckpt", *map(str, argv)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "shardckpt",
+        *map(str, argv),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT="60")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
 
 
 def test_torchrun_two_ranks_converts_to_the_same_bytes_and_prints_once(fsdp2_ckpt, tmp_path):
-    assert run(["convert", str(fsdp2_ckpt.dcp), str(tmp_path / "one.pt"), "--to", "full", "--quiet"]) == 0
+    assert (
+        run(["convert", str(fsdp2_ckpt.dcp), str(tmp_path / "one.pt"), "--to", "full", "--quiet"])
+        == 0
+    )
     proc = torchrun(2, "convert", fsdp2_ckpt.dcp, tmp_path / "two" / "full.pt", "--to", "full")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("wrote ") == 1 and "at world size 2" in proc.stdout
@@ -27,19 +38,27 @@ def test_torchrun_two_ranks_converts_to_the_same_bytes_and_prints_once(fsdp2_ckp
 
 
 def test_torchrun_sharded_output_round_trips(fsdp2_ckpt, tmp_path):
-    proc = torchrun(2, "convert", fsdp2_ckpt.dcp, tmp_path / "resharded", "--to", "sharded", "--json")
+    proc = torchrun(
+        2, "convert", fsdp2_ckpt.dcp, tmp_path / "resharded", "--to", "sharded", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     assert '"world_size": 2' in proc.stdout and proc.stdout.count("{") == 1
     assert run(["diff", str(fsdp2_ckpt.dcp), str(tmp_path / "resharded")]) == 0
 
 
-@pytest.mark.parametrize("argv", [["inspect", "missing-dir"], ["convert", "missing-dir", "out.pt", "--to", "full"]])
+@pytest.mark.parametrize(
+    "argv", [["inspect", "missing-dir"], ["convert", "missing-dir", "out.pt", "--to", "full"]]
+)
 def test_torchrun_failure_prints_the_error_once_and_fails(tmp_path, argv):
-    proc = torchrun(2, *[str(tmp_path / a) if a.startswith(("missing", "out")) else a for a in argv])
+    proc = torchrun(
+        2, *[str(tmp_path / a) if a.startswith(("missing", "out")) else a for a in argv]
+    )
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardckpt: error:")]
-    assert lines == [f"shardckpt: error: '{tmp_path / 'missing-dir'}': no such file or directory: "
-                     "check the path of the checkpoint"]
+    assert lines == [
+        f"shardckpt: error: '{tmp_path / 'missing-dir'}': no such file or directory: "
+        "check the path of the checkpoint"
+    ]
     # torchrun's root-cause summary carries our line, not a Python stack of ours.
     root_cause = proc.stderr.split("Root Cause")[-1]
     assert "shardckpt: error:" in root_cause and "shardckpt/cli.py" not in root_cause
@@ -47,7 +66,19 @@ def test_torchrun_failure_prints_the_error_once_and_fails(tmp_path, argv):
 
 
 def test_python_dash_m_runs_standalone(fsdp2_ckpt):
-    proc = subprocess.run([sys.executable, "-m", "shardckpt", "inspect", str(fsdp2_ckpt.dcp), "--filter", "model.embed*"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardckpt",
+            "inspect",
+            str(fsdp2_ckpt.dcp),
+            "--filter",
+            "model.embed*",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "model.embed.weight" in proc.stdout and "Shard(0) over 4" in proc.stdout

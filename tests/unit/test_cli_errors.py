@@ -34,15 +34,19 @@ def error_of(capsys, argv):
 
 def test_missing_source(capsys, tmp_path):
     assert error_of(capsys, ["inspect", tmp_path / "nope"]) == (
-        3, f"shardckpt: error: '{tmp_path / 'nope'}': no such file or directory: check the path of the checkpoint")
+        3,
+        f"shardckpt: error: '{tmp_path / 'nope'}': no such file or directory: check the path of the checkpoint",
+    )
 
 
 def test_directory_without_metadata(capsys, tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "__0_0.distcp").write_bytes(b"x")
     assert error_of(capsys, ["inspect", tmp_path / "d"]) == (
-        3, f"shardckpt: error: '{tmp_path / 'd'}': has *.distcp files but no '.metadata': "
-           "the DCP save did not finish; use a checkpoint whose save completed")
+        3,
+        f"shardckpt: error: '{tmp_path / 'd'}': has *.distcp files but no '.metadata': "
+        "the DCP save did not finish; use a checkpoint whose save completed",
+    )
 
 
 def test_empty_directory(capsys, tmp_path):
@@ -54,8 +58,12 @@ def test_truncated_torch_file(capsys, small):
     (small / "cut.pt").write_bytes(data[: len(data) // 2])
     code, line = error_of(capsys, ["inspect", small / "cut.pt"])
     assert code == 3
-    assert line.startswith(f"shardckpt: error: '{small / 'cut.pt'}': not a readable torch.save file (")
-    assert line.endswith("): the file is truncated or in another format; pass --format to say which")
+    assert line.startswith(
+        f"shardckpt: error: '{small / 'cut.pt'}': not a readable torch.save file ("
+    )
+    assert line.endswith(
+        "): the file is truncated or in another format; pass --format to say which"
+    )
 
 
 def test_truncated_safetensors_file(capsys, small):
@@ -71,27 +79,35 @@ def test_truncated_safetensors_file(capsys, small):
 def test_unknown_file(capsys, small):
     (small / "notes.txt").write_text("hello")
     assert error_of(capsys, ["inspect", small / "notes.txt"]) == (
-        3, f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
-           "pass --format with one of dcp, torch, safetensors")
+        3,
+        f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
+        "pass --format with one of dcp, torch, safetensors",
+    )
 
 
 def test_empty_file(capsys, small):
     (small / "empty.pt").write_bytes(b"")
     assert error_of(capsys, ["inspect", small / "empty.pt"]) == (
-        3, f"shardckpt: error: '{small / 'empty.pt'}': is empty: the file was not written completely; re-create it")
+        3,
+        f"shardckpt: error: '{small / 'empty.pt'}': is empty: the file was not written completely; re-create it",
+    )
 
 
 def test_missing_data_file(capsys, small):
     os.remove(small / "small-dcp" / "__0_0.distcp")
     assert error_of(capsys, ["inspect", small / "small-dcp"]) == (
-        3, f"shardckpt: error: '{small / 'small-dcp'}': missing data file '__0_0.distcp' named by .metadata: "
-           "copy every *.distcp file of the checkpoint")
+        3,
+        f"shardckpt: error: '{small / 'small-dcp'}': missing data file '__0_0.distcp' named by .metadata: "
+        "copy every *.distcp file of the checkpoint",
+    )
 
 
 def test_corrupt_data_file_leaves_no_destination(capsys, small):
     path = small / "small-dcp" / "__0_0.distcp"
     path.write_bytes(path.read_bytes()[:10])
-    code, line = error_of(capsys, ["convert", small / "small-dcp", small / "out.pt", "--to", "full"])
+    code, line = error_of(
+        capsys, ["convert", small / "small-dcp", small / "out.pt", "--to", "full"]
+    )
     assert code == 3 and "cannot read checkpoint data" in line
     assert not (small / "out.pt").exists() and not (small / ".out.pt.shardckpt-partial").exists()
 
@@ -99,21 +115,43 @@ def test_corrupt_data_file_leaves_no_destination(capsys, small):
 def test_existing_destination_needs_overwrite(capsys, small):
     (small / "out.pt").write_bytes(b"keep me")
     assert error_of(capsys, ["convert", small / "small.pt", small / "out.pt", "--to", "full"]) == (
-        5, f"shardckpt: error: '{small / 'out.pt'}': already exists: pass --overwrite to replace it")
+        5,
+        f"shardckpt: error: '{small / 'out.pt'}': already exists: pass --overwrite to replace it",
+    )
     assert (small / "out.pt").read_bytes() == b"keep me"
-    assert run(["convert", str(small / "small.pt"), str(small / "out.pt"), "--to", "full", "--overwrite"]) == 0
+    assert (
+        run(
+            [
+                "convert",
+                str(small / "small.pt"),
+                str(small / "out.pt"),
+                "--to",
+                "full",
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     assert torch.equal(torch.load(small / "out.pt")["model"]["w"], torch.arange(21.0).reshape(7, 3))
 
 
 def test_destination_inside_source_is_refused(capsys, small):
-    assert error_of(capsys, ["convert", small / "small-dcp", small / "small-dcp" / "x", "--to", "sharded"]) == (
-        2, f"shardckpt: error: '{small / 'small-dcp' / 'x'}': DST is SRC or inside it: "
-           "write the conversion somewhere else; SRC is never modified")
+    assert error_of(
+        capsys, ["convert", small / "small-dcp", small / "small-dcp" / "x", "--to", "sharded"]
+    ) == (
+        2,
+        f"shardckpt: error: '{small / 'small-dcp' / 'x'}': DST is SRC or inside it: "
+        "write the conversion somewhere else; SRC is never modified",
+    )
 
 
 def test_format_and_layout_must_agree(capsys, small):
-    assert error_of(capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--format", "torch"]) == (
-        2, "shardckpt: error: --format torch is a full layout, not sharded: pass --to full, or a sharded format")
+    assert error_of(
+        capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--format", "torch"]
+    ) == (
+        2,
+        "shardckpt: error: --format torch is a full layout, not sharded: pass --to full, or a sharded format",
+    )
 
 
 def test_unknown_option_is_a_usage_error(capsys, small):
@@ -121,9 +159,13 @@ def test_unknown_option_is_a_usage_error(capsys, small):
 
 
 def test_world_size_other_than_the_launch_is_refused_for_now(capsys, small):
-    assert error_of(capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--world-size", "3"]) == (
-        2, "shardckpt: error: --world-size 3 differs from this launch's 1 ranks: "
-           "launch with torchrun --nproc-per-node 3, or drop --world-size")
+    assert error_of(
+        capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--world-size", "3"]
+    ) == (
+        2,
+        "shardckpt: error: --world-size 3 differs from this launch's 1 ranks: "
+        "launch with torchrun --nproc-per-node 3, or drop --world-size",
+    )
 
 
 def test_pickle_that_runs_code_is_refused_in_a_torch_file(capsys, small):
@@ -138,14 +180,20 @@ def test_pickle_that_runs_code_is_refused_in_dcp_metadata(capsys, small):
     md = small / "small-dcp" / ".metadata"
     md.write_bytes(pickle.dumps(Evil()))
     assert error_of(capsys, ["inspect", small / "small-dcp"]) == (
-        3, f"shardckpt: error: '{md}': metadata references posix.system, which DCP metadata never holds: "
-           "pass --trust-pickle only if you trust this checkpoint")
+        3,
+        f"shardckpt: error: '{md}': metadata references posix.system, which DCP metadata never holds: "
+        "pass --trust-pickle only if you trust this checkpoint",
+    )
 
 
 def test_pickle_that_runs_code_is_refused_in_a_dcp_value(capsys, small):
     dcp.save({"w": torch.ones(2), "evil": Evil()}, checkpoint_id=small / "evil-dcp", no_dist=True)
     code, line = error_of(capsys, ["inspect", small / "evil-dcp"])
-    assert code == 3 and "value 'evil' needs code execution to load" in line and "--trust-pickle" in line
+    assert (
+        code == 3
+        and "value 'evil' needs code execution to load" in line
+        and "--trust-pickle" in line
+    )
 
 
 def test_trust_pickle_opts_out(capsys, small):
@@ -155,10 +203,18 @@ def test_trust_pickle_opts_out(capsys, small):
 
 
 def test_dry_run_writes_nothing(capsys, small):
-    assert run(["convert", str(small / "small.pt"), str(small / "o.pt"), "--to", "full", "--dry-run"]) == 0
+    assert (
+        run(["convert", str(small / "small.pt"), str(small / "o.pt"), "--to", "full", "--dry-run"])
+        == 0
+    )
     assert "would write" in capsys.readouterr().out and not (small / "o.pt").exists()
 
 
 def test_bad_size_is_a_usage_error(capsys, small):
-    assert error_of(capsys, ["convert", small / "small.pt", small / "o.pt", "--to", "full", "--buffer-size", "lots"]) == (
-        2, "shardckpt: error: --buffer-size 'lots' is not a size: write it like 512MB, 2GiB or 1000000")
+    assert error_of(
+        capsys,
+        ["convert", small / "small.pt", small / "o.pt", "--to", "full", "--buffer-size", "lots"],
+    ) == (
+        2,
+        "shardckpt: error: --buffer-size 'lots' is not a size: write it like 512MB, 2GiB or 1000000",
+    )

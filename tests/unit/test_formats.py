@@ -30,8 +30,12 @@ def odd_tree() -> dict:
             "nan": torch.tensor([float("nan"), -0.0, float("inf")]),
         },
         "optim": {
-            "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(97, 48, generator=g)}},
-            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["w"], "foreach": None, "n": 3}],
+            "state": {
+                "w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(97, 48, generator=g)}
+            },
+            "param_groups": [
+                {"lr": 1e-3, "betas": (0.9, 0.95), "params": ["w"], "foreach": None, "n": 3}
+            ],
         },
         "epoch": 7,
     }
@@ -104,6 +108,11 @@ def test_tied_tensors_keep_their_own_keys_in_every_format(tmp_path):
 def test_detect_tells_formats_from_their_bytes(tmp_path):
     torch.save({"a": torch.ones(1)}, tmp_path / "weights")
     save_file({"a": torch.ones(1)}, tmp_path / "weights2")
-    torch.distributed.checkpoint.save({"a": torch.ones(1)}, checkpoint_id=tmp_path / "d", no_dist=True)
-    assert (detect(tmp_path / "weights"), detect(tmp_path / "weights2"), detect(tmp_path / "d")) == (
-        "torch", "safetensors", "dcp")
+    torch.distributed.checkpoint.save(
+        {"a": torch.ones(1)}, checkpoint_id=tmp_path / "d", no_dist=True
+    )
+    assert (
+        detect(tmp_path / "weights"),
+        detect(tmp_path / "weights2"),
+        detect(tmp_path / "d"),
+    ) == ("torch", "safetensors", "dcp")
