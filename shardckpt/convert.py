@@ -22,6 +22,7 @@ from shardckpt.formats.dcp import write_sharded
 from shardckpt.plan import SKIP, ConvertPlan, is_sharded, rows_to_read
 from shardckpt.staging import Staging
 from shardckpt.tree import TensorMeta, map_leaves
+from shardckpt.writeback import WriteBehind
 
 Progress = Callable[[int], None]
 
@@ -65,9 +66,25 @@ def _to_full(
     reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
 ) -> None:
     writer_cls = FULL_WRITERS[plan.format]
+    pending = max((sum(m.nbytes for m in b) for b in plan.batches), default=1)
     writer = runtime.agreed(
-        lambda: writer_cls(staging.tmp, plan.tree) if runtime.coordinator else None
+        lambda: (
+            WriteBehind(writer_cls(staging.tmp, plan.tree), pending)
+            if runtime.coordinator
+            else None
+        )
     )
+    try:
+        _gather_and_write(reader, plan, writer, runtime, progress)
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+
+
+def _gather_and_write(
+    reader: Reader, plan: ConvertPlan, writer: WriteBehind | None, runtime, progress: Progress
+) -> None:
     for batch in plan.batches:
         rows = runtime.agreed(
             lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=True)
