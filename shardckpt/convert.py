@@ -3,7 +3,7 @@
 Call order (every rank runs every step; ``Runtime.agreed`` turns a failure on one
 rank into the same error on all of them before the next collective):
   1) (rank 0) ``Staging.prepare``; a full writer lays out its file from the plan alone.
-  2) per batch: (all) read own rows -> (all) DTensor all-gather -> (rank 0) write whole
+  2) per batch: (all) read own rows -> (all) gather to rank 0 -> (rank 0) write whole
      tensor; or, for a sharded DST, keep the rows as this rank's DTensor shards.
   3) (all) ``dcp.save`` of the shards, for a sharded DST.
   4) (rank 0) writer closes; ``Staging.commit`` renames the output onto DST.
