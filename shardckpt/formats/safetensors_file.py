@@ -130,8 +130,56 @@ def tensor_names(tree: dict) -> dict[tuple, str]:
     return names
 
 
+class SafetensorsFile:
+    """One ``.safetensors`` file written by streaming: header from metadata, then tensor bytes."""
+
+    def __init__(self, path: Path, entries: Sequence[tuple[str, TensorMeta]], metadata: dict):
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        for name, meta in entries:
+            if meta.dtype not in DTYPE_NAMES:
+                raise UsageError(
+                    f"'{name}' has dtype {meta.dtype}, which safetensors cannot store",
+                    hint="write --format torch",
+                )
+            header[name] = {
+                "dtype": DTYPE_NAMES[meta.dtype],
+                "shape": list(meta.shape),
+                "data_offsets": [offset, offset + meta.nbytes],
+            }
+            offset += meta.nbytes
+        self._order = [meta.key for _, meta in entries]
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    @property
+    def complete(self) -> bool:
+        """Return whether every tensor of the header has been written."""
+        return self._next == len(self._order)
+
+    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        """Append one tensor's bytes; calls come in header order."""
+        if self._order[self._next] != meta.key:
+            raise RuntimeError(
+                f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
+            )
+        self._next += 1
+        self._file.write(contiguous_bytes(tensor))
+
+    def close(self) -> None:
+        """Flush the file to disk and close it."""
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
 class SafetensorsWriter(FullWriter):
-    """Writes the header up front, then each tensor's bytes in tree order."""
+    """Writes one ``.safetensors`` file holding the whole tree, its structure in the header."""
 
     def __init__(self, path: Path, tree: dict):
         super().__init__(path, tree)
@@ -142,40 +190,11 @@ class SafetensorsWriter(FullWriter):
             raise UsageError(
                 str(exc), hint="write --format torch, or leave it out with --filter/--only"
             ) from None
-        header: dict = {"__metadata__": {"format": "pt", TREE_KEY: encoded}}
-        offset = 0
-        self._order: list[str] = []
-        for at, leaf in walk(tree):
-            if isinstance(leaf, TensorMeta):
-                if leaf.dtype not in DTYPE_NAMES:
-                    raise UsageError(
-                        f"'{names[at]}' has dtype {leaf.dtype}, which safetensors cannot store",
-                        hint="write --format torch",
-                    )
-                header[names[at]] = {
-                    "dtype": DTYPE_NAMES[leaf.dtype],
-                    "shape": list(leaf.shape),
-                    "data_offsets": [offset, offset + leaf.nbytes],
-                }
-                offset += leaf.nbytes
-                self._order.append(leaf.key)
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)
-        self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._next = 0
+        entries = [(names[p], leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
+        self._file = SafetensorsFile(path, entries, {"format": "pt", TREE_KEY: encoded})
 
     def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        if self._order[self._next] != meta.key:
-            raise RuntimeError(
-                f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
-            )
-        self._next += 1
-        self._file.write(contiguous_bytes(tensor))
+        self._file.write(meta, tensor)
 
     def close(self) -> None:
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
+        self._file.close()
