@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from shardckpt.collect import as_dtensor, assemble
-from shardckpt.formats import FULL_WRITERS
+from shardckpt.formats import open_full_writer
 from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp import write_sharded
 from shardckpt.plan import SKIP, ConvertPlan, is_sharded, rows_to_read
@@ -64,9 +64,12 @@ def _read_batch(
 def _to_full(
     reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
 ) -> None:
-    writer_cls = FULL_WRITERS[plan.format]
     writer = runtime.agreed(
-        lambda: writer_cls(staging.tmp, plan.tree) if runtime.coordinator else None
+        lambda: (
+            open_full_writer(plan.format, staging.tmp, plan.tree, plan.max_shard_size)
+            if runtime.coordinator
+            else None
+        )
     )
     for batch in plan.batches:
         rows = runtime.agreed(

@@ -51,6 +51,18 @@ DTYPE_NAMES = {
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
+def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
+    """Return the ``TensorMeta`` of tensor ``key`` from its ``safe_open`` slice."""
+    dtype = DTYPES.get(sl.get_dtype())
+    if dtype is None:
+        raise BadInputError(
+            f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
+            path=path,
+            hint="convert it with the safetensors library first",
+        )
+    return TensorMeta(key, tuple(sl.get_shape()), dtype)
+
+
 class SafetensorsReader(Reader):
     """Reads a ``.safetensors`` file: the header for metadata, ``get_slice`` for rows."""
 
@@ -64,7 +76,7 @@ class SafetensorsReader(Reader):
             )
         try:
             with safe_open(self.src, framework="pt") as f:
-                self._metas = {k: self._meta(k, f.get_slice(k)) for k in f.keys()}
+                self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
                 self._header_metadata = f.metadata() or {}
         except BadInputError:
             raise
@@ -74,16 +86,6 @@ class SafetensorsReader(Reader):
                 path=self.src,
                 hint="the file is truncated or in another format; pass --format to say which",
             ) from None
-
-    def _meta(self, key: str, sl) -> TensorMeta:
-        dtype = DTYPES.get(sl.get_dtype())
-        if dtype is None:
-            raise BadInputError(
-                f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
-                path=self.src,
-                hint="convert it with the safetensors library first",
-            )
-        return TensorMeta(key, tuple(sl.get_shape()), dtype)
 
     def index(self) -> Index:
         encoded = self._header_metadata.get(TREE_KEY)
