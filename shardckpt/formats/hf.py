@@ -70,6 +70,10 @@ def plan_shards(metas: Sequence[TensorMeta], max_shard_size: int) -> list[list[T
     return shards
 
 
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and Path(name).name == name
+
+
 def shard_name(i: int, n: int) -> str:
     """Return the file name transformers gives shard ``i`` (0-based) of ``n``."""
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -142,8 +146,10 @@ class HfReader(Reader):
             )
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
+            # Shard names are plain file names: an index must not point outside its directory.
             ok = isinstance(weight_map, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+                isinstance(k, str) and isinstance(v, str) and _plain_name(v)
+                for k, v in weight_map.items()
             )
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             ok = False

@@ -181,9 +181,10 @@ def test_index_naming_a_tensor_not_in_its_shard(capsys, tmp_path):
     assert not (tmp_path / "o.pt").exists()
 
 
-def test_index_that_is_not_json(capsys, tmp_path):
+@pytest.mark.parametrize("text", ["{not json", '{"weight_map": {"w": "../model.safetensors"}}'])
+def test_index_that_is_not_an_index_of_shards_here(capsys, tmp_path, text):
     write_hf_like_transformers(tmp_path / "hf", {"w": torch.ones(2)}, per_shard=1)
-    (tmp_path / "hf" / INDEX_FILE).write_text("{not json")
+    (tmp_path / "hf" / INDEX_FILE).write_text(text)
     assert error_of(capsys, ["inspect", tmp_path / "hf"]) == (
         3,
         f"shardckpt: error: '{tmp_path / 'hf' / INDEX_FILE}': not an index of safetensors shards "
