@@ -16,10 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardckpt import convert as pipeline
+from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.dist import Runtime
 from shardckpt.errors import IOFailure, UsageError
-from shardckpt.formats import FULL_WRITERS, LAYOUT_OF, SHARDED_WRITERS, Index, open_reader
+from shardckpt.formats import (
+    DIRECTORY_FORMATS,
+    FULL_WRITERS,
+    LAYOUT_OF,
+    SHARDED_WRITERS,
+    Index,
+    open_reader,
+)
 from shardckpt.plan import DEFAULT_BUFFER_BYTES, ConvertPlan, Selection, make_plan, matches, select
 from shardckpt.progress import Progress
 from shardckpt.staging import Staging
@@ -141,6 +149,28 @@ def _check_target(to: str, fmt: str, world_size: int | None, runtime: Runtime) -
         )
 
 
+def _check_cast(dtype: str, cast_optim: bool):
+    cast_to = target_dtype(dtype)
+    if cast_optim and cast_to is None:
+        raise UsageError(
+            "--cast-optim needs --dtype",
+            hint="add --dtype bf16, fp16 or fp32, or drop --cast-optim",
+        )
+    return cast_to
+
+
+def _check_shard_size(fmt: str, max_shard_size: int | None) -> None:
+    if max_shard_size is None:
+        return
+    if fmt != "hf":
+        raise UsageError(
+            "--max-shard-size applies to --format hf only",
+            hint="drop --max-shard-size, or pass --format hf",
+        )
+    if max_shard_size <= 0:
+        raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -152,6 +182,9 @@ def convert(
     only: str = "all",
     filters: Sequence[str] = (),
     clean_fqns: bool = True,
+    dtype: str = "keep",
+    cast_optim: bool = False,
+    max_shard_size: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     verify: bool = False,
@@ -164,21 +197,31 @@ def convert(
     runtime = runtime or Runtime()
     start = time.perf_counter()
     fmt = fmt or (default_format(to, dst) if to in LAYOUTS else "")
-    staging = Staging(
-        dst, overwrite=overwrite, is_dir=LAYOUT_OF.get(fmt) != "full", srcs=(Path(src),)
-    )
+    staging = Staging(dst, overwrite=overwrite, is_dir=fmt in DIRECTORY_FORMATS, srcs=(Path(src),))
 
     def prepare():
         _check_target(to, fmt, world_size, runtime)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
+        cast_to = _check_cast(dtype, cast_optim)
+        _check_shard_size(fmt, max_shard_size)
         selection = Selection(only=only, filters=tuple(filters), clean_fqns=clean_fqns)
         if not dry_run:
             staging.check()
         reader = open_reader(src, src_format, trust_pickle)
-        return reader, make_plan(
-            reader.index(), selection, to, fmt, runtime.world_size, buffer_bytes
+        plan = make_plan(
+            reader.index(),
+            selection,
+            to,
+            fmt,
+            runtime.world_size,
+            buffer_bytes,
+            dtype=cast_to,
+            cast_optim=cast_optim,
+            max_shard_size=max_shard_size,
         )
+        # Reading through the cast also makes --verify compare DST with the cast source.
+        return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan
 
     reader, plan = runtime.agreed(prepare)
     if not dry_run:

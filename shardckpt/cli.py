@@ -42,6 +42,13 @@ class Only(str, Enum):
     optim = "optim"
 
 
+class Dtype(str, Enum):
+    keep = "keep"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
 class Device(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -50,7 +57,9 @@ class Device(str, Enum):
 # Option types shared by the commands.
 SrcFormat = Annotated[
     str | None,
-    typer.Option("--format", help="Source format (default: detected): dcp, torch, safetensors."),
+    typer.Option(
+        "--format", help="Source format (default: detected): dcp, torch, safetensors, hf."
+    ),
 ]
 Filters = Annotated[
     list[str] | None,
@@ -120,7 +129,8 @@ def inspect(
 @app.command(
     epilog="Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
     "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
-    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded"
+    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
+    "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
 )
 def convert(
     src: Annotated[
@@ -143,13 +153,15 @@ def convert(
         str | None,
         typer.Option(
             "--format",
-            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded.",
+            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded. "
+            "hf: a Hugging Face directory of safetensors shards (model state only).",
         ),
     ] = None,
     src_format: Annotated[
         str | None,
         typer.Option(
-            "--from", help="Source format, when detection is not wanted: dcp, torch, safetensors."
+            "--from",
+            help="Source format, when detection is not wanted: dcp, torch, safetensors, hf.",
         ),
     ] = None,
     world_size: Annotated[
@@ -163,6 +175,26 @@ def convert(
     ] = Only.all,
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
+    dtype: Annotated[
+        Dtype,
+        typer.Option(
+            "--dtype", help="Cast model floating-point tensors (ints and bools stay as they are)."
+        ),
+    ] = Dtype.keep,
+    cast_optim: Annotated[
+        bool,
+        typer.Option(
+            "--cast-optim",
+            help="With --dtype: also cast optimizer floating state (never its 'step' counters).",
+        ),
+    ] = False,
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-shard-size",
+            help="For --format hf: the most tensor bytes per shard (default 5GB).",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing DST.")
     ] = False,
@@ -192,6 +224,13 @@ def convert(
             only=only.value,
             filters=filters or (),
             clean_fqns=clean_fqns,
+            dtype=dtype.value,
+            cast_optim=cast_optim,
+            max_shard_size=(
+                parse_size(max_shard_size, "--max-shard-size")
+                if max_shard_size is not None
+                else None
+            ),
             overwrite=overwrite,
             dry_run=dry_run,
             verify=verify,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from shardckpt.collect import as_dtensor, assemble
-from shardckpt.formats import FULL_WRITERS
+from shardckpt.formats import open_full_writer
 from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp import write_sharded
 from shardckpt.plan import SKIP, ConvertPlan, is_sharded, rows_to_read
@@ -65,11 +65,12 @@ def _read_batch(
 def _to_full(
     reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
 ) -> None:
-    writer_cls = FULL_WRITERS[plan.format]
     pending = max((sum(m.nbytes for m in b) for b in plan.batches), default=1)
     writer = runtime.agreed(
         lambda: (
-            WriteBehind(writer_cls(staging.tmp, plan.tree), pending)
+            WriteBehind(
+                open_full_writer(plan.format, staging.tmp, plan.tree, plan.max_shard_size), pending
+            )
             if runtime.coordinator
             else None
         )

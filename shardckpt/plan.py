@@ -12,10 +12,13 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch.distributed.tensor import Shard
 
+from shardckpt.cast import cast_tree
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index, Rows
+from shardckpt.formats.hf import model_tree
 from shardckpt.tree import (
     Path,
     TensorMeta,
@@ -127,6 +130,10 @@ class ConvertPlan:
     tree: dict
     tensors: list[tuple[Path, TensorMeta]] = field(default_factory=list)
     batches: list[list[TensorMeta]] = field(default_factory=list)
+    read_as: dict[str, torch.dtype] = field(default_factory=dict)
+    """The source dtype of each tensor ``--dtype`` casts, by reader key."""
+    max_shard_size: int | None = None
+    """For ``hf``: the most tensor bytes per shard file (None: the format's default)."""
 
     @property
     def nbytes(self) -> int:
@@ -146,9 +153,16 @@ def make_plan(
     fmt: str,
     world_size: int,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+    cast_optim: bool = False,
+    max_shard_size: int | None = None,
 ) -> ConvertPlan:
     """Return the plan that moves ``index``'s selected part into ``layout``/``fmt`` at ``world_size``."""
     tree = select(index, selection)
+    if fmt == "hf":
+        tree = model_tree(tree, index.src)
+    tree, read_as = cast_tree(tree, dtype, cast_optim)
     tensors = [(p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
     if not tensors and not any(True for _ in walk(tree)):
         raise UsageError(
@@ -157,5 +171,12 @@ def make_plan(
             hint="check --only and --filter against `shardckpt inspect`",
         )
     return ConvertPlan(
-        layout, fmt, world_size, tree, tensors, batches([m for _, m in tensors], buffer_bytes)
+        layout,
+        fmt,
+        world_size,
+        tree,
+        tensors,
+        batches([m for _, m in tensors], buffer_bytes),
+        read_as,
+        max_shard_size,
     )

@@ -236,3 +236,27 @@ def rename_keys(tree: object, rename: Callable[[str], str], prefix: Path = ()) -
     if prefix and _enters(tree):
         return [rename_keys(v, rename, prefix + (i,)) for i, v in enumerate(tree)]  # type: ignore[arg-type]
     return tree
+
+
+# ---------------------------------------------------------------- model state
+
+
+def model_prefix(tree: Mapping) -> Path:
+    """Return where the model state sits: ``("model",)`` when the top level has one, else ``()``."""
+    node = tree.get("model")
+    return ("model",) if isinstance(node, Mapping) and not is_optimizer(node) else ()
+
+
+def model_leaves(tree: Mapping) -> list[tuple[Path, object]]:
+    """Return ``(path, leaf)`` of the model state: under ``model`` if present, else outside optimizers.
+
+    Checkpoints written by training loops hold ``{"model": ..., "optim": ...}``; other
+    entries beside ``model`` (epoch counters, schedulers, RNG state) are not model state.
+    """
+    prefix = model_prefix(tree)
+    optimizers = find_optimizers(tree)
+    return [
+        (path, leaf)
+        for path, leaf in walk(tree)
+        if path[: len(prefix)] == prefix and not any(path[: len(o)] == o for o in optimizers)
+    ]

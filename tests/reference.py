@@ -23,7 +23,9 @@ from harness import run_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -99,6 +101,22 @@ def _load_on_rank(dcp_dir: str) -> dict[str, Any] | None:
 def load_dcp_into_fsdp2(dcp_dir: str | os.PathLike, world_size: int) -> dict[str, Any]:
     """Return ``{"model", "optim"}`` full state after FSDP2 at ``world_size`` loads ``dcp_dir``."""
     return run_ranks(_load_on_rank, world_size, os.fspath(dcp_dir))[0]
+
+
+def _load_model_on_rank(dcp_dir: str) -> dict[str, Any] | None:
+    """Start training from model weights alone (no optimizer state); return them on rank 0."""
+    model = example.shard_model(example.build_model(_LOAD_SEED), dist.get_world_size())
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_model_state_dict(model, state["model"])
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd_full = get_model_state_dict(model, options=options)
+    return msd_full if dist.get_rank() == 0 else None
+
+
+def load_dcp_model_into_fsdp2(dcp_dir: str | os.PathLike, world_size: int) -> dict[str, Any]:
+    """Return the full model state after FSDP2 at ``world_size`` loads ``{"model"}`` from ``dcp_dir``."""
+    return run_ranks(_load_model_on_rank, world_size, os.fspath(dcp_dir))[0]
 
 
 def dcp_to_torch_save_reference(dcp_dir: str | os.PathLike, out_pt: str | os.PathLike) -> Path:

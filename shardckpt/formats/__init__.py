@@ -9,6 +9,7 @@ from pathlib import Path
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import FullWriter, Index, Reader
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
 
@@ -26,9 +27,16 @@ READERS: dict[str, type[Reader]] = {
     "dcp": DcpReader,
     "torch": TorchReader,
     "safetensors": SafetensorsReader,
+    "hf": HfReader,
 }
-FULL_WRITERS: dict[str, type[FullWriter]] = {"torch": TorchWriter, "safetensors": SafetensorsWriter}
+FULL_WRITERS: dict[str, type[FullWriter]] = {
+    "torch": TorchWriter,
+    "safetensors": SafetensorsWriter,
+    "hf": HfWriter,
+}
 SHARDED_WRITERS = {"dcp"}
+# Outputs that are a directory of files (staged as a directory) rather than one file.
+DIRECTORY_FORMATS = {"dcp", "hf", "fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
 SUPPORTED_READ = ", ".join(READERS)
 
 
@@ -41,7 +49,7 @@ def detect(src: Path) -> str:
     if src.is_dir():
         if (src / METADATA_FILE).is_file():
             return "dcp"
-        if (src / "model.safetensors.index.json").is_file():
+        if (src / INDEX_FILE).is_file():
             return "hf"
         if any(p.suffix == ".distcp" for p in src.iterdir()):
             raise BadInputError(
@@ -75,6 +83,15 @@ def detect(src: Path) -> str:
     )
 
 
+def open_full_writer(
+    fmt: str, path: Path, tree: dict, max_shard_size: int | None = None
+) -> FullWriter:
+    """Return the writer of full-layout format ``fmt`` for ``tree`` at ``path`` (rank 0 only)."""
+    if fmt == "hf" and max_shard_size is not None:
+        return HfWriter(path, tree, max_shard_size)
+    return FULL_WRITERS[fmt](path, tree)
+
+
 def open_reader(
     src: str | os.PathLike, fmt: str | None = None, trust_pickle: bool = False
 ) -> Reader:
@@ -93,11 +110,13 @@ def open_reader(
 
 
 __all__ = [
+    "DIRECTORY_FORMATS",
     "FULL_WRITERS",
     "Index",
     "LAYOUT_OF",
     "READERS",
     "SHARDED_WRITERS",
     "detect",
+    "open_full_writer",
     "open_reader",
 ]

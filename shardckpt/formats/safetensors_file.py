@@ -51,6 +51,18 @@ DTYPE_NAMES = {
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
+def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
+    """Return the ``TensorMeta`` of tensor ``key`` from its ``safe_open`` slice."""
+    dtype = DTYPES.get(sl.get_dtype())
+    if dtype is None:
+        raise BadInputError(
+            f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
+            path=path,
+            hint="convert it with the safetensors library first",
+        )
+    return TensorMeta(key, tuple(sl.get_shape()), dtype)
+
+
 class SafetensorsReader(Reader):
     """Reads a ``.safetensors`` file: the header for metadata, ``get_slice`` for rows."""
 
@@ -64,7 +76,7 @@ class SafetensorsReader(Reader):
             )
         try:
             with safe_open(self.src, framework="pt") as f:
-                self._metas = {k: self._meta(k, f.get_slice(k)) for k in f.keys()}
+                self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
                 self._header_metadata = f.metadata() or {}
         except BadInputError:
             raise
@@ -74,16 +86,6 @@ class SafetensorsReader(Reader):
                 path=self.src,
                 hint="the file is truncated or in another format; pass --format to say which",
             ) from None
-
-    def _meta(self, key: str, sl) -> TensorMeta:
-        dtype = DTYPES.get(sl.get_dtype())
-        if dtype is None:
-            raise BadInputError(
-                f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
-                path=self.src,
-                hint="convert it with the safetensors library first",
-            )
-        return TensorMeta(key, tuple(sl.get_shape()), dtype)
 
     def index(self) -> Index:
         encoded = self._header_metadata.get(TREE_KEY)
@@ -130,8 +132,56 @@ def tensor_names(tree: dict) -> dict[tuple, str]:
     return names
 
 
+class SafetensorsFile:
+    """One ``.safetensors`` file written by streaming: header from metadata, then tensor bytes."""
+
+    def __init__(self, path: Path, entries: Sequence[tuple[str, TensorMeta]], metadata: dict):
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        for name, meta in entries:
+            if meta.dtype not in DTYPE_NAMES:
+                raise UsageError(
+                    f"'{name}' has dtype {meta.dtype}, which safetensors cannot store",
+                    hint="write --format torch",
+                )
+            header[name] = {
+                "dtype": DTYPE_NAMES[meta.dtype],
+                "shape": list(meta.shape),
+                "data_offsets": [offset, offset + meta.nbytes],
+            }
+            offset += meta.nbytes
+        self._order = [meta.key for _, meta in entries]
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    @property
+    def complete(self) -> bool:
+        """Return whether every tensor of the header has been written."""
+        return self._next == len(self._order)
+
+    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        """Append one tensor's bytes; calls come in header order."""
+        if self._order[self._next] != meta.key:
+            raise RuntimeError(
+                f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
+            )
+        self._next += 1
+        self._file.write(contiguous_bytes(tensor))
+
+    def close(self) -> None:
+        """Flush the file to disk and close it."""
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
 class SafetensorsWriter(FullWriter):
-    """Writes the header up front, then each tensor's bytes in tree order."""
+    """Writes one ``.safetensors`` file holding the whole tree, its structure in the header."""
 
     def __init__(self, path: Path, tree: dict):
         super().__init__(path, tree)
@@ -142,40 +192,11 @@ class SafetensorsWriter(FullWriter):
             raise UsageError(
                 str(exc), hint="write --format torch, or leave it out with --filter/--only"
             ) from None
-        header: dict = {"__metadata__": {"format": "pt", TREE_KEY: encoded}}
-        offset = 0
-        self._order: list[str] = []
-        for at, leaf in walk(tree):
-            if isinstance(leaf, TensorMeta):
-                if leaf.dtype not in DTYPE_NAMES:
-                    raise UsageError(
-                        f"'{names[at]}' has dtype {leaf.dtype}, which safetensors cannot store",
-                        hint="write --format torch",
-                    )
-                header[names[at]] = {
-                    "dtype": DTYPE_NAMES[leaf.dtype],
-                    "shape": list(leaf.shape),
-                    "data_offsets": [offset, offset + leaf.nbytes],
-                }
-                offset += leaf.nbytes
-                self._order.append(leaf.key)
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)
-        self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._next = 0
+        entries = [(names[p], leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
+        self._file = SafetensorsFile(path, entries, {"format": "pt", TREE_KEY: encoded})
 
     def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        if self._order[self._next] != meta.key:
-            raise RuntimeError(
-                f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
-            )
-        self._next += 1
-        self._file.write(contiguous_bytes(tensor))
+        self._file.write(meta, tensor)
 
     def close(self) -> None:
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
+        self._file.close()

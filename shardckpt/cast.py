@@ -1,0 +1,82 @@
+"""``--dtype``: which tensors change dtype (pure), and a reader that casts what it reads.
+
+Model floating-point tensors are cast; integers and booleans never are. Optimizer state
+is cast only with ``--cast-optim``, and its ``step`` counters never: torch keeps
+``step`` in float32 (or float64), and in bf16 a step above 256 already loses its
+integer value, which would change the bias correction of a resumed Adam.
+
+The cast happens on every rank right after reading its rows. A cast is elementwise,
+so casting rows before the all-gather gives the same bytes as casting the whole
+tensor after it; doing it in the reader keeps one path for full outputs, sharded
+outputs and ``--verify`` (which then compares DST with the cast source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from shardckpt.errors import UsageError
+from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.tree import TensorMeta, find_optimizers, map_leaves, model_leaves, walk
+
+DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def target_dtype(name: str) -> torch.dtype | None:
+    """Return the dtype ``--dtype name`` casts to (None for ``keep``)."""
+    if name not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {name!r}")
+    return DTYPES[name]
+
+
+def cast_tree(
+    tree: Mapping, dtype: torch.dtype | None, cast_optim: bool
+) -> tuple[dict, dict[str, torch.dtype]]:
+    """Return ``tree`` with cast tensors' metas in ``dtype``, and each cast key's source dtype."""
+    if dtype is None:
+        return dict(tree), {}
+    chosen = {p for p, leaf in model_leaves(tree) if isinstance(leaf, TensorMeta)}
+    if cast_optim:
+        states = [(*opt, "state") for opt in find_optimizers(tree)]
+        chosen.update(
+            p
+            for p, leaf in walk(tree)
+            if isinstance(leaf, TensorMeta)
+            and any(p[: len(s)] == s for s in states)
+            and p[-1] != "step"  # see the module docstring
+        )
+    read_as: dict[str, torch.dtype] = {}
+
+    def cast(path, leaf):
+        if path not in chosen or not leaf.dtype.is_floating_point or leaf.dtype == dtype:
+            return leaf
+        read_as[leaf.key] = leaf.dtype
+        return dataclasses.replace(leaf, dtype=dtype)
+
+    return map_leaves(tree, cast), read_as  # type: ignore[return-value]
+
+
+class CastReader(Reader):
+    """Reads through another reader in each tensor's source dtype, then casts to the meta's."""
+
+    def __init__(self, inner: Reader, read_as: Mapping[str, torch.dtype]):
+        super().__init__(inner.src, inner.trust_pickle)
+        self.format = inner.format
+        self.inner = inner
+        self.read_as = dict(read_as)
+
+    def index(self) -> Index:
+        return self.inner.index()
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        sources = [
+            dataclasses.replace(m, dtype=self.read_as[m.key]) if m.key in self.read_as else m
+            for m in metas
+        ]
+        tensors = self.inner.read(sources, rows, runtime)
+        return [t if t.dtype == m.dtype else t.to(m.dtype) for m, t in zip(metas, tensors)]

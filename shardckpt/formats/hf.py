@@ -1,0 +1,213 @@
+"""``hf``: a Hugging Face directory of ``model-0000i-of-0000n.safetensors`` shards + index.
+
+``model.safetensors.index.json`` is ``{"metadata": {"total_size": N}, "weight_map":
+{name: shard file}}``. It holds model weights only, named by FQN without a ``model.``
+prefix. shardckpt reads it as ``{"model": {name: tensor}}``, the layout training loops
+save and load (``dcp.load({"model": msd, ...})``), so ``hf -> dcp`` gives a checkpoint
+FSDP2 training starts from, and ``dcp -> hf`` takes the ``model`` subtree back out.
+
+Writing streams like ``safetensors``: shards are planned from metadata alone (filled
+in tree order up to ``--max-shard-size``; a bigger tensor gets a shard of its own, as
+``huggingface_hub.split_torch_state_dict_into_shards`` does), then each tensor's bytes
+go to its shard as they arrive, one open file at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardckpt.errors import BadInputError, UsageError
+from shardckpt.formats.base import FullWriter, Index, Reader, Rows
+from shardckpt.formats.safetensors_file import SafetensorsFile, tensor_meta
+from shardckpt.tree import TensorMeta, dotted, model_leaves, model_prefix
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
+
+
+def model_tree(tree: Mapping, src: str) -> dict:
+    """Return what an ``hf`` DST holds of ``tree``: ``{"model": {name: meta}}``, tensors only."""
+    names: dict[str, tuple] = {}
+    out: dict[str, TensorMeta] = {}
+    prefix = model_prefix(tree)
+    for path, leaf in model_leaves(tree):
+        if not isinstance(leaf, TensorMeta):
+            continue  # HF checkpoints hold weights only; plain values stay behind
+        name = dotted(path[len(prefix) :])
+        if name in names:
+            raise UsageError(
+                f"paths {list(names[name])} and {list(path)} both print as '{name}'",
+                path=src,
+                hint="rename one with --rename, or write --format torch",
+            )
+        names[name] = path
+        out[name] = leaf
+    if not out:
+        raise UsageError(
+            "has no model tensors to write as --format hf",
+            path=src,
+            hint="check --only and --filter against `shardckpt inspect`",
+        )
+    return {"model": out}
+
+
+def plan_shards(metas: Sequence[TensorMeta], max_shard_size: int) -> list[list[TensorMeta]]:
+    """Return the tensors of each shard: filled in order up to ``max_shard_size`` bytes."""
+    shards: list[list[TensorMeta]] = []
+    size = 0
+    for meta in metas:
+        if not shards or size + meta.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(meta)
+        size += meta.nbytes
+    return shards
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and Path(name).name == name
+
+
+def shard_name(i: int, n: int) -> str:
+    """Return the file name transformers gives shard ``i`` (0-based) of ``n``."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+class HfWriter(FullWriter):
+    """Writes the shards one after another, then the index; ``path`` is a directory."""
+
+    def __init__(self, path: Path, tree: dict, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+        super().__init__(path, tree)
+        named = list(tree["model"].items())
+        self._name = {meta.key: name for name, meta in named}
+        self._shards = plan_shards([meta for _, meta in named], max_shard_size)
+        n = len(self._shards)
+        self._files = [shard_name(i, n) for i in range(n)]
+        self._weight_map = {
+            self._name[m.key]: file for file, shard in zip(self._files, self._shards) for m in shard
+        }
+        self._total = sum(meta.nbytes for _, meta in named)
+        self._current: SafetensorsFile | None = None
+        self._written = 0
+
+    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        if self._current is None:
+            i = self._written
+            entries = [(self._name[m.key], m) for m in self._shards[i]]
+            self._current = SafetensorsFile(self.path / self._files[i], entries, {"format": "pt"})
+        self._current.write(meta, tensor)
+        if self._current.complete:
+            self._current.close()
+            self._current = None
+            self._written += 1
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            raise RuntimeError(f"internal: shard {self._files[self._written]} is incomplete")
+        # Written last, so a directory with an index has all its shards.
+        index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
+        with open(self.path / INDEX_FILE, "w") as f:
+            # transformers writes it this way (sorted keys, indent 2, newline).
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class HfReader(Reader):
+    """Reads a Hugging Face shard directory through its index; rows with ``get_slice``."""
+
+    format = "hf"
+
+    def __init__(self, src, trust_pickle: bool = False):
+        super().__init__(src, trust_pickle)
+        weight_map = self._read_index()
+        self._file: dict[str, str] = {}
+        self._metas: dict[str, TensorMeta] = {}
+        for file in sorted(set(weight_map.values())):
+            wanted = {name for name, f in weight_map.items() if f == file}
+            for name, meta in self._read_shard(file, wanted):
+                self._file[name] = file
+                self._metas[name] = meta
+
+    def _read_index(self) -> dict[str, str]:
+        index_path = self.src / INDEX_FILE
+        if not index_path.is_file():
+            raise BadInputError(
+                f"no '{INDEX_FILE}' in this directory",
+                path=self.src,
+                hint="pass the Hugging Face model directory itself, or --format for another format",
+            )
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            # Shard names are plain file names: an index must not point outside its directory.
+            ok = isinstance(weight_map, dict) and all(
+                isinstance(k, str) and isinstance(v, str) and _plain_name(v)
+                for k, v in weight_map.items()
+            )
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            ok = False
+        if not ok:
+            raise BadInputError(
+                "not an index of safetensors shards (no 'weight_map' of names to files)",
+                path=index_path,
+                hint="re-save the model with save_pretrained, or re-copy the file",
+            )
+        return weight_map
+
+    def _read_shard(self, file: str, wanted: set[str]) -> list[tuple[str, TensorMeta]]:
+        path = self.src / file
+        if not path.is_file():
+            raise BadInputError(
+                f"missing shard '{file}' named by {INDEX_FILE}",
+                path=self.src,
+                hint="copy every *.safetensors shard of the checkpoint",
+            )
+        try:
+            with safe_open(path, framework="pt") as f:
+                # File order: the writer's tree order for our own output.
+                present = [k for k in f.offset_keys() if k in wanted]
+                metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
+        except BadInputError:
+            raise
+        except Exception as exc:
+            raise BadInputError(
+                f"not a readable safetensors file ({type(exc).__name__}: {exc})",
+                path=path,
+                hint="the shard is truncated or damaged; re-copy it",
+            ) from None
+        missing = sorted(wanted - set(present))
+        if missing:
+            raise BadInputError(
+                f"has no tensor '{missing[0]}', which {INDEX_FILE} puts there",
+                path=path,
+                hint="the index and the shards do not match; re-copy the checkpoint",
+            )
+        return metas
+
+    def index(self) -> Index:
+        return Index(self.format, str(self.src), 1, {"model": dict(self._metas)})
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(metas)
+        by_file: dict[str, list[int]] = {}
+        for i, meta in enumerate(metas):
+            by_file.setdefault(self._file[meta.key], []).append(i)
+        for file, positions in by_file.items():
+            with safe_open(self.src / file, framework="pt") as f:
+                for i in positions:
+                    meta, r = metas[i], rows[i]
+                    out[i] = (
+                        f.get_tensor(meta.key)
+                        if r is None or not meta.shape
+                        else f.get_slice(meta.key)[r[0] : r[1]]
+                    )
+        return out  # type: ignore[return-value]
