@@ -123,7 +123,7 @@ def default_format(to: str, dst: str | os.PathLike) -> str:
     return {"sharded": "dcp", "local": "fsdp2-ranks"}[to]
 
 
-def _check_target(to: str, fmt: str, world_size: int | None, runtime: Runtime) -> None:
+def _check_target(to: str, fmt: str, world_size: int | None) -> None:
     if to not in LAYOUTS:
         raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
     if fmt not in LAYOUT_OF:
@@ -142,10 +142,10 @@ def _check_target(to: str, fmt: str, world_size: int | None, runtime: Runtime) -
         raise UsageError(
             "--world-size applies to sharded and local outputs only", hint="drop --world-size"
         )
-    if world_size is not None and world_size != runtime.world_size:
+    if world_size is not None and world_size < 1:
         raise UsageError(
-            f"--world-size {world_size} differs from this launch's {runtime.world_size} ranks",
-            hint=f"launch with torchrun --nproc-per-node {world_size}, or drop --world-size",
+            f"--world-size must be at least 1, not {world_size}",
+            hint="pass the number of ranks that will load the output",
         )
 
 
@@ -200,7 +200,7 @@ def convert(
     staging = Staging(dst, overwrite=overwrite, is_dir=fmt in DIRECTORY_FORMATS, srcs=(Path(src),))
 
     def prepare():
-        _check_target(to, fmt, world_size, runtime)
+        _check_target(to, fmt, world_size)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
         cast_to = _check_cast(dtype, cast_optim)
@@ -214,7 +214,7 @@ def convert(
             selection,
             to,
             fmt,
-            runtime.world_size,
+            world_size or runtime.world_size,
             buffer_bytes,
             dtype=cast_to,
             cast_optim=cast_optim,
@@ -250,7 +250,7 @@ def convert(
         str(dst),
         fmt,
         to,
-        runtime.world_size,
+        plan.world_size,
         len(plan.tensors),
         plan.nbytes,
         plan.num_values,

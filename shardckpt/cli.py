@@ -146,7 +146,7 @@ def convert(
         Layout,
         typer.Option(
             "--to",
-            help="Layout of DST: full (one file) or sharded (DCP at the launch's world size).",
+            help="Layout of DST: full (one file) or sharded (DCP, one file per rank of --world-size).",
         ),
     ],
     fmt: Annotated[
@@ -167,7 +167,8 @@ def convert(
     world_size: Annotated[
         int | None,
         typer.Option(
-            "--world-size", help="Target world size of a sharded DST (default: the launch's)."
+            "--world-size",
+            help="Ranks of a sharded DST, any M >= 1, whatever the launch (default: the launch's).",
         ),
     ] = None,
     only: Annotated[

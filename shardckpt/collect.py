@@ -1,4 +1,4 @@
-"""The collective hop: rows read on each rank become whole tensors or DTensor shards.
+"""The collective hop: rows read on each rank become whole tensors on rank 0.
 
 Rows are the ones DTensor's ``Shard(0)`` gives each rank, so rank r's rows start at
 ``r * ceil(n / N)`` and every non-final rank holds exactly ``ceil(n / N)`` rows. A whole
@@ -11,22 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from shardckpt.tree import TensorMeta
-
-
-def as_dtensor(local: torch.Tensor, meta: TensorMeta, runtime) -> DTensor:
-    """Return the DTensor whose shard on this rank is ``local`` (``Shard(0)`` over all ranks)."""
-    stride = torch.empty(meta.shape, device="meta").stride()
-    return DTensor.from_local(
-        local.to(runtime.device),
-        runtime.mesh,
-        [Shard(0)],
-        run_check=False,
-        shape=torch.Size(meta.shape),
-        stride=stride,
-    )
 
 
 def assemble(

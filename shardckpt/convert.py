@@ -4,8 +4,9 @@ Call order (every rank runs every step; ``Runtime.agreed`` turns a failure on on
 rank into the same error on all of them before the next collective):
   1) (rank 0) ``Staging.prepare``; a full writer lays out its file from the plan alone.
   2) per batch: (all) read own rows -> (all) gather to rank 0 -> (rank 0) write whole
-     tensor; or, for a sharded DST, keep the rows as this rank's DTensor shards.
-  3) (all) ``dcp.save`` of the shards, for a sharded DST.
+     tensor; or, for a sharded DST of M ranks, read the rows of each target rank this
+     process acts for (``shardckpt.virtual``) and keep them as that rank's DTensor shards.
+  3) (all) DCP's save protocol for the M target ranks (``formats/dcp_write.py``).
   4) (rank 0) writer closes; ``Staging.commit`` renames the output onto DST.
 """
 
@@ -15,13 +16,14 @@ from collections.abc import Callable
 
 import torch
 
-from shardckpt.collect import as_dtensor, assemble
+from shardckpt.collect import assemble
 from shardckpt.formats import open_full_writer
 from shardckpt.formats.base import Reader
-from shardckpt.formats.dcp import write_sharded
-from shardckpt.plan import SKIP, ConvertPlan, is_sharded, rows_to_read
+from shardckpt.formats.dcp_write import write_dcp
+from shardckpt.plan import SKIP, ConvertPlan, dim0_rows, is_sharded, rows_to_read
 from shardckpt.staging import Staging
 from shardckpt.tree import TensorMeta, map_leaves
+from shardckpt.virtual import shard_dtensor, virtual_mesh, virtual_ranks
 from shardckpt.writeback import WriteBehind
 
 Progress = Callable[[int], None]
@@ -107,22 +109,37 @@ def _gather_and_write(
 def _to_sharded(
     reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
 ) -> None:
-    shards: dict[str, torch.Tensor] = {}
+    targets = virtual_ranks(plan.world_size, runtime.rank, runtime.world_size)
+    shards: dict[int, dict[str, torch.Tensor]] = {r: {} for r in targets}
+    # A tensor every target rank holds whole is read once and shared by their state dicts.
+    whole: dict[str, torch.Tensor] = {}
+
+    def read(batch: list[TensorMeta]) -> None:
+        if not targets:
+            return
+        kept = [m for m in batch if m.key in plan.whole]
+        if kept:
+            whole.update(zip((m.key for m in kept), reader.read(kept, [None] * len(kept), runtime)))
+        split = [m for m in batch if m.key not in plan.whole]
+        for r in targets if split else ():
+            rows = [dim0_rows(m.shape, plan.world_size, r) for m in split]
+            shards[r].update(zip((m.key for m in split), reader.read(split, rows, runtime)))
+
     for batch in plan.batches:
-        shards.update(
-            runtime.agreed(
-                lambda b=batch: _read_batch(reader, b, runtime, whole_on_coordinator=False)
-            )
-        )
+        runtime.agreed(lambda b=batch: read(b))
         progress(sum(m.nbytes for m in batch))
 
-    def place(_path, leaf):
-        if not isinstance(leaf, TensorMeta):
-            return leaf
-        local = shards.pop(leaf.key)
-        if runtime.distributed and is_sharded(leaf):
-            return as_dtensor(local, leaf, runtime)
-        return local.to(runtime.device) if runtime.distributed else local
+    def state_dict(r: int) -> dict:
+        mesh = virtual_mesh(plan.world_size, r)
 
-    state_dict = map_leaves(plan.tree, place)
-    runtime.agreed(lambda: write_sharded(staging.tmp, state_dict, runtime))
+        def place(_path, leaf):
+            if not isinstance(leaf, TensorMeta):
+                return leaf
+            if leaf.key in plan.whole:
+                return whole[leaf.key]
+            return shard_dtensor(shards[r].pop(leaf.key), leaf, mesh)
+
+        return map_leaves(plan.tree, place)
+
+    state_dicts = runtime.agreed(lambda: {r: state_dict(r) for r in targets})
+    write_dcp(staging.tmp, state_dicts, plan.world_size, runtime)

@@ -85,6 +85,22 @@ class Runtime:
             raise error
         raise RemoteRankError(first_rank, line, code)
 
+    def gather(self, obj: T) -> list[T] | None:
+        """Return every rank's picklable ``obj`` in rank order on the coordinator, None elsewhere."""
+        if not self.distributed:
+            return [obj]
+        out: list | None = [None] * self.world_size if self.coordinator else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Return the coordinator's picklable ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def any_true(self, flag: bool) -> bool:
         """Return whether ``flag`` is true on any rank."""
         return _any_rank(flag) if self.distributed else flag

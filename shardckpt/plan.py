@@ -88,6 +88,19 @@ def is_sharded(meta: TensorMeta) -> bool:
     return len(meta.shape) > 0
 
 
+def stays_whole(meta: TensorMeta, index: Index) -> bool:
+    """Return whether a sharded DST keeps ``meta`` whole on every rank instead of splitting dim 0.
+
+    0-dim tensors always do. So does a tensor that a DCP source written by several
+    ranks stored as one whole chunk: that is how DCP stores what every rank held whole
+    (FSDP2's buffers, plain tensors), while a DTensor gets a chunk per rank, empty ones
+    included. A one-rank source stores everything whole, so it tells nothing apart.
+    """
+    if not is_sharded(meta):
+        return True
+    return index.format == "dcp" and (index.world_size or 1) > 1 and meta.layout == "full"
+
+
 def rows_to_read(
     meta: TensorMeta, world_size: int, rank: int, *, whole_on_coordinator: bool
 ) -> Rows | str:
@@ -134,6 +147,8 @@ class ConvertPlan:
     """The source dtype of each tensor ``--dtype`` casts, by reader key."""
     max_shard_size: int | None = None
     """For ``hf``: the most tensor bytes per shard file (None: the format's default)."""
+    whole: frozenset[str] = frozenset()
+    """Keys of the tensors a sharded DST keeps whole on every rank (``stays_whole``)."""
 
     @property
     def nbytes(self) -> int:
@@ -170,6 +185,7 @@ def make_plan(
             path=index.src,
             hint="check --only and --filter against `shardckpt inspect`",
         )
+    whole = frozenset(m.key for _, m in tensors if stays_whole(m, index))
     return ConvertPlan(
         layout,
         fmt,
@@ -179,4 +195,5 @@ def make_plan(
         batches([m for _, m in tensors], buffer_bytes),
         read_as,
         max_shard_size,
+        whole,
     )

@@ -4,7 +4,7 @@ Call order for a conversion (see ``shardckpt/convert.py``):
   1) (all ranks) ``Reader(src, trust_pickle).index()``: metadata and plain values only.
   2) (all ranks) ``Reader.read(metas, rows, runtime)`` per batch: each rank its rows.
   3) (rank 0, full layouts) ``FullWriter.write(meta, tensor)`` in tree order, then ``close()``;
-     (all ranks, sharded layouts) one ``write_sharded(...)`` call.
+     (all ranks, sharded layouts) one ``formats.dcp_write.write_dcp(...)`` call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """``dcp``: a torch.distributed.checkpoint directory (``.metadata`` + ``*.distcp``).
 
-Reading goes through DCP's own loader with DTensor targets, so each rank reads only
-the stored chunks that overlap its rows. Writing is ``dcp.save`` itself. Two safety
+Reading goes through DCP's own loader; a target of some rows is declared to DCP as one
+chunk at its row offset, so a process reads only the stored chunks that overlap those
+rows, whichever rank (real or virtual, see ``shardckpt.virtual``) it reads them for.
+Writing is ``shardckpt.formats.dcp_write``. Two safety
 changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
 metadata classes, and non-tensor values are loaded with ``weights_only=True``.
 """
@@ -17,15 +19,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import Shard
 
 from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
 from shardckpt.formats.base import Index, Reader, Rows
@@ -105,13 +114,37 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, except that non-tensor values load with ``weights_only=True``."""
+    """DCP's default planner, with values loaded ``weights_only`` and row targets as chunks.
 
-    def __init__(self, trust_pickle: bool, where: Path):
+    ``row_starts`` maps a key whose target holds only some rows to its first row: DCP
+    gets that target as one chunk at that offset (``create_read_items_for_chunk_list``,
+    the helper DCP itself uses for a DTensor's shard) and fills it from the stored
+    chunks it overlaps.
+    """
+
+    def __init__(self, trust_pickle: bool, where: Path, row_starts: dict[str, int] | None = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.trust_pickle = trust_pickle
         self.where = where
         self.values: dict[str, object] = {}
+        self.row_starts = row_starts or {}
+
+    def create_local_plan(self) -> LoadPlan:
+        whole = {k: v for k, v in self.state_dict.items() if k not in self.row_starts}
+        items = list(create_default_local_load_plan(whole, self.metadata).items)
+        for key, start in self.row_starts.items():
+            target = self.state_dict[key]
+            offsets = torch.Size((start,) + (0,) * (target.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=target.size())
+            md = self.metadata.state_dict_metadata[key]
+            items += create_read_items_for_chunk_list(key, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # A row target is a plain tensor; its read items name it by its row offset.
+        if index.fqn in self.row_starts:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
@@ -222,23 +255,18 @@ class DcpReader(Reader):
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
+        row_starts: dict[str, int] = {}
         for meta, r in zip(metas, rows):
-            if r is None:
-                targets[meta.key] = torch.empty(meta.shape, dtype=meta.dtype)
-            else:
-                local = torch.empty((r[1] - r[0],) + meta.shape[1:], dtype=meta.dtype)
-                targets[meta.key] = DTensor.from_local(
-                    local,
-                    runtime.mesh,
-                    [Shard(0)],
-                    run_check=False,
-                    shape=torch.Size(meta.shape),
-                    stride=_contiguous_stride(meta.shape),
-                )
-        self._load(targets, _SafeLoadPlanner(self.trust_pickle, self.src))
-        return [
-            t.to_local() if isinstance(t, DTensor) else t for t in (targets[m.key] for m in metas)
-        ]
+            shape = meta.shape if r is None else (r[1] - r[0],) + meta.shape[1:]
+            targets[meta.key] = torch.empty(shape, dtype=meta.dtype)
+            if r is not None and r != (0, meta.shape[0]):
+                row_starts[meta.key] = r[0]
+        # An empty target has nothing to read (an empty shard, a zero-size tensor).
+        wanted = {k: t for k, t in targets.items() if t.numel()}
+        if wanted:
+            starts = {k: v for k, v in row_starts.items() if k in wanted}
+            self._load(wanted, _SafeLoadPlanner(self.trust_pickle, self.src, starts))
+        return [targets[m.key] for m in metas]
 
     def _load(self, state_dict: dict, planner: _SafeLoadPlanner) -> None:
         try:
@@ -272,24 +300,9 @@ def _first_cause(exc: BaseException) -> BaseException:
     return cause[0] if isinstance(cause, tuple) else cause
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
-def write_sharded(path: Path, state_dict: dict, runtime) -> None:
-    """Save ``state_dict`` (DTensor shards and plain values) as DCP into ``path`` on all ranks."""
-    writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
-    if runtime.distributed:
-        dcp.save(state_dict, storage_writer=writer)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state_dict, storage_writer=writer, no_dist=True)
-
-
 def is_dcp_dir(path: Path) -> bool:
     """Return whether ``path`` looks like a DCP checkpoint directory."""
     return path.is_dir() and (path / METADATA_FILE).is_file()
 
 
-__all__ = ["DcpReader", "describe_chunks", "is_dcp_dir", "read_metadata", "write_sharded"]
+__all__ = ["DcpReader", "describe_chunks", "is_dcp_dir", "read_metadata"]

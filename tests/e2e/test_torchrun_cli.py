@@ -46,6 +46,19 @@ def test_torchrun_sharded_output_round_trips(fsdp2_ckpt, tmp_path):
     assert run(["diff", str(fsdp2_ckpt.dcp), str(tmp_path / "resharded")]) == 0
 
 
+def test_torchrun_two_ranks_write_a_checkpoint_for_five(fsdp2_ckpt, tmp_path):
+    dst = tmp_path / "at5"
+    proc = torchrun(
+        2, "convert", fsdp2_ckpt.dcp, dst, "--to", "sharded", "--world-size", "5", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert '"world_size": 5' in proc.stdout
+    assert sorted(p.name for p in dst.iterdir()) == [".metadata"] + [
+        f"__{r}_0.distcp" for r in range(5)
+    ]
+    assert run(["diff", str(fsdp2_ckpt.dcp), str(dst)]) == 0
+
+
 @pytest.mark.parametrize(
     "argv", [["inspect", "missing-dir"], ["convert", "missing-dir", "out.pt", "--to", "full"]]
 )

@@ -158,14 +158,17 @@ def test_unknown_option_is_a_usage_error(capsys, small):
     assert run(["inspect", str(small / "small.pt"), "--bogus"]) == 2
 
 
-def test_world_size_other_than_the_launch_is_refused_for_now(capsys, small):
+@pytest.mark.parametrize("world_size", ["0", "-2"])
+def test_world_size_below_one_is_a_usage_error(capsys, small, world_size):
     assert error_of(
-        capsys, ["convert", small / "small.pt", small / "o", "--to", "sharded", "--world-size", "3"]
+        capsys,
+        ["convert", small / "small.pt", small / "o", "--to", "sharded", "--world-size", world_size],
     ) == (
         2,
-        "shardckpt: error: --world-size 3 differs from this launch's 1 ranks: "
-        "launch with torchrun --nproc-per-node 3, or drop --world-size",
+        f"shardckpt: error: --world-size must be at least 1, not {world_size}: "
+        "pass the number of ranks that will load the output",
     )
+    assert not (small / "o").exists()
 
 
 def test_pickle_that_runs_code_is_refused_in_a_torch_file(capsys, small):

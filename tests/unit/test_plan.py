@@ -7,8 +7,18 @@ import torch
 
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index
-from shardckpt.plan import SKIP, Selection, batches, dim0_rows, make_plan, rows_to_read, select
-from shardckpt.tree import TensorMeta
+from shardckpt.plan import (
+    SKIP,
+    Selection,
+    batches,
+    dim0_rows,
+    make_plan,
+    rows_to_read,
+    select,
+    stays_whole,
+)
+from shardckpt.tree import Chunk, TensorMeta
+from shardckpt.virtual import virtual_ranks
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 7, 97])
@@ -72,3 +82,29 @@ def test_cleaning_collision_names_both_keys():
         "'ckpt': 'model.module.w' and 'model.w' both become 'w' after FQN cleaning: "
         "pass --no-clean-fqns to keep the keys as they are"
     )
+
+
+def _meta(
+    shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> TensorMeta:
+    layout = "full" if len(chunks) == 1 and chunks[0][1] == shape else f"{len(chunks)} chunks"
+    return TensorMeta("k", shape, torch.float32, layout, tuple(Chunk(0, o, s) for o, s in chunks))
+
+
+def test_a_tensor_a_multi_rank_dcp_stored_as_one_whole_chunk_stays_whole():
+    buffer = _meta((5, 48), [((0, 0), (5, 48))])
+    # FSDP2's 3-row weight at 4 ranks: rank 3's empty shard is a chunk of its own.
+    param = _meta((3, 7), [((0, 0), (1, 7)), ((1, 0), (1, 7)), ((2, 0), (1, 7)), ((3, 0), (0, 7))])
+    at4 = Index("dcp", "ckpt", 4, {})
+    assert stays_whole(buffer, at4) and not stays_whole(param, at4)
+    # A one-rank DCP or a full file stores every tensor whole: nothing tells buffers apart.
+    assert not stays_whole(buffer, Index("dcp", "ckpt", 1, {}))
+    assert not stays_whole(buffer, Index("torch", "full.pt", None, {}))
+    assert stays_whole(_meta((), [((), ())]), Index("torch", "full.pt", None, {}))
+
+
+@pytest.mark.parametrize(("world_size", "launch_size"), [(1, 2), (3, 2), (8, 2), (4, 4), (5, 1)])
+def test_every_target_rank_has_exactly_one_real_rank(world_size, launch_size):
+    owned = [r for k in range(launch_size) for r in virtual_ranks(world_size, k, launch_size)]
+    assert sorted(owned) == list(range(world_size))
+    assert 0 in virtual_ranks(world_size, 0, launch_size)  # the coordinator plans globally

@@ -1,0 +1,43 @@
+"""Virtual ranks: the target ranks of a world size M that one real process acts for.
+
+A launch of N processes writes a checkpoint for M ranks by letting real rank k act for
+target ranks k, k + N, k + 2N, ... Each target rank's shards are real DTensors, placed
+``Shard(0)`` on a 1-D mesh of M ranks built without a process group and told which
+rank it is, so DCP plans them exactly as it plans FSDP2's own state dict at M.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardckpt.tree import TensorMeta
+
+
+def virtual_ranks(world_size: int, rank: int, launch_size: int) -> list[int]:
+    """Return the target ranks of ``world_size`` that real rank ``rank`` of ``launch_size`` acts for."""
+    return list(range(rank, world_size, launch_size))
+
+
+def virtual_mesh(world_size: int, rank: int) -> DeviceMesh:
+    """Return a 1-D CPU mesh of ``world_size`` ranks, as seen from ``rank``, with no process group.
+
+    DTensor's checkpoint planning only asks the mesh for its shape and this rank's
+    coordinate; ``_rank`` and ``_init_backend=False`` (DeviceMesh's own knobs for this)
+    supply both without joining ``world_size`` processes.
+    """
+    return DeviceMesh("cpu", list(range(world_size)), _init_backend=False, _rank=rank)
+
+
+def shard_dtensor(local: torch.Tensor, meta: TensorMeta, mesh: DeviceMesh) -> DTensor:
+    """Return the DTensor whose shard on ``mesh``'s rank is ``local`` (``Shard(0)``, as FSDP2)."""
+    stride = torch.empty(meta.shape, device="meta").stride()
+    return DTensor.from_local(
+        local.cpu(),
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size(meta.shape),
+        stride=stride,
+    )
