@@ -20,7 +20,16 @@ from shardckpt.compare import DiffResult, compare
 from shardckpt.dist import Runtime
 from shardckpt.errors import IOFailure, UsageError
 from shardckpt.formats import FULL_WRITERS, LAYOUT_OF, SHARDED_WRITERS, Index, open_reader
-from shardckpt.plan import DEFAULT_BUFFER_BYTES, ConvertPlan, Selection, make_plan, matches, select
+from shardckpt.model import model_params
+from shardckpt.plan import (
+    DEFAULT_BUFFER_BYTES,
+    ConvertPlan,
+    Selection,
+    make_plan,
+    matches,
+    parse_rename,
+    select,
+)
 from shardckpt.progress import Progress
 from shardckpt.staging import Staging
 from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
@@ -152,6 +161,10 @@ def convert(
     only: str = "all",
     filters: Sequence[str] = (),
     clean_fqns: bool = True,
+    optim_keys: str = "keep",
+    renames: Sequence[str] = (),
+    drops: Sequence[str] = (),
+    model: str | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     verify: bool = False,
@@ -160,7 +173,11 @@ def convert(
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
-    """Convert ``src`` into ``dst`` with layout ``to``; return what was written."""
+    """Convert ``src`` into ``dst`` with layout ``to``; return what was written.
+
+    ``renames`` are ``REGEX=REPL`` strings; ``model`` is ``pkg.module:factory`` (see
+    ``shardckpt.model``), built on the meta device for the order of param IDs.
+    """
     runtime = runtime or Runtime()
     start = time.perf_counter()
     fmt = fmt or (default_format(to, dst) if to in LAYOUTS else "")
@@ -172,7 +189,15 @@ def convert(
         _check_target(to, fmt, world_size, runtime)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
-        selection = Selection(only=only, filters=tuple(filters), clean_fqns=clean_fqns)
+        selection = Selection(
+            only=only,
+            filters=tuple(filters),
+            clean_fqns=clean_fqns,
+            optim_keys=optim_keys,
+            renames=tuple(parse_rename(r) for r in renames),
+            drops=tuple(drops),
+            model=model_params(model, clean_fqns) if model else None,
+        )
         if not dry_run:
             staging.check()
         reader = open_reader(src, src_format, trust_pickle)

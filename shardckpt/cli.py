@@ -42,6 +42,12 @@ class Only(str, Enum):
     optim = "optim"
 
 
+class OptimKeys(str, Enum):
+    keep = "keep"
+    fqn = "fqn"
+    id = "id"
+
+
 class Device(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -120,7 +126,9 @@ def inspect(
 @app.command(
     epilog="Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
     "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
-    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded"
+    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
+    "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
+    "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'"
 )
 def convert(
     src: Annotated[
@@ -163,6 +171,35 @@ def convert(
     ] = Only.all,
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
+    optim_keys: Annotated[
+        OptimKeys,
+        typer.Option(
+            "--optim-keys",
+            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), or keep.",
+        ),
+    ] = OptimKeys.keep,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="pkg.module:factory returning the module or (module, param_groups); "
+            "gives the order of param IDs.",
+        ),
+    ] = None,
+    renames: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike (repeatable).",
+        ),
+    ] = None,
+    drops: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--drop",
+            help="Drop every FQN this regex finds, with its optimizer state (repeatable).",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing DST.")
     ] = False,
@@ -192,6 +229,10 @@ def convert(
             only=only.value,
             filters=filters or (),
             clean_fqns=clean_fqns,
+            optim_keys=optim_keys.value,
+            renames=renames or (),
+            drops=drops or (),
+            model=model,
             overwrite=overwrite,
             dry_run=dry_run,
             verify=verify,
