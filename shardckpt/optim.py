@@ -67,10 +67,18 @@ def _with(optim: Mapping, state: dict, params: Sequence[list]) -> dict:
     return {**optim, "state": state, "param_groups": groups}
 
 
-def fqns_to_ids(optim: Mapping) -> dict:
-    """Return ``optim`` keyed by param ID, numbered as ``torch.optim`` does: group by group."""
+def fqns_to_ids(optim: Mapping, model: ModelParams | None = None) -> dict:
+    """Return ``optim`` keyed by param ID, numbered as ``torch.optim`` does: group by group.
+
+    Within a group, IDs follow the ``params`` list, or with ``model`` the model's order
+    (its param groups, else ``named_parameters()``): FSDP1 without ``use_orig_params``
+    lists FQNs in flat-parameter order, which no plain optimizer was built in.
+    """
+    groups = _groups(optim)
+    if model is not None:
+        groups = _in_model_order(groups, model)
     ids: dict[str, int] = {}
-    for params in _groups(optim):
+    for params in groups:
         for fqn in params:
             if fqn in ids:
                 raise RekeyError(f"parameter '{fqn}' is listed twice in param_groups")
@@ -79,7 +87,18 @@ def fqns_to_ids(optim: Mapping) -> dict:
     if stray:
         raise RekeyError(f"optimizer state for '{stray[0]}' names no parameter in param_groups")
     state = {ids[k]: v for k, v in sorted(optim["state"].items(), key=lambda kv: ids[kv[0]])}
-    return _with(optim, state, [[ids[f] for f in params] for params in _groups(optim)])
+    return _with(optim, state, [[ids[f] for f in params] for params in groups])
+
+
+def _in_model_order(groups: list[list], model: ModelParams) -> list[list]:
+    """Return each group's FQNs sorted by their position in ``model``."""
+    order = [f for g in model.groups for f in g] if model.groups is not None else model.fqns
+    position = {f: i for i, f in enumerate(order)}
+    for params in groups:
+        unknown = [f for f in params if f not in position]
+        if unknown:
+            raise OrderError(f"'{unknown[0]}' is in the optimizer state but not in the model")
+    return [sorted(params, key=position.__getitem__) for params in groups]
 
 
 def normalize_ids(optim: Mapping) -> dict:
@@ -337,7 +356,7 @@ def rekey(
         kind = key_type(optim)
         want = "id" if optim_keys == "id" or (optim_keys == "keep" and was_id[path]) else None
         if want == "id" and kind == "fqn":
-            out = _replace(out, path, fqns_to_ids(optim))
+            out = _replace(out, path, fqns_to_ids(optim, model))
         elif optim_keys == "id" and kind == "id":
             out = _replace(out, path, normalize_ids(optim))
     return out

@@ -68,3 +68,10 @@ def trained(optimizer: str, model: nn.Module | None = None, steps: int = 2):
 def broken() -> nn.Module:
     """Raise, as a factory with a bug does."""
     raise RuntimeError("boom")
+
+
+def tinylm_with_groups() -> tuple[nn.Module, list[dict]]:
+    """Return the example TinyLM and its AdamW groups (examples/ is not an importable package)."""
+    from reference import example
+
+    return example.model_and_param_groups()

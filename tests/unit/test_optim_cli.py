@@ -212,3 +212,27 @@ def test_inspect_reports_id_keys_and_warns_about_stray_and_stateless(capsys, tmp
             f"optim: state for 1 key(s) in no param group, e.g. {stray}",
             "optim: 1 parameter(s) without state yet, e.g. 1",
         ]
+
+
+def test_an_optimizer_alone_needs_model_for_its_fqns(capsys, tmp_path):
+    model, opt = trained("adagrad")
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    argv = [
+        "convert",
+        tmp_path / "opt.pt",
+        tmp_path / "o.pt",
+        "--to",
+        "full",
+        "--optim-keys",
+        "fqn",
+    ]
+    assert error_of(capsys, argv) == (
+        2,
+        f"shardckpt: error: '{tmp_path / 'opt.pt'}': cannot tell the FQN of each optimizer param "
+        "ID: the checkpoint holds no model state to take the parameter order from: "
+        "pass --model pkg.module:factory returning (module, param_groups)",
+    )
+    assert run([str(a) for a in argv] + ["--model", "optim_models:tiny_with_groups"]) == 0
+    assert_trees_equal(
+        torch.load(tmp_path / "o.pt", weights_only=True), get_state_dict(model, opt)[1]
+    )
