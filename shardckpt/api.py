@@ -28,7 +28,16 @@ from shardckpt.formats import (
     Index,
     open_reader,
 )
-from shardckpt.plan import DEFAULT_BUFFER_BYTES, ConvertPlan, Selection, make_plan, matches, select
+from shardckpt.model import model_params
+from shardckpt.plan import (
+    DEFAULT_BUFFER_BYTES,
+    ConvertPlan,
+    Selection,
+    make_plan,
+    matches,
+    parse_rename,
+    select,
+)
 from shardckpt.progress import Progress
 from shardckpt.staging import Staging
 from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
@@ -185,6 +194,10 @@ def convert(
     dtype: str = "keep",
     cast_optim: bool = False,
     max_shard_size: int | None = None,
+    optim_keys: str = "keep",
+    renames: Sequence[str] = (),
+    drops: Sequence[str] = (),
+    model: str | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     verify: bool = False,
@@ -193,7 +206,11 @@ def convert(
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
-    """Convert ``src`` into ``dst`` with layout ``to``; return what was written."""
+    """Convert ``src`` into ``dst`` with layout ``to``; return what was written.
+
+    ``renames`` are ``REGEX=REPL`` strings; ``model`` is ``pkg.module:factory`` (see
+    ``shardckpt.model``), built on the meta device for the order of param IDs.
+    """
     runtime = runtime or Runtime()
     start = time.perf_counter()
     fmt = fmt or (default_format(to, dst) if to in LAYOUTS else "")
@@ -205,7 +222,15 @@ def convert(
             raise UsageError("--buffer-size must be positive")
         cast_to = _check_cast(dtype, cast_optim)
         _check_shard_size(fmt, max_shard_size)
-        selection = Selection(only=only, filters=tuple(filters), clean_fqns=clean_fqns)
+        selection = Selection(
+            only=only,
+            filters=tuple(filters),
+            clean_fqns=clean_fqns,
+            optim_keys=optim_keys,
+            renames=tuple(parse_rename(r) for r in renames),
+            drops=tuple(drops),
+            model=model_params(model, clean_fqns) if model else None,
+        )
         if not dry_run:
             staging.check()
         reader = open_reader(src, src_format, trust_pickle)

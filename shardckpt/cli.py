@@ -49,6 +49,12 @@ class Dtype(str, Enum):
     fp32 = "fp32"
 
 
+class OptimKeys(str, Enum):
+    keep = "keep"
+    fqn = "fqn"
+    id = "id"
+
+
 class Device(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -131,6 +137,9 @@ def inspect(
     "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
     "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
+    "\n\n"
+    "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
+    "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'"
 )
 def convert(
     src: Annotated[
@@ -196,6 +205,35 @@ def convert(
             help="For --format hf: the most tensor bytes per shard (default 5GB).",
         ),
     ] = None,
+    optim_keys: Annotated[
+        OptimKeys,
+        typer.Option(
+            "--optim-keys",
+            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), or keep.",
+        ),
+    ] = OptimKeys.keep,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="pkg.module:factory returning the module or (module, param_groups); "
+            "gives the order of param IDs.",
+        ),
+    ] = None,
+    renames: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike (repeatable).",
+        ),
+    ] = None,
+    drops: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--drop",
+            help="Drop every FQN this regex finds, with its optimizer state (repeatable).",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing DST.")
     ] = False,
@@ -232,6 +270,10 @@ def convert(
                 if max_shard_size is not None
                 else None
             ),
+            optim_keys=optim_keys.value,
+            renames=renames or (),
+            drops=drops or (),
+            model=model,
             overwrite=overwrite,
             dry_run=dry_run,
             verify=verify,

@@ -9,6 +9,7 @@ The row arithmetic is torch's own: ``Shard.local_shard_size_and_offset``, the ru
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -19,11 +20,13 @@ from shardckpt.cast import cast_tree
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index, Rows
 from shardckpt.formats.hf import model_tree
+from shardckpt.optim import OPTIM_KEYS, ModelParams, OrderError, RekeyError, rekey
 from shardckpt.tree import (
     Path,
     TensorMeta,
     clean_fqn,
     dotted,
+    find_optimizers,
     prune,
     rename_keys,
     split_model_optim,
@@ -43,30 +46,129 @@ class Selection:
     only: str = "all"
     filters: tuple[str, ...] = ()
     clean_fqns: bool = True
+    optim_keys: str = "keep"
+    renames: tuple[tuple[str, str], ...] = ()
+    """``(REGEX, REPL)`` pairs applied with ``re.sub`` to every FQN, in order."""
+    drops: tuple[str, ...] = ()
+    """Regexes: an FQN any of them finds (``re.search``) is dropped with its optimizer state."""
+    model: ModelParams | None = None
+    """The parameters ``--model`` builds, for param-ID order; None: inferred from SRC."""
 
     def __post_init__(self) -> None:
         if self.only not in ("all", "model", "optim"):
             raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
+        if self.optim_keys not in OPTIM_KEYS:
+            raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
+        for pattern, repl in self.renames:
+            _compile("--rename", f"{pattern}={repl}", pattern).sub(repl, "")
+        for pattern in self.drops:
+            _compile("--drop", pattern, pattern)
+
+    def fqn_map(self):
+        """Return the function ``--rename`` and ``--drop`` apply to an FQN, or None for neither."""
+        if not self.renames and not self.drops:
+            return None
+        renames = [(re.compile(p), r) for p, r in self.renames]
+        drops = [re.compile(p) for p in self.drops]
+
+        def apply(fqn: str) -> str | None:
+            for pattern, repl in renames:
+                fqn = pattern.sub(repl, fqn)
+            return None if any(d.search(fqn) for d in drops) else fqn
+
+        return apply
+
+
+def _compile(option: str, text: str, pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(
+            f"{option} {text!r}: bad regular expression ({exc})",
+            hint="use Python re syntax; escape dots as \\.",
+        ) from None
+
+
+def parse_rename(text: str) -> tuple[str, str]:
+    """Return ``(REGEX, REPL)`` from ``REGEX=REPL``, split at the last ``=`` (FQNs hold none)."""
+    pattern, sep, repl = text.rpartition("=")
+    if not sep or not pattern:
+        raise UsageError(
+            f"--rename {text!r} is not REGEX=REPL",
+            hint="write it like --rename '^encoder\\.=backbone.'",
+        )
+    try:
+        re.compile(pattern).sub(repl, "")
+    except re.error as exc:
+        raise UsageError(
+            f"--rename {text!r}: bad regular expression or replacement ({exc})",
+            hint="use Python re syntax; escape dots as \\.",
+        ) from None
+    return pattern, repl
+
+
+def _collision(src: str, exc: KeyError, after: str, hint: str) -> BadInputError:
+    first, second, name = exc.args[0]
+    return BadInputError(
+        f"'{first}' and '{second}' both become '{name}' after {after}", path=src, hint=hint
+    )
 
 
 def select(index: Index, selection: Selection) -> dict:
-    """Return the tree DST will hold: ``--only``, FQN cleaning, then ``--filter`` on cleaned paths."""
-    tree = split_model_optim(index.tree, selection.only)
+    """Return the tree DST will hold: FQN cleaning, optimizer keys and renames, ``--only``, ``--filter``.
+
+    Rekeying sees the whole source, so the model state that tells param IDs apart is
+    there even when ``--only optim`` leaves it out of DST.
+    """
+    tree = index.tree
     if selection.clean_fqns:
         try:
             tree = rename_keys(tree, clean_fqn)
         except KeyError as exc:
-            first, second, name = exc.args[0]
-            raise BadInputError(
-                f"'{first}' and '{second}' both become '{name}' after FQN cleaning",
-                path=index.src,
-                hint="pass --no-clean-fqns to keep the keys as they are",
+            raise _collision(
+                index.src, exc, "FQN cleaning", "pass --no-clean-fqns to keep the keys as they are"
             ) from None
+    tree = _rekey(index.src, tree, selection)
+    tree = split_model_optim(tree, selection.only)
     if selection.filters:
         tree = prune(tree, lambda path, _: matches(path, selection.filters))
     if not isinstance(tree, Mapping):
         tree = {}
     return dict(tree)
+
+
+def _rekey(src: str, tree: dict, selection: Selection) -> dict:
+    """Return ``tree`` with ``--rename``/``--drop`` applied and optimizers keyed as asked."""
+    fqn_map = selection.fqn_map()
+    if selection.optim_keys == "keep" and fqn_map is None:
+        return tree
+    if selection.optim_keys != "keep" and not find_optimizers(tree):
+        raise UsageError(
+            f"--optim-keys {selection.optim_keys}: the checkpoint holds no optimizer state",
+            path=src,
+            hint="drop --optim-keys (it applies to dicts with 'state' and 'param_groups')",
+        )
+    try:
+        return rekey(tree, selection.optim_keys, fqn_map, selection.model)
+    except KeyError as exc:
+        raise _collision(
+            src, exc, "--rename/--drop", "change the --rename patterns so names stay distinct"
+        ) from None
+    except OrderError as exc:
+        hint = (
+            "check that --model builds the trained model and its param groups"
+            if selection.model is not None
+            else "pass --model pkg.module:factory returning (module, param_groups)"
+        )
+        raise UsageError(
+            f"cannot tell the FQN of each optimizer param ID: {exc}", path=src, hint=hint
+        ) from None
+    except RekeyError as exc:
+        raise BadInputError(
+            f"inconsistent optimizer state: {exc}",
+            path=src,
+            hint="check the optimizer with `shardckpt inspect`",
+        ) from None
 
 
 def matches(path: Path, globs: Sequence[str]) -> bool:

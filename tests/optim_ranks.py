@@ -1,0 +1,87 @@
+"""Rank functions for the optimizer-key acceptance tests: real DDP and FSDP1 on gloo ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from reference import example
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+
+class CompiledLike(nn.Module):
+    """Holds the model as ``_orig_mod``, the attribute ``torch.compile``'s wrapper uses.
+
+    Compiling on two shared cores would cost minutes; the checkpoint keys
+    (``module._orig_mod.…`` under DDP) are what matters here.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Return the wrapped model's output."""
+        return self._orig_mod(tokens)
+
+
+def ddp_checkpoint(path: str) -> dict | None:
+    """Train the example with DDP, ``torch.save`` its plain state on rank 0; return the truth.
+
+    The truth is ``get_state_dict`` of the unwrapped model: clean FQNs, FQN-keyed state.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = example.build_model(0)
+    wrapped = DDP(CompiledLike(model))
+    optimizer = example.build_optimizer(wrapped)
+    example.train(wrapped, optimizer, steps=2, seed=0)
+    if dist.get_rank() != 0:
+        return None
+    torch.save({"model": wrapped.state_dict(), "optim": optimizer.state_dict()}, path)
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def fsdp1_rekey(use_orig_params: bool) -> dict:
+    """Train the example under FSDP1; return its full FQN-keyed state and torch's rekeyings."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        OptimStateKeyType,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    wrapped = FSDP(
+        example.build_model(0),
+        auto_wrap_policy=ModuleWrapPolicy({example.Block}),
+        use_orig_params=use_orig_params,
+        device_id=torch.device("cpu"),
+    )
+    # Without use_orig_params the optimizer sees flat parameters: one group is all it can have.
+    optimizer = (
+        example.build_optimizer(wrapped)
+        if use_orig_params
+        else torch.optim.AdamW(wrapped.parameters())
+    )
+    example.train(wrapped, optimizer, steps=2, seed=0)
+    FSDP.set_state_dict_type(
+        wrapped,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=False),
+        FullOptimStateDictConfig(rank0_only=False),
+    )
+    full = FSDP.optim_state_dict(wrapped, optimizer)
+    plain = example.build_model(0)
+    plain_optimizer = (
+        example.build_optimizer(plain) if use_orig_params else torch.optim.AdamW(plain.parameters())
+    )
+    by_id = FSDP.rekey_optim_state_dict(
+        full, OptimStateKeyType.PARAM_ID, plain, optim=plain_optimizer
+    )
+    by_name = FSDP.rekey_optim_state_dict(
+        by_id, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optimizer
+    )
+    return {"full": full, "by_id": by_id, "by_name": by_name}
