@@ -146,7 +146,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             f"could not join the process group: {_one_line(exc)}",
             hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
         ) from exc
-    ok = False
+    in_step = False  # whether every rank is known to reach the teardown together
     try:
         all_have_gpu = not _any_rank(not has_gpu)
         if device == "cuda" and not all_have_gpu:
@@ -160,10 +160,16 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
 
         mesh = init_device_mesh(dev.type, (world_size,))
         yield Runtime(rank=rank, world_size=world_size, device=dev, mesh=mesh)
-        ok = True
+        in_step = True
+    except BaseException as exc:
+        # A failure every rank agreed on brings them all here; one only this rank saw
+        # may have left the others in a collective, and a barrier would wait for them.
+        in_step = isinstance(exc, RemoteRankError) or getattr(exc, "agreed", False)
+        raise
     finally:
-        # A barrier after a failure could wait on a rank that is already gone.
-        if ok:
+        # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that are
+        # in step leave together.
+        if in_step:
             with contextlib.suppress(Exception):
                 dist.barrier()
         with contextlib.suppress(Exception):
