@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shardckpt.tree import Path, dotted, find_optimizers, is_optimizer, is_tensor_leaf, subtree
+from shardckpt.tree import (
+    Path,
+    dotted,
+    find_optimizers,
+    is_optimizer,
+    is_tensor_leaf,
+    optimizer_key_type,
+    param_id,
+    subtree,
+)
 
 OPTIM_KEYS = ("keep", "fqn", "id")
 
@@ -40,21 +49,11 @@ class ModelParams:
     groups: tuple[tuple[str, ...], ...] | None = None
 
 
-def param_id(key: object) -> int | None:
-    """Return ``key`` as a param ID (``3`` or DCP's ``"3"``), or None when it is an FQN."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key
-    if isinstance(key, str) and key.isdigit():
-        return int(key)
-    return None
-
-
 def key_type(optim: Mapping) -> str:
     """Return ``"id"``, ``"fqn"`` or ``"empty"`` for an optimizer state dict."""
-    keys = [*optim["state"], *(p for g in optim["param_groups"] for p in g.get("params", []))]
-    if not keys:
-        return "empty"
-    return "id" if all(param_id(k) is not None for k in keys) else "fqn"
+    return optimizer_key_type(
+        [*optim["state"], *(p for g in optim["param_groups"] for p in g.get("params", []))]
+    )
 
 
 def _groups(optim: Mapping) -> list[list]:

@@ -169,20 +169,30 @@ def subtree(tree: object, path: Path) -> object:
     return node
 
 
+def param_id(key: object) -> int | None:
+    """Return ``key`` as a param ID (``3``, or DCP's ``"3"``), or None when it is an FQN."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    # DCP stores every mapping key as str, so ID-keyed state comes back as "0", "1", ...
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    return None
+
+
+def optimizer_key_type(keys: list) -> str:
+    """Return ``"id"``, ``"fqn"`` or ``"empty"`` for an optimizer's state keys and params."""
+    if not keys:
+        return "empty"
+    return "id" if all(param_id(k) is not None for k in keys) else "fqn"
+
+
 def describe_optimizer(tree: object, path: Path) -> OptimizerInfo:
     """Return the summary of the optimizer subtree at ``path``."""
     node: Any = subtree(tree, path)
     state = node["state"] if isinstance(node["state"], Mapping) else {}
     groups = node["param_groups"] if isinstance(node["param_groups"], list) else []
     params = [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
-    keys = list(state.keys()) + params
-    if not keys:
-        key_type = "empty"
-    elif all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in keys):
-        # DCP stores every mapping key as str, so ID-keyed state comes back as "0", "1", ...
-        key_type = "id"
-    else:
-        key_type = "fqn"
+    key_type = optimizer_key_type(list(state.keys()) + params)
     names = sorted({n for s in state.values() if isinstance(s, Mapping) for n in s})
     return OptimizerInfo(path, key_type, len(params) or len(state), tuple(names), len(groups))
 
