@@ -6,6 +6,7 @@ infinity stay floats; JSON alone would lose each of these. Tensors become named 
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Callable, Mapping
 
@@ -70,6 +71,9 @@ def encode_value(value: object, path: tuple = ()) -> object:
         return {"tuple": [encode_value(v, path) for v in value]}
     if isinstance(value, dict):
         return {"dict": [[encode_value(k, path), encode_value(v, path)] for k, v in value.items()]}
+    if isinstance(value, bytes):
+        # torchtitan keeps its dataloader state as pickled bytes.
+        return {"bytes": base64.b64encode(value).decode("ascii")}
     raise UnencodableValue(
         f"value at '{dotted(path)}' is a {type(value).__name__}, which has no JSON form"
     )
@@ -87,5 +91,7 @@ def decode_value(node: object) -> object:
             return {decode_value(k): decode_value(v) for k, v in body}
         if kind == "float":
             return float(body)
+        if kind == "bytes":
+            return base64.b64decode(body)
         raise ValueError(f"unknown value kind {kind!r}")
     return node
