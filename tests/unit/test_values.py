@@ -35,6 +35,8 @@ from shardckpt.tree import TensorMeta
         {0: "id", "k": None},
         [(1, [2, (3,)])],
         (),
+        b"\x00pickled\xff",
+        {"dataloader": {"rank_0": b"\x80\x04"}},
     ],
 )
 def test_values_round_trip_with_their_types(value):
