@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.torch_file import load
-from shardckpt.tree import Chunk, TensorMeta, build, subtree, walk
+from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
 # rank3.pt, rank_3.pt, model_rank3.pt, model_world_size_4_rank_3.pt (veRL), rank3-of-4.pt,
 # and DCP's own naming with a .pt suffix, __3_0.pt.
@@ -220,12 +220,12 @@ class Fsdp2RanksReader(Reader):
 
     def _describe(self) -> dict:
         """Return the tree of rank 0's files with ``TensorMeta`` leaves, recording each tensor's chunks."""
-        items = []
-        for part, objs in self.objects.items():
-            prefix = (part,) if len(self.objects) > 1 else ()
-            for path, leaf in walk(objs[0]):
-                items.append((prefix + path, self._leaf(part, path, leaf)))
-        return build(items) if items else {}
+        # map_leaves keeps the files' containers as they are (int keys of an ID-keyed optimizer).
+        trees = {
+            part: map_leaves(objs[0], lambda path, leaf, part=part: self._leaf(part, path, leaf))
+            for part, objs in self.objects.items()
+        }
+        return trees if len(trees) > 1 else next(iter(trees.values()))
 
     def _leaf(self, part: str, path: tuple, leaf: object) -> object:
         if not isinstance(leaf, torch.Tensor):
