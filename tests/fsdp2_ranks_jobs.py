@@ -6,6 +6,7 @@ import copy
 import os
 from typing import Any
 
+import meshes
 import torch
 import torch.distributed as dist
 from reference import example
@@ -14,6 +15,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 # As in reference.py: a load that silently does nothing must not match the reference.
 _LOAD_SEED = 1234
@@ -61,3 +65,33 @@ def load_rank_files(rank_dir: str, id_keyed: bool = False) -> dict[str, Any] | N
     loaded = copy.deepcopy(_full_state(model, optimizer))
     example.train(model, optimizer, 1, 7)
     return loaded
+
+
+def save_2d_rank_files(out_dir: str, kind: str) -> dict[str, Any] | None:
+    """Train on a 2x2 mesh (``hsdp`` or ``fsdp_tp``) and ``torch.save`` each rank's state.
+
+    Returns the job's full state on rank 0.
+    """
+    mesh_names = {"hsdp": ("replicate", "shard"), "fsdp_tp": ("dp", "tp")}[kind]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=mesh_names)
+    if kind == "hsdp":
+        model = example.build_model(0)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = example.build_optimizer(model)
+        example.train(model, optimizer, 2, 0)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = meshes.Mlp()
+        tp = {"fc_in": ColwiseParallel(), "fc_out": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], tp)
+        fully_shard(model, mesh=mesh["dp"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+        model(torch.randn(3, 48, generator=gen)).pow(2).mean().backward()
+        optimizer.step()
+    state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
+    torch.save(state, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    return _full_state(model, optimizer)

@@ -168,7 +168,7 @@ class Fsdp2RanksReader(Reader):
                 if not dtensors:
                     continue
                 mesh = dtensors[0].device_mesh
-                sizes[(part, rank)] = mesh.size()
+                sizes[(part, rank)] = _job_world_size(mesh)
                 held = _mesh_rank(mesh)
                 if held is not None and held != rank:
                     raise BadInputError(
@@ -306,10 +306,20 @@ class Fsdp2RanksReader(Reader):
         return out
 
 
+# A pickled mesh in a process without the job's process groups answers only from its
+# saved state: ``mesh.mesh`` and ``get_rank()`` of a sliced mesh (FSDP+TP's ``mesh["dp"]``)
+# ask the process group, so the job's ranks and the saving rank are read from that state.
+
+
+def _job_world_size(mesh) -> int:
+    """Return the number of ranks of the job whose mesh (or a slice of it) ``mesh`` is."""
+    return int(mesh._rank_map.numel())
+
+
 def _mesh_rank(mesh) -> int | None:
-    """Return the global rank a pickled mesh says it was saved on, or None when it does not say."""
-    coord = mesh.get_coordinate()
-    return None if coord is None else int(mesh.mesh[tuple(coord)].item())
+    """Return the global rank a pickled mesh was saved on, or None when it does not say."""
+    rank = getattr(mesh, "_rank", None)
+    return None if rank is None else int(rank)
 
 
 def is_rank_dir(path: Path) -> bool:

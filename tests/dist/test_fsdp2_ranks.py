@@ -161,3 +161,22 @@ def test_files_without_dtensors_are_refused(fsdp2_ckpt, tmp_path, capsys):
         f"shardckpt: error: '{src / 'rank0.pt'}': holds no DTensor, so it is not an FSDP2 "
         "per-rank file: pass a directory of FSDP2 per-rank files, or a full checkpoint file itself",
     )
+
+
+@pytest.mark.parametrize(
+    "kind, fqn, layout",
+    [
+        ("hsdp", "embed.weight", "Replicate×Shard(0) over 2×2"),
+        ("fsdp_tp", "fc_out.weight", "Shard(0)×Shard(1) over 2×2"),
+    ],
+)
+def test_two_d_rank_files_convert_to_the_jobs_full_state(tmp_path, capsys, kind, fqn, layout):
+    src = tmp_path / "ranks"
+    src.mkdir()
+    full = run_ranks(jobs.save_2d_rank_files, 4, str(src), kind)[0]
+    assert run(["inspect", str(src), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    layouts = {tuple(e["path"]): e["layout"] for e in doc["entries"] if e["kind"] == "tensor"}
+    assert layouts[("model", fqn)] == layout
+    run_ranks(ranks.convert, 2, str(src), str(tmp_path / "full.pt"), "full", {})
+    assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), full)
