@@ -50,7 +50,8 @@ def job4(tmp_path_factory):
 def at2(fsdp2_ckpt, tmp_path_factory):
     """The session's FSDP2 DCP checkpoint at 4 converted standalone to ``fsdp2-ranks`` at 2."""
     dst = tmp_path_factory.mktemp("at2") / "ranks"
-    api.convert(fsdp2_ckpt.dcp, dst, to="local", world_size=2)
+    result = api.convert(fsdp2_ckpt.dcp, dst, to="local", world_size=2, verify=True)
+    assert (result.format, result.layout, result.verified) == ("fsdp2-ranks", "local", True)
     return dst
 
 
