@@ -24,6 +24,7 @@ from shardckpt.formats import (
     DIRECTORY_FORMATS,
     FULL_WRITERS,
     LAYOUT_OF,
+    LOCAL_WRITERS,
     SHARDED_WRITERS,
     Index,
     open_reader,
@@ -142,10 +143,10 @@ def _check_target(to: str, fmt: str, world_size: int | None) -> None:
             f"--format {fmt} is a {LAYOUT_OF[fmt]} layout, not {to}",
             hint=f"pass --to {LAYOUT_OF[fmt]}, or a {to} format",
         )
-    if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS:
+    if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS and fmt not in LOCAL_WRITERS:
         raise UsageError(
             f"writing --format {fmt} is not supported yet",
-            hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS])}",
+            hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS, *LOCAL_WRITERS])}",
         )
     if world_size is not None and to == "full":
         raise UsageError(

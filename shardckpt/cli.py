@@ -64,7 +64,8 @@ class Device(str, Enum):
 SrcFormat = Annotated[
     str | None,
     typer.Option(
-        "--format", help="Source format (default: detected): dcp, torch, safetensors, hf."
+        "--format",
+        help="Source format (default: detected): dcp, torch, safetensors, hf, fsdp2-ranks.",
     ),
 ]
 Filters = Annotated[
@@ -136,6 +137,7 @@ def inspect(
     epilog="Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
     "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
     "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
+    "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     "\n\n"
     "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
@@ -155,7 +157,8 @@ def convert(
         Layout,
         typer.Option(
             "--to",
-            help="Layout of DST: full (one file) or sharded (DCP, one file per rank of --world-size).",
+            help="Layout of DST: full (one file), sharded (DCP) or local (fsdp2-ranks: one torch.save "
+            "per rank), one file per rank of --world-size for the last two.",
         ),
     ],
     fmt: Annotated[
@@ -163,21 +166,21 @@ def convert(
         typer.Option(
             "--format",
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded. "
-            "hf: a Hugging Face directory of safetensors shards (model state only).",
+            "hf: a Hugging Face directory of safetensors shards (model state only); fsdp2-ranks for local.",
         ),
     ] = None,
     src_format: Annotated[
         str | None,
         typer.Option(
             "--from",
-            help="Source format, when detection is not wanted: dcp, torch, safetensors, hf.",
+            help="Source format, when detection is not wanted: dcp, torch, safetensors, hf, fsdp2-ranks.",
         ),
     ] = None,
     world_size: Annotated[
         int | None,
         typer.Option(
             "--world-size",
-            help="Ranks of a sharded DST, any M >= 1, whatever the launch (default: the launch's).",
+            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch (default: the launch's).",
         ),
     ] = None,
     only: Annotated[

@@ -6,7 +6,9 @@ rank into the same error on all of them before the next collective):
   2) per batch: (all) read own rows -> (all) gather to rank 0 -> (rank 0) write whole
      tensor; or, for a sharded DST of M ranks, read the rows of each target rank this
      process acts for (``shardckpt.virtual``) and keep them as that rank's DTensor shards.
-  3) (all) DCP's save protocol for the M target ranks (``formats/dcp_write.py``).
+  3) (all) DCP's save protocol for the M target ranks (``formats/dcp_write.py``); or,
+     for a local DST, each process saves the file of each target rank it acts for, one
+     target rank at a time (``formats/fsdp2_ranks_write.py``).
   4) (rank 0) writer closes; ``Staging.commit`` renames the output onto DST.
 """
 
@@ -20,6 +22,7 @@ from shardckpt.collect import assemble
 from shardckpt.formats import open_full_writer
 from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp_write import write_dcp
+from shardckpt.formats.fsdp2_ranks_write import write_rank_file
 from shardckpt.plan import SKIP, ConvertPlan, dim0_rows, is_sharded, rows_to_read
 from shardckpt.staging import Staging
 from shardckpt.tree import TensorMeta, map_leaves
@@ -35,6 +38,8 @@ def run(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: 
     try:
         if plan.layout == "full":
             _to_full(reader, plan, staging, runtime, progress)
+        elif plan.layout == "local":
+            _to_local(reader, plan, staging, runtime, progress)
         else:
             _to_sharded(reader, plan, staging, runtime, progress)
         runtime.agreed(lambda: staging.commit() if runtime.coordinator else None)
@@ -143,3 +148,42 @@ def _to_sharded(
 
     state_dicts = runtime.agreed(lambda: {r: state_dict(r) for r in targets})
     write_dcp(staging.tmp, state_dicts, plan.world_size, runtime)
+
+
+def _to_local(
+    reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress
+) -> None:
+    """Write one file per target rank; a process holds one target rank's shards at a time."""
+    targets = virtual_ranks(plan.world_size, runtime.rank, runtime.world_size)
+    rounds = -(-plan.world_size // runtime.world_size)
+    # Tensors every target rank holds whole are read once and shared by their files.
+    whole: dict[str, torch.Tensor] = {}
+    for i in range(rounds):
+        # Every process runs every round (the agreed steps are collectives), with or
+        # without a target rank in it.
+        target = targets[i] if i < len(targets) else None
+        shards: dict[str, torch.Tensor] = {}
+
+        def read(batch: list[TensorMeta], target=target, shards=shards) -> None:
+            if target is None:
+                return
+            kept = [m for m in batch if m.key in plan.whole and m.key not in whole]
+            if kept:
+                whole.update(
+                    zip((m.key for m in kept), reader.read(kept, [None] * len(kept), runtime))
+                )
+            split = [m for m in batch if m.key not in plan.whole]
+            rows = [dim0_rows(m.shape, plan.world_size, target) for m in split]
+            shards.update(zip((m.key for m in split), reader.read(split, rows, runtime)))
+
+        for batch in plan.batches:
+            runtime.agreed(lambda b=batch: read(b))
+            size = sum(m.nbytes for m in batch)
+            progress(size * (i + 1) // rounds - size * i // rounds)
+        runtime.agreed(
+            lambda target=target, shards=shards: (
+                write_rank_file(staging.tmp, plan.tree, plan.world_size, target, shards, whole)
+                if target is not None
+                else None
+            )
+        )

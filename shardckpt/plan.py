@@ -197,9 +197,12 @@ def stays_whole(meta: TensorMeta, index: Index) -> bool:
     ranks stored as one whole chunk: that is how DCP stores what every rank held whole
     (FSDP2's buffers, plain tensors), while a DTensor gets a chunk per rank, empty ones
     included. A one-rank source stores everything whole, so it tells nothing apart.
+    Per-rank FSDP2 files tell it directly: what is not a DTensor there stays whole.
     """
     if not is_sharded(meta):
         return True
+    if index.format == "fsdp2-ranks":
+        return meta.layout == "full"
     return index.format == "dcp" and (index.world_size or 1) > 1 and meta.layout == "full"
 
 

@@ -30,6 +30,23 @@ def virtual_mesh(world_size: int, rank: int) -> DeviceMesh:
     return DeviceMesh("cpu", list(range(world_size)), _init_backend=False, _rank=rank)
 
 
+# The name of the world process group in every job: the default group is created first.
+WORLD_GROUP_NAME = "0"
+
+
+def job_mesh(world_size: int, rank: int) -> DeviceMesh:
+    """Return ``virtual_mesh`` as it pickles from rank ``rank`` of a job at ``world_size``.
+
+    ``init_device_mesh(device, (world_size,))`` in a job gives its one dimension the
+    world group, and a pickled mesh keeps only that group's name; a job that unpickles
+    the mesh looks the name up among its own groups. Naming the world group here makes
+    a saved DTensor usable (``full_tensor``, redistribution) in the job that loads it.
+    """
+    mesh = virtual_mesh(world_size, rank)
+    mesh._dim_group_names = [WORLD_GROUP_NAME]
+    return mesh
+
+
 def shard_dtensor(local: torch.Tensor, meta: TensorMeta, mesh: DeviceMesh) -> DTensor:
     """Return the DTensor whose shard on ``mesh``'s rank is ``local`` (``Shard(0)``, as FSDP2)."""
     stride = torch.empty(meta.shape, device="meta").stride()

@@ -9,6 +9,7 @@ from pathlib import Path
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import FullWriter, Index, Reader
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader, is_rank_dir
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
@@ -28,6 +29,7 @@ READERS: dict[str, type[Reader]] = {
     "torch": TorchReader,
     "safetensors": SafetensorsReader,
     "hf": HfReader,
+    "fsdp2-ranks": Fsdp2RanksReader,
 }
 FULL_WRITERS: dict[str, type[FullWriter]] = {
     "torch": TorchWriter,
@@ -35,6 +37,7 @@ FULL_WRITERS: dict[str, type[FullWriter]] = {
     "hf": HfWriter,
 }
 SHARDED_WRITERS = {"dcp"}
+LOCAL_WRITERS = {"fsdp2-ranks"}
 # Outputs that are a directory of files (staged as a directory) rather than one file.
 DIRECTORY_FORMATS = {"dcp", "hf", "fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
 SUPPORTED_READ = ", ".join(READERS)
@@ -51,6 +54,8 @@ def detect(src: Path) -> str:
             return "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
+        if is_rank_dir(src):
+            return "fsdp2-ranks"
         if any(p.suffix == ".distcp" for p in src.iterdir()):
             raise BadInputError(
                 f"has *.distcp files but no '{METADATA_FILE}'",
@@ -60,7 +65,8 @@ def detect(src: Path) -> str:
         raise BadInputError(
             "is a directory with no checkpoint in it",
             path=src,
-            hint=f"pass a DCP directory (with '{METADATA_FILE}') or a checkpoint file",
+            hint=f"pass a DCP directory (with '{METADATA_FILE}'), a directory of per-rank "
+            "files (rank0.pt, ...) or a checkpoint file",
         )
     with open(src, "rb") as f:
         head = f.read(9)
@@ -114,6 +120,7 @@ __all__ = [
     "FULL_WRITERS",
     "Index",
     "LAYOUT_OF",
+    "LOCAL_WRITERS",
     "READERS",
     "SHARDED_WRITERS",
     "detect",

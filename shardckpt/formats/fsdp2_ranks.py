@@ -1,0 +1,330 @@
+"""``fsdp2-ranks``: a directory of per-rank ``torch.save`` files holding FSDP2/DTensor state dicts.
+
+Each file is what one rank of an FSDP2 job writes with
+``torch.save({"model": model.state_dict(), "optim": osd}, f"{dir}/rank{r}.pt")``: its
+parameters and optimizer state as DTensors (this rank's local shard, the global shape,
+the placements and the job's device mesh), buffers and 0-dim ``step`` tensors as plain
+tensors, plain values as they are. Files are named by rank (see ``rank_files``).
+
+Reading unpickles every file's pickle with ``weights_only=True`` (DTensor, DeviceMesh and
+the placements are on torch's own allow-list) and memory-maps the tensor data, so the
+index costs no tensor reads and a rank touches only the bytes of the rows it reads.
+Writing is ``shardckpt.formats.fsdp2_ranks_write``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardckpt.errors import BadInputError
+from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.torch_file import load
+from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
+
+# rank3.pt, rank_3.pt, model_rank3.pt, model_world_size_4_rank_3.pt (veRL), rank3-of-4.pt,
+# and DCP's own naming with a .pt suffix, __3_0.pt.
+_RANK_NAME = re.compile(r"^(?P<stem>.*?)rank[_-]?(?P<rank>\d+)(?:[_-]of[_-]\d+)?\.(?:pt|pth|bin)$")
+_DCP_NAME = re.compile(r"^__(?P<rank>\d+)_0\.(?:pt|pth|bin)$")
+_WORLD_SIZE_PART = re.compile(r"world[_-]?size[_-]?\d+")
+
+
+def rank_file_name(rank: int) -> str:
+    """Return the name shardckpt gives rank ``rank``'s file: ``rank{rank}.pt``."""
+    return f"rank{rank}.pt"
+
+
+def _part_and_rank(name: str) -> tuple[str, int] | None:
+    """Return ``(part, rank)`` for a per-rank file name, or None for any other name."""
+    m = _DCP_NAME.match(name)
+    if m:
+        return "", int(m.group("rank"))
+    m = _RANK_NAME.match(name)
+    if not m:
+        return None
+    part = _WORLD_SIZE_PART.sub("", m.group("stem")).strip("_-.")
+    return part, int(m.group("rank"))
+
+
+def rank_files(directory: Path) -> dict[str, dict[int, Path]]:
+    """Return ``{part: {rank: file}}`` for the per-rank files in ``directory`` (``{}`` if none).
+
+    A part is what stays of a name without its rank and world size: veRL saves
+    ``model_…``, ``optim_…`` and ``extra_state_…`` per rank, three parts; ``rank3.pt`` is
+    the only part, ``""``.
+    """
+    parts: dict[str, dict[int, Path]] = {}
+    for path in sorted(directory.iterdir()):
+        found = _part_and_rank(path.name) if path.is_file() else None
+        if found is None:
+            continue
+        part, rank = found
+        if rank in parts.setdefault(part, {}):
+            raise BadInputError(
+                f"two files for rank {rank}: '{parts[part][rank].name}' and '{path.name}'",
+                path=directory,
+                hint="keep one file per rank in the directory",
+            )
+        parts[part][rank] = path
+    return parts
+
+
+@contextlib.contextmanager
+def _quiet_mesh_unpickling() -> Iterator[None]:
+    """Silence DeviceMesh's warning that a pickled mesh's process groups do not exist here.
+
+    The conversion never runs a collective on a source's mesh, so the missing groups
+    are expected, not a problem worth a log line per tensor.
+    """
+    logger = logging.getLogger("torch.distributed.device_mesh")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def describe_placements(placements: Sequence, mesh_shape: Sequence[int]) -> str:
+    """Return a layout label such as ``Shard(0) over 4`` or ``Replicate×Shard(0) over 2×2``."""
+    names = "×".join(_placement_name(p) for p in placements)
+    return f"{names} over {'×'.join(str(s) for s in mesh_shape)}"
+
+
+def _placement_name(p) -> str:
+    if isinstance(p, _StridedShard):
+        return f"_StridedShard({p.dim}, sf={p.split_factor})"
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Replicate):
+        return "Replicate"
+    return type(p).__name__
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one tensor's pieces are: its path in each file and which file holds which chunk."""
+
+    part: str
+    path: tuple
+    chunks: tuple[Chunk, ...]
+    """One per file for a DTensor; just rank 0's whole tensor for a plain one."""
+
+
+class Fsdp2RanksReader(Reader):
+    """Reads a directory of FSDP2 per-rank files: DTensor metadata for the index, rows from the shards."""
+
+    format = "fsdp2-ranks"
+
+    def __init__(self, src, trust_pickle: bool = False):
+        super().__init__(src, trust_pickle)
+        if not self.src.is_dir():
+            raise BadInputError(
+                "is not a directory of per-rank files",
+                path=self.src,
+                hint="pass the directory holding rank0.pt, rank1.pt, ...",
+            )
+        self.parts = rank_files(self.src)
+        if not self.parts:
+            raise BadInputError(
+                "has no per-rank files (rank0.pt, rank1.pt, ...)",
+                path=self.src,
+                hint="pass the directory the training job saved its per-rank files in",
+            )
+        with _quiet_mesh_unpickling():
+            self.objects = {
+                part: {r: self._load(p) for r, p in files.items()}
+                for part, files in self.parts.items()
+            }
+        self.world_size = self._check_world_size()
+        self._sources: dict[str, _Source] = {}
+        self._tree = self._describe()
+
+    def _load(self, path: Path) -> dict:
+        obj = load(path, self.trust_pickle)
+        if not isinstance(obj, dict):
+            raise BadInputError(
+                f"holds a {type(obj).__name__}, not a state dict",
+                path=path,
+                hint="shardckpt reads per-rank files whose top level is a dict",
+            )
+        return obj
+
+    def _check_world_size(self) -> int:
+        """Return the job's world size; every file must be one rank of it, and none may be missing."""
+        sizes: dict[tuple[str, int], int] = {}
+        for part, objs in self.objects.items():
+            for rank, obj in sorted(objs.items()):
+                dtensors = [leaf for _, leaf in walk(obj) if isinstance(leaf, DTensor)]
+                if not dtensors:
+                    continue
+                mesh = dtensors[0].device_mesh
+                sizes[(part, rank)] = _job_world_size(mesh)
+                held = _mesh_rank(mesh)
+                if held is not None and held != rank:
+                    raise BadInputError(
+                        f"holds rank {held}'s shards, not rank {rank}'s",
+                        path=self.parts[part][rank],
+                        hint="name each file after the rank that saved it",
+                    )
+        if not sizes:
+            first = self.parts[min(self.parts)][min(self.parts[min(self.parts)])]
+            raise BadInputError(
+                "holds no DTensor, so it is not an FSDP2 per-rank file",
+                path=first,
+                hint="pass a directory of FSDP2 per-rank files, or a full checkpoint file itself",
+            )
+        (part0, rank0), world_size = min(sizes.items(), key=lambda kv: kv[0][1])
+        for (part, rank), size in sorted(sizes.items()):
+            if size != world_size:
+                raise BadInputError(
+                    f"its DTensors are over {size} ranks, those of "
+                    f"'{self.parts[part0][rank0].name}' over {world_size}",
+                    path=self.parts[part][rank],
+                    hint="the directory mixes files of jobs with different world sizes; keep one job's files",
+                )
+        for files in self.parts.values():
+            missing = [r for r in range(world_size) if r not in files]
+            extra = [r for r in files if r >= world_size]
+            if missing:
+                raise BadInputError(
+                    f"no file for rank {missing[0]} of {world_size}",
+                    path=self.src,
+                    hint="copy every rank's file of the checkpoint",
+                )
+            if extra:
+                raise BadInputError(
+                    f"its DTensors are over {world_size} ranks, but the directory has a rank {extra[0]}",
+                    path=files[extra[0]],
+                    hint="the directory mixes files of jobs with different world sizes; keep one job's files",
+                )
+        for part in self.objects:
+            has = {r for (p, r) in sizes if p == part}
+            if has and len(has) != world_size:
+                rank = min(set(range(world_size)) - has)
+                raise BadInputError(
+                    "holds no DTensor, so it is not an FSDP2 per-rank file",
+                    path=self.parts[part][rank],
+                    hint="pass a directory of FSDP2 per-rank files, or a full checkpoint file itself",
+                )
+        return world_size
+
+    def _describe(self) -> dict:
+        """Return the tree of rank 0's files with ``TensorMeta`` leaves, recording each tensor's chunks."""
+        # map_leaves keeps the files' containers as they are (int keys of an ID-keyed optimizer).
+        trees = {
+            part: map_leaves(objs[0], lambda path, leaf, part=part: self._leaf(part, path, leaf))
+            for part, objs in self.objects.items()
+        }
+        return trees if len(trees) > 1 else next(iter(trees.values()))
+
+    def _leaf(self, part: str, path: tuple, leaf: object) -> object:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        key = str(len(self._sources))
+        shape = tuple(leaf.shape)
+        if not isinstance(leaf, DTensor):
+            self._sources[key] = _Source(part, path, (Chunk(0, (0,) * len(shape), shape),))
+            return TensorMeta(key, shape, leaf.dtype, "full", self._sources[key].chunks)
+        chunks = tuple(self._chunk(part, rank, path, leaf) for rank in range(self.world_size))
+        self._sources[key] = _Source(part, path, chunks)
+        layout = describe_placements(leaf.placements, tuple(leaf.device_mesh.shape))
+        return TensorMeta(key, shape, leaf.dtype, layout, chunks)
+
+    def _chunk(self, part: str, rank: int, path: tuple, first: DTensor) -> Chunk:
+        """Return the chunk rank ``rank``'s file holds of the DTensor at ``path``."""
+        file = self.parts[part][rank]
+        where = ".".join(map(str, path))
+        try:
+            t = subtree(self.objects[part][rank], path)
+        except (KeyError, IndexError, TypeError):
+            t = None
+        if not isinstance(t, DTensor) or t.shape != first.shape or t.dtype != first.dtype:
+            raise BadInputError(
+                f"'{where}' is not the {first.dtype} DTensor of shape {list(first.shape)} rank 0 has",
+                path=file,
+                hint="every rank's file must come from the same save of the same job",
+            )
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise BadInputError(
+                f"'{where}' is a Partial DTensor (a sum still to be reduced across ranks)",
+                path=file,
+                hint="save it after redistributing to Shard or Replicate placements",
+            )
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return Chunk(rank, tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+
+    def index(self) -> Index:
+        return Index(self.format, str(self.src), self.world_size, self._tree)
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        return [self._read_one(m, r) for m, r in zip(metas, rows)]
+
+    def _local(self, source: _Source, rank: int) -> torch.Tensor:
+        t = subtree(self.objects[source.part][rank], source.path)
+        return t.to_local() if isinstance(t, DTensor) else t.detach()
+
+    def _read_one(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
+        """Return rows ``[start, stop)`` (or all) of a tensor, from the files whose chunks hold them."""
+        source = self._sources[meta.key]
+        if not meta.shape:
+            return self._local(source, source.chunks[0].rank)
+        start, stop = rows if rows is not None else (0, meta.shape[0])
+        wanted = (stop - start,) + meta.shape[1:]
+        # Replicas hold the same chunk: read each distinct chunk once, from its lowest rank.
+        seen: set[tuple] = set()
+        pieces = []
+        for c in source.chunks:
+            if (c.offsets, c.sizes) in seen or 0 in c.sizes:
+                continue
+            seen.add((c.offsets, c.sizes))
+            lo, hi = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
+            if lo < hi:
+                pieces.append((c, lo, hi))
+        if len(pieces) == 1 and pieces[0][0].sizes[1:] == meta.shape[1:]:
+            c, lo, hi = pieces[0]
+            if (lo, hi) == (start, stop):
+                # One chunk covers the rows: a view of the memory map, nothing copied.
+                return self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]]
+        out = torch.empty(wanted, dtype=meta.dtype)
+        for c, lo, hi in pieces:
+            dst = (slice(lo - start, hi - start),) + tuple(
+                slice(o, o + s) for o, s in zip(c.offsets[1:], c.sizes[1:])
+            )
+            out[dst] = self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]]
+        return out
+
+
+# A pickled mesh in a process without the job's process groups answers only from its
+# saved state: ``mesh.mesh`` and ``get_rank()`` of a sliced mesh (FSDP+TP's ``mesh["dp"]``)
+# ask the process group, so the job's ranks and the saving rank are read from that state.
+
+
+def _job_world_size(mesh) -> int:
+    """Return the number of ranks of the job whose mesh (or a slice of it) ``mesh`` is."""
+    return int(mesh._rank_map.numel())
+
+
+def _mesh_rank(mesh) -> int | None:
+    """Return the global rank a pickled mesh was saved on, or None when it does not say."""
+    rank = getattr(mesh, "_rank", None)
+    return None if rank is None else int(rank)
+
+
+def is_rank_dir(path: Path) -> bool:
+    """Return whether ``path`` is a directory holding per-rank ``torch.save`` files."""
+    return path.is_dir() and bool(rank_files(path))
+
+
+__all__ = ["Fsdp2RanksReader", "describe_placements", "is_rank_dir", "rank_file_name", "rank_files"]
