@@ -20,6 +20,7 @@ from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.dist import Runtime
 from shardckpt.errors import IOFailure, UsageError
+from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
     DIRECTORY_FORMATS,
     FULL_WRITERS,
@@ -64,11 +65,14 @@ def inspect(
     fmt: str | None = None,
     filters: Sequence[str] = (),
     trust_pickle: bool = False,
+    model: str | None = None,
+    wraps: Sequence[str] = (),
     runtime: Runtime | None = None,
 ) -> Inspection:
     """Return the metadata of ``src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
     runtime = runtime or Runtime()
-    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle).index())
+    flat_model = FlatModel(model, tuple(wraps)) if model else None
+    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle, flat_model).index())
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
     return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
@@ -198,6 +202,7 @@ def convert(
     renames: Sequence[str] = (),
     drops: Sequence[str] = (),
     model: str | None = None,
+    wraps: Sequence[str] = (),
     overwrite: bool = False,
     dry_run: bool = False,
     verify: bool = False,
@@ -209,7 +214,8 @@ def convert(
     """Convert ``src`` into ``dst`` with layout ``to``; return what was written.
 
     ``renames`` are ``REGEX=REPL`` strings; ``model`` is ``pkg.module:factory`` (see
-    ``shardckpt.model``), built on the meta device for the order of param IDs.
+    ``shardckpt.model``), built on the meta device for the order of param IDs; with
+    ``wraps`` (FSDP1 ``ModuleWrapPolicy`` classes) it also gives FSDP1 flat-parameter layouts.
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
@@ -233,7 +239,14 @@ def convert(
         )
         if not dry_run:
             staging.check()
-        reader = open_reader(src, src_format, trust_pickle)
+        flat_model = FlatModel(model, tuple(wraps)) if model else None
+        reader = open_reader(src, src_format, trust_pickle, flat_model)
+        if reader.format == "fsdp1-local" and flat_model is None:
+            raise UsageError(
+                "fsdp1-local flat parameters need the model to be read",
+                path=src,
+                hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
+            )
         plan = make_plan(
             reader.index(),
             selection,

@@ -7,8 +7,11 @@ import struct
 from pathlib import Path
 
 from shardckpt.errors import BadInputError, UsageError
+from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.base import FullWriter, Index, Reader
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
+from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
@@ -28,6 +31,8 @@ READERS: dict[str, type[Reader]] = {
     "torch": TorchReader,
     "safetensors": SafetensorsReader,
     "hf": HfReader,
+    "fsdp1-sharded": Fsdp1ShardedReader,
+    "fsdp1-local": Fsdp1LocalReader,
 }
 FULL_WRITERS: dict[str, type[FullWriter]] = {
     "torch": TorchWriter,
@@ -51,6 +56,8 @@ def detect(src: Path) -> str:
             return "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
+        if (fmt := detect_rank_format(src)) is not None:
+            return fmt
         if any(p.suffix == ".distcp" for p in src.iterdir()):
             raise BadInputError(
                 f"has *.distcp files but no '{METADATA_FILE}'",
@@ -93,9 +100,16 @@ def open_full_writer(
 
 
 def open_reader(
-    src: str | os.PathLike, fmt: str | None = None, trust_pickle: bool = False
+    src: str | os.PathLike,
+    fmt: str | None = None,
+    trust_pickle: bool = False,
+    flat_model: FlatModel | None = None,
 ) -> Reader:
-    """Return a reader for ``src``, detecting its format unless ``fmt`` names one."""
+    """Return a reader for ``src``, detecting its format unless ``fmt`` names one.
+
+    ``flat_model`` (``--model``/``--wrap``) lets ``fsdp1-local`` name what its flat
+    parameters hold; other formats do not need it.
+    """
     path = Path(src)
     fmt = fmt or detect(path)
     if fmt not in LAYOUT_OF:
@@ -106,6 +120,8 @@ def open_reader(
             path=path,
             hint=f"shardckpt reads {SUPPORTED_READ} today",
         )
+    if fmt == "fsdp1-local":
+        return Fsdp1LocalReader(path, trust_pickle, flat_model)
     return READERS[fmt](path, trust_pickle)
 
 
