@@ -25,6 +25,7 @@ from shardckpt.formats import (
     DIRECTORY_FORMATS,
     FULL_WRITERS,
     LAYOUT_OF,
+    LOCAL_WRITERS,
     SHARDED_WRITERS,
     Index,
     open_reader,
@@ -136,7 +137,7 @@ def default_format(to: str, dst: str | os.PathLike) -> str:
     return {"sharded": "dcp", "local": "fsdp2-ranks"}[to]
 
 
-def _check_target(to: str, fmt: str, world_size: int | None) -> None:
+def _check_target(to: str, fmt: str, world_size: int | None, model: str | None = None) -> None:
     if to not in LAYOUTS:
         raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
     if fmt not in LAYOUT_OF:
@@ -146,10 +147,15 @@ def _check_target(to: str, fmt: str, world_size: int | None) -> None:
             f"--format {fmt} is a {LAYOUT_OF[fmt]} layout, not {to}",
             hint=f"pass --to {LAYOUT_OF[fmt]}, or a {to} format",
         )
-    if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS:
+    if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS and fmt not in LOCAL_WRITERS:
         raise UsageError(
             f"writing --format {fmt} is not supported yet",
-            hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS])}",
+            hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS, *LOCAL_WRITERS])}",
+        )
+    if fmt == "fsdp1-local" and not model:
+        raise UsageError(
+            "--format fsdp1-local needs the model's flat-parameter layout",
+            hint="pass --model pkg.module:factory and the --wrap classes training wraps",
         )
     if world_size is not None and to == "full":
         raise UsageError(
@@ -203,6 +209,7 @@ def convert(
     drops: Sequence[str] = (),
     model: str | None = None,
     wraps: Sequence[str] = (),
+    use_orig_params: bool = False,
     overwrite: bool = False,
     dry_run: bool = False,
     verify: bool = False,
@@ -223,7 +230,7 @@ def convert(
     staging = Staging(dst, overwrite=overwrite, is_dir=fmt in DIRECTORY_FORMATS, srcs=(Path(src),))
 
     def prepare():
-        _check_target(to, fmt, world_size)
+        _check_target(to, fmt, world_size, model)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
         cast_to = _check_cast(dtype, cast_optim)
@@ -258,6 +265,7 @@ def convert(
             cast_optim=cast_optim,
             max_shard_size=max_shard_size,
         )
+        plan.flat_model, plan.use_orig_params = flat_model, use_orig_params
         # Reading through the cast also makes --verify compare DST with the cast source.
         return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan
 

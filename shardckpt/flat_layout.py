@@ -57,6 +57,7 @@ class FlatLayout:
     """Per parameter, its part of this rank's shard."""
     shared: tuple[tuple[str, str], ...]
     """Tied aliases: ``(alias FQN, FQN of the parameter it shares)``, relative to the unit."""
+    use_orig_params: bool = False
 
     @property
     def unpadded_numel(self) -> int:
@@ -160,6 +161,7 @@ def flat_layouts(
                     )
                     for s in fp._shared_param_infos
                 ),
+                use_orig_params=use_orig_params,
             )
         )
     return out

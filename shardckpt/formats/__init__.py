@@ -40,6 +40,7 @@ FULL_WRITERS: dict[str, type[FullWriter]] = {
     "hf": HfWriter,
 }
 SHARDED_WRITERS = {"dcp"}
+LOCAL_WRITERS = {"fsdp1-sharded", "fsdp1-local"}
 # Outputs that are a directory of files (staged as a directory) rather than one file.
 DIRECTORY_FORMATS = {"dcp", "hf", "fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
 SUPPORTED_READ = ", ".join(READERS)
@@ -128,6 +129,7 @@ def open_reader(
 __all__ = [
     "DIRECTORY_FORMATS",
     "FULL_WRITERS",
+    "LOCAL_WRITERS",
     "Index",
     "LAYOUT_OF",
     "READERS",
