@@ -69,3 +69,43 @@ def save(out_dir: str, use_orig_params: bool) -> dict | None:
     torch.save(state, os.path.join(out_dir, "sharded", f"rank_{rank}.pt"))
     full = full_state(model, optimizer)
     return full if rank == 0 else None
+
+
+def load_local(src_dir: str, use_orig_params: bool) -> dict | None:
+    """Load ``rank_{r}.pt`` into FSDP1 under LOCAL_STATE_DICT; return FULL_STATE_DICT's model on rank 0."""
+    model = wrap(example.build_model(_LOAD_SEED), use_orig_params)
+    state = torch.load(os.path.join(src_dir, f"rank_{dist.get_rank()}.pt"), weights_only=False)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        # With use_orig_params FSDP1 loads its own LOCAL files only non-strictly: the
+        # flat parameters it saved are then "unexpected" (they are loaded all the same).
+        result = model.load_state_dict(state["model"], strict=not use_orig_params)
+    flat = [k for k in state["model"] if k.endswith("_flat_param")]
+    assert not result.missing_keys and result.unexpected_keys == (flat if use_orig_params else [])
+    full = full_state(model, optimizer_for(model, use_orig_params))["model"]
+    return full if dist.get_rank() == 0 else None
+
+
+def load_sharded(src_dir: str) -> dict | None:
+    """Load ``rank_{r}.pt`` (model and optimizer) into FSDP1 under SHARDED_STATE_DICT; return the full state."""
+    model = wrap(example.build_model(_LOAD_SEED), False)
+    optimizer = optimizer_for(model, False)
+    state = torch.load(os.path.join(src_dir, f"rank_{dist.get_rank()}.pt"), weights_only=False)
+    FSDP.set_state_dict_type(
+        model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(),
+        ShardedOptimStateDictConfig(),
+    )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optim"]))
+    full = full_state(model, optimizer)
+    return full if dist.get_rank() == 0 else None
+
+
+# For --model fsdp1_jobs:build_model --wrap fsdp1_jobs:Block (importable on every rank).
+Block = example.Block
+
+
+def build_model() -> torch.nn.Module:
+    """Return the example TinyLM: the zero-argument factory ``--model`` needs."""
+    return example.build_model(0)

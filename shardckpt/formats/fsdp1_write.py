@@ -57,8 +57,10 @@ def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) 
 
         torch.save(map_leaves(plan.tree, place), rank_file(path, r))
 
-    for r in virtual_ranks(m, runtime.rank, runtime.world_size):
-        runtime.agreed(lambda r=r: one(r))
+    # One agreed step for all of this process's target ranks: processes act for
+    # different numbers of them, and each agreed step is a collective.
+    targets = virtual_ranks(m, runtime.rank, runtime.world_size)
+    runtime.agreed(lambda: [one(r) for r in targets])
 
 
 def write_fsdp1_local(
@@ -95,8 +97,10 @@ def write_fsdp1_local(
             out = local
         torch.save(out, rank_file(path, r))
 
-    for r in virtual_ranks(m, runtime.rank, runtime.world_size):
-        runtime.agreed(lambda r=r: one(r))
+    # One agreed step for all of this process's target ranks: processes act for
+    # different numbers of them, and each agreed step is a collective.
+    targets = virtual_ranks(m, runtime.rank, runtime.world_size)
+    runtime.agreed(lambda: [one(r) for r in targets])
 
 
 def _local_model_state(
@@ -130,11 +134,15 @@ def _local_model_state(
             if (n := max(0, min(lay.shard_numel, lay.unpadded_numel - q * lay.shard_numel))) > 0
         ]
         if lay.use_orig_params:
+            # FSDP1 saves each parameter's piece of the shard, and a tied alias's too.
+            piece_of = {}
             for fqn, piece in zip(lay.fqns, lay.pieces):
                 start = piece.offset_in_shard if piece.in_shard else 0
-                out[lay.prefix + fqn] = shard[
-                    start : start + (piece.numel_in_shard if piece.in_shard else 0)
-                ].clone()
+                size = piece.numel_in_shard if piece.in_shard else 0
+                piece_of[fqn] = shard[start : start + size].clone()
+                out[lay.prefix + fqn] = piece_of[fqn]
+            for alias, primary in lay.shared:
+                out[lay.prefix + alias] = piece_of[primary].clone()
         out[lay.prefix + FLAT_PARAM] = ShardedTensorRecord(
             shard[:valid] if valid > 0 else None, (lay.unpadded_numel,), shard.dtype, shards, r, m
         )
