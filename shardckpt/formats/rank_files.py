@@ -131,8 +131,10 @@ def rank_files(src: Path, example: str = "rank_0.pt") -> dict[str, list[RankFile
             path=src,
             hint=f"name them like {example} (or STEM_rank_R.pt, STEM_world_size_N_rank_R.pt)",
         )
-    sizes = {max(by_rank) + 1 for by_rank in found.values()}
-    sizes |= {f.world_size for by_rank in found.values() for f in by_rank.values() if f.world_size}
+    # A world size in the names is the job's; otherwise the highest rank tells it.
+    named = {f.world_size for by_rank in found.values() for f in by_rank.values() if f.world_size}
+    top = max(max(by_rank) for by_rank in found.values()) + 1
+    sizes = named | ({top} if not named or top > max(named) else set())
     if len(sizes) > 1:
         raise BadInputError(
             f"holds files of different world sizes ({', '.join(map(str, sorted(sizes)))})",
