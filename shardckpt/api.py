@@ -20,6 +20,7 @@ from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.dist import Runtime
 from shardckpt.errors import IOFailure, UsageError
+from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
     DIRECTORY_FORMATS,
     FULL_WRITERS,
@@ -65,11 +66,14 @@ def inspect(
     fmt: str | None = None,
     filters: Sequence[str] = (),
     trust_pickle: bool = False,
+    model: str | None = None,
+    wraps: Sequence[str] = (),
     runtime: Runtime | None = None,
 ) -> Inspection:
     """Return the metadata of ``src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
     runtime = runtime or Runtime()
-    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle).index())
+    flat_model = FlatModel(model, tuple(wraps)) if model else None
+    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle, flat_model).index())
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
     return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
@@ -133,7 +137,7 @@ def default_format(to: str, dst: str | os.PathLike) -> str:
     return {"sharded": "dcp", "local": "fsdp2-ranks"}[to]
 
 
-def _check_target(to: str, fmt: str, world_size: int | None) -> None:
+def _check_target(to: str, fmt: str, world_size: int | None, model: str | None = None) -> None:
     if to not in LAYOUTS:
         raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
     if fmt not in LAYOUT_OF:
@@ -147,6 +151,11 @@ def _check_target(to: str, fmt: str, world_size: int | None) -> None:
         raise UsageError(
             f"writing --format {fmt} is not supported yet",
             hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS, *LOCAL_WRITERS])}",
+        )
+    if fmt == "fsdp1-local" and not model:
+        raise UsageError(
+            "--format fsdp1-local needs the model's flat-parameter layout",
+            hint="pass --model pkg.module:factory and the --wrap classes training wraps",
         )
     if world_size is not None and to == "full":
         raise UsageError(
@@ -199,6 +208,8 @@ def convert(
     renames: Sequence[str] = (),
     drops: Sequence[str] = (),
     model: str | None = None,
+    wraps: Sequence[str] = (),
+    use_orig_params: bool = False,
     overwrite: bool = False,
     dry_run: bool = False,
     verify: bool = False,
@@ -210,7 +221,8 @@ def convert(
     """Convert ``src`` into ``dst`` with layout ``to``; return what was written.
 
     ``renames`` are ``REGEX=REPL`` strings; ``model`` is ``pkg.module:factory`` (see
-    ``shardckpt.model``), built on the meta device for the order of param IDs.
+    ``shardckpt.model``), built on the meta device for the order of param IDs; with
+    ``wraps`` (FSDP1 ``ModuleWrapPolicy`` classes) it also gives FSDP1 flat-parameter layouts.
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
@@ -218,7 +230,7 @@ def convert(
     staging = Staging(dst, overwrite=overwrite, is_dir=fmt in DIRECTORY_FORMATS, srcs=(Path(src),))
 
     def prepare():
-        _check_target(to, fmt, world_size)
+        _check_target(to, fmt, world_size, model)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
         cast_to = _check_cast(dtype, cast_optim)
@@ -234,7 +246,14 @@ def convert(
         )
         if not dry_run:
             staging.check()
-        reader = open_reader(src, src_format, trust_pickle)
+        flat_model = FlatModel(model, tuple(wraps)) if model else None
+        reader = open_reader(src, src_format, trust_pickle, flat_model)
+        if reader.format == "fsdp1-local" and flat_model is None:
+            raise UsageError(
+                "fsdp1-local flat parameters need the model to be read",
+                path=src,
+                hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
+            )
         plan = make_plan(
             reader.index(),
             selection,
@@ -246,6 +265,7 @@ def convert(
             cast_optim=cast_optim,
             max_shard_size=max_shard_size,
         )
+        plan.flat_model, plan.use_orig_params = flat_model, use_orig_params
         # Reading through the cast also makes --verify compare DST with the cast source.
         return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan
 

@@ -94,6 +94,14 @@ CleanFqns = Annotated[
         help="Strip _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a DDP module. prefix.",
     ),
 ]
+Wraps = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--wrap",
+        help="pkg.module:Class that FSDP1's ModuleWrapPolicy wrapped (repeatable); "
+        "with --model, gives fsdp1-local flat-parameter layouts.",
+    ),
+]
 
 
 def _emit(text: str) -> None:
@@ -119,11 +127,24 @@ def inspect(
     ] = False,
     json_out: JsonOut = False,
     trust_pickle: TrustPickle = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", help="pkg.module:factory; names what fsdp1-local flat params hold."
+        ),
+    ] = None,
+    wraps: Wraps = None,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
     with launch("cpu") as runtime:
         result = api.inspect(
-            src, fmt=fmt, filters=filters or (), trust_pickle=trust_pickle, runtime=runtime
+            src,
+            fmt=fmt,
+            filters=filters or (),
+            trust_pickle=trust_pickle,
+            model=model,
+            wraps=wraps or (),
+            runtime=runtime,
         )
     _emit(
         json.dumps(render.inspection_json(result, shards))
@@ -141,6 +162,7 @@ def inspect(
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     "\n\n"
     "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
+    "  shardckpt convert fsdp1-local-ckpt full.pt --to full --model train:build --wrap train:Block\n\n"
     "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'"
 )
 def convert(
@@ -157,8 +179,9 @@ def convert(
         Layout,
         typer.Option(
             "--to",
-            help="Layout of DST: full (one file), sharded (DCP) or local (fsdp2-ranks: one torch.save "
-            "per rank), one file per rank of --world-size for the last two.",
+            help="Layout of DST: full (one file), sharded (DCP, one file per rank of --world-size) "
+            "or local (per-rank files of one world size: --format fsdp2-ranks (default), "
+            "fsdp1-sharded, fsdp1-local).",
         ),
     ],
     fmt: Annotated[
@@ -223,6 +246,14 @@ def convert(
             "gives the order of param IDs.",
         ),
     ] = None,
+    wraps: Wraps = None,
+    use_orig_params: Annotated[
+        bool,
+        typer.Option(
+            "--use-orig-params",
+            help="For --format fsdp1-local: the layout of FSDP1 with use_orig_params=True.",
+        ),
+    ] = False,
     renames: Annotated[
         list[str] | None,
         typer.Option(
@@ -277,6 +308,8 @@ def convert(
             renames=renames or (),
             drops=drops or (),
             model=model,
+            wraps=wraps or (),
+            use_orig_params=use_orig_params,
             overwrite=overwrite,
             dry_run=dry_run,
             verify=verify,

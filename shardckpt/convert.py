@@ -22,6 +22,7 @@ from shardckpt.collect import assemble
 from shardckpt.formats import open_full_writer
 from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp_write import write_dcp
+from shardckpt.formats.fsdp1_write import write_fsdp1_local, write_fsdp1_sharded
 from shardckpt.formats.fsdp2_ranks_write import write_rank_file
 from shardckpt.plan import SKIP, ConvertPlan, dim0_rows, is_sharded, rows_to_read
 from shardckpt.staging import Staging
@@ -38,6 +39,12 @@ def run(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: 
     try:
         if plan.layout == "full":
             _to_full(reader, plan, staging, runtime, progress)
+        elif plan.format == "fsdp1-sharded":
+            write_fsdp1_sharded(staging.tmp, plan, reader, runtime)
+        elif plan.format == "fsdp1-local":
+            write_fsdp1_local(
+                staging.tmp, plan, reader, plan.flat_model, plan.use_orig_params, runtime
+            )
         elif plan.layout == "local":
             _to_local(reader, plan, staging, runtime, progress)
         else:

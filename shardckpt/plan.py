@@ -35,6 +35,9 @@ from shardckpt.tree import (
 
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
+# Formats whose multi-rank sources store a tensor whole only when every rank held it whole.
+MULTI_RANK_FORMATS = frozenset({"dcp", "fsdp1-sharded", "fsdp1-local"})
+
 # Marks a tensor this rank does not read at all (another rank reads the whole of it).
 SKIP = "skip"
 
@@ -203,7 +206,9 @@ def stays_whole(meta: TensorMeta, index: Index) -> bool:
         return True
     if index.format == "fsdp2-ranks":
         return meta.layout == "full"
-    return index.format == "dcp" and (index.world_size or 1) > 1 and meta.layout == "full"
+    return (
+        index.format in MULTI_RANK_FORMATS and (index.world_size or 1) > 1 and meta.layout == "full"
+    )
 
 
 def rows_to_read(
@@ -254,6 +259,10 @@ class ConvertPlan:
     """For ``hf``: the most tensor bytes per shard file (None: the format's default)."""
     whole: frozenset[str] = frozenset()
     """Keys of the tensors a sharded DST keeps whole on every rank (``stays_whole``)."""
+    flat_model: object | None = None
+    """For ``fsdp1-local``: the ``FlatModel`` (``--model``/``--wrap``) that gives flat layouts."""
+    use_orig_params: bool = False
+    """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
 
     @property
     def nbytes(self) -> int:

@@ -7,8 +7,11 @@ import struct
 from pathlib import Path
 
 from shardckpt.errors import BadInputError, UsageError
+from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.base import FullWriter, Index, Reader
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
+from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
 from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader, is_rank_dir
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
@@ -30,6 +33,8 @@ READERS: dict[str, type[Reader]] = {
     "safetensors": SafetensorsReader,
     "hf": HfReader,
     "fsdp2-ranks": Fsdp2RanksReader,
+    "fsdp1-sharded": Fsdp1ShardedReader,
+    "fsdp1-local": Fsdp1LocalReader,
 }
 FULL_WRITERS: dict[str, type[FullWriter]] = {
     "torch": TorchWriter,
@@ -37,7 +42,7 @@ FULL_WRITERS: dict[str, type[FullWriter]] = {
     "hf": HfWriter,
 }
 SHARDED_WRITERS = {"dcp"}
-LOCAL_WRITERS = {"fsdp2-ranks"}
+LOCAL_WRITERS = {"fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
 # Outputs that are a directory of files (staged as a directory) rather than one file.
 DIRECTORY_FORMATS = {"dcp", "hf", "fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
 SUPPORTED_READ = ", ".join(READERS)
@@ -54,6 +59,9 @@ def detect(src: Path) -> str:
             return "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
+        # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.
+        if (fmt := detect_rank_format(src)) is not None:
+            return fmt
         if is_rank_dir(src):
             return "fsdp2-ranks"
         if any(p.suffix == ".distcp" for p in src.iterdir()):
@@ -99,9 +107,16 @@ def open_full_writer(
 
 
 def open_reader(
-    src: str | os.PathLike, fmt: str | None = None, trust_pickle: bool = False
+    src: str | os.PathLike,
+    fmt: str | None = None,
+    trust_pickle: bool = False,
+    flat_model: FlatModel | None = None,
 ) -> Reader:
-    """Return a reader for ``src``, detecting its format unless ``fmt`` names one."""
+    """Return a reader for ``src``, detecting its format unless ``fmt`` names one.
+
+    ``flat_model`` (``--model``/``--wrap``) lets ``fsdp1-local`` name what its flat
+    parameters hold; other formats do not need it.
+    """
     path = Path(src)
     fmt = fmt or detect(path)
     if fmt not in LAYOUT_OF:
@@ -112,12 +127,15 @@ def open_reader(
             path=path,
             hint=f"shardckpt reads {SUPPORTED_READ} today",
         )
+    if fmt == "fsdp1-local":
+        return Fsdp1LocalReader(path, trust_pickle, flat_model)
     return READERS[fmt](path, trust_pickle)
 
 
 __all__ = [
     "DIRECTORY_FORMATS",
     "FULL_WRITERS",
+    "LOCAL_WRITERS",
     "Index",
     "LAYOUT_OF",
     "LOCAL_WRITERS",

@@ -1,0 +1,207 @@
+"""``fsdp1-local``: one ``torch.save`` per rank of FSDP1's ``LOCAL_STATE_DICT`` (flat parameters).
+
+Each FSDP unit's parameters are one ``FlatParameter``; rank r's file holds, under the
+unit's prefix, ``_flat_param``: a 1-D ``ShardedTensor`` whose global size is the flat
+parameter without its tail padding and whose local shard is the valid part of rank r's
+padded shard, at offset ``r * shard_numel``. With ``use_orig_params=True`` FSDP1 also
+saves each original parameter's piece of the shard as a flat tensor; those repeat the
+flat parameter and are not read. Buffers are whole, as in training.
+
+Which parameter sits where in a flat parameter comes from FSDP1 itself
+(``shardckpt.flat_layout``): ``--model`` and ``--wrap`` rebuild the wrapping at the
+checkpoint's world size. Without them the tree shows the raw ``_flat_param`` tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import torch
+
+from shardckpt.errors import BadInputError
+from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
+from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
+from shardckpt.formats.rank_files import (
+    StoredShardedTensor,
+    load_rank_file,
+    rank_files,
+)
+from shardckpt.tree import Path as TreePath
+from shardckpt.tree import TensorMeta, dotted, map_leaves, walk
+
+
+def is_flat_key(key: object) -> bool:
+    """Return whether a state-dict key names an FSDP1 flat parameter."""
+    return isinstance(key, str) and (key == FLAT_PARAM or key.endswith("." + FLAT_PARAM))
+
+
+def detect_rank_format(src: Path) -> str | None:
+    """Return the FSDP1 format of a directory of rank files, or None when it is not one."""
+    try:
+        first = next(iter(rank_files(src).values()))[0]
+    except BadInputError:
+        return None
+    try:
+        tree = load_rank_file(first.path, trust_pickle=False)
+    except BadInputError:
+        return None
+    leaves = list(walk(tree))
+    if any(p and is_flat_key(p[-1]) for p, _ in leaves):
+        return "fsdp1-local"
+    if any(isinstance(v, StoredShardedTensor) for _, v in leaves):
+        return "fsdp1-sharded"
+    return None
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """An original parameter inside a flat parameter: the flat tensor, its first element, its shape."""
+
+    flat: TensorMeta
+    start: int
+    shape: tuple[int, ...]
+
+
+def flat_label(position: int, count: int, padded: int) -> str:
+    """Return the layout label of a parameter held in a flat parameter: ``flat param 3/4 (padded 12)``."""
+    return f"flat param {position}/{count} (padded {padded})"
+
+
+class Fsdp1LocalReader(Reader):
+    """Reads per-rank ``LOCAL_STATE_DICT`` files; with ``flat_model``, as the original parameters."""
+
+    format = "fsdp1-local"
+
+    def __init__(self, src, trust_pickle: bool = False, flat_model: FlatModel | None = None):
+        super().__init__(src, trust_pickle)
+        self.raw = Fsdp1ShardedReader(src, trust_pickle)
+        self.raw.format = self.format
+        self.flat_model = flat_model
+        self._slices: dict[str, _Slice] = {}
+        self._tree = self._expand(self.raw.index().tree) if flat_model else self._label_raw()
+
+    def _label_raw(self) -> dict:
+        """Return the raw tree, each ``_flat_param`` labelled with its world size and tail padding."""
+        tree = self.raw.index().tree
+        n = self.raw.world_size
+
+        def label(path, leaf):
+            if not (path and is_flat_key(path[-1]) and isinstance(leaf, TensorMeta)):
+                return leaf
+            shard = leaf.chunks[1].offsets[0] if len(leaf.chunks) > 1 else leaf.shape[0]
+            pad = shard * n - leaf.shape[0]
+            return TensorMeta(
+                leaf.key, leaf.shape, leaf.dtype, f"flat over {n} (padded {pad})", leaf.chunks
+            )
+
+        return map_leaves(tree, label)  # type: ignore[return-value]
+
+    def _expand(self, tree: dict) -> dict:
+        """Return ``tree`` with every ``_flat_param`` replaced by the parameters it holds."""
+        n = self.raw.world_size
+        flats = [(p, m) for p, m in walk(tree) if p and is_flat_key(p[-1])]
+        if not flats:
+            raise BadInputError(
+                f"holds no '{FLAT_PARAM}' tensors",
+                path=self.src,
+                hint="this is not FSDP1 LOCAL_STATE_DICT; try --from fsdp1-sharded",
+            )
+        layouts = {lay.prefix: lay for lay in flat_layouts(self.flat_model, n, 0, False)}
+        use_orig = _saved_orig_params(tree, flats, layouts)
+        if use_orig:
+            layouts = {lay.prefix: lay for lay in flat_layouts(self.flat_model, n, 0, True)}
+        replaced: dict[TreePath, dict[str, object]] = {}
+        for path, meta in flats:
+            prefix = path[-1][: -len(FLAT_PARAM)]
+            layout = layouts.get(prefix)
+            self._check(path, meta, layout, use_orig)
+            replaced[path] = self._params(meta, layout, n)  # type: ignore[arg-type]
+        return _replace_flat(tree, replaced)
+
+    def _check(self, path, meta: TensorMeta, layout: FlatLayout | None, use_orig: bool) -> None:
+        where = f"'{dotted(path)}'"
+        how = f"--model/--wrap with use_orig_params={use_orig} at world size {self.raw.world_size}"
+        if layout is None:
+            raise BadInputError(
+                f"{where} is a flat parameter that {how} does not make",
+                path=self.src,
+                hint="pass the --wrap classes training wrapped (each unit's prefix must match)",
+            )
+        shard = meta.chunks[1].offsets[0] if len(meta.chunks) > 1 else meta.shape[0]
+        if meta.shape != (layout.unpadded_numel,) or shard != layout.shard_numel:
+            raise BadInputError(
+                f"{where} has {meta.shape[0]} elements in shards of {shard}, "
+                f"but {how} makes {layout.unpadded_numel} in shards of {layout.shard_numel}",
+                path=self.src,
+                hint="pass the --model and --wrap classes the checkpoint was trained with",
+            )
+
+    def _params(self, flat: TensorMeta, layout: FlatLayout, n: int) -> dict[str, object]:
+        """Return the parameters a flat parameter holds, as ``TensorMeta`` by their FQN."""
+        out: dict[str, object] = {}
+        starts = layout.starts()
+        pad = layout.padding(n)
+        label = {f: flat_label(i + 1, len(layout.fqns), pad) for i, f in enumerate(layout.fqns)}
+        shape = dict(zip(layout.fqns, layout.shapes))
+        for fqn in layout.fqns:
+            out[layout.prefix + fqn] = self._meta(flat, starts[fqn], shape[fqn], label[fqn])
+        for alias, primary in layout.shared:
+            out[layout.prefix + alias] = self._meta(
+                flat, starts[primary], shape[primary], label[primary]
+            )
+        return out
+
+    def _meta(self, flat: TensorMeta, start: int, shape: tuple[int, ...], label: str) -> TensorMeta:
+        key = f"p{len(self._slices)}"
+        self._slices[key] = _Slice(flat, start, shape)
+        return TensorMeta(key, shape, flat.dtype, label)
+
+    def index(self) -> Index:
+        return Index(self.format, str(self.src), self.raw.world_size, self._tree)
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        out = []
+        for meta, r in zip(metas, rows):
+            s = self._slices.get(meta.key)
+            if s is None:
+                out.append(self.raw.read([meta], [r], runtime)[0])
+                continue
+            row = prod(s.shape[1:])
+            a, b = r if r is not None else (0, s.shape[0] if s.shape else 1)
+            flat = self.raw.read([s.flat], [(s.start + a * row, s.start + b * row)], runtime)[0]
+            out.append(flat.view((b - a,) + s.shape[1:] if s.shape else ()))
+        return out
+
+
+def _saved_orig_params(tree: dict, flats: list, layouts: dict[str, FlatLayout]) -> bool:
+    """Return whether FSDP1 ran with ``use_orig_params=True``: it then saves each parameter's piece too.
+
+    Those pieces sit beside the unit's ``_flat_param``, named by the parameters' FQNs;
+    with ``use_orig_params=False`` only buffers sit there.
+    """
+    params = {lay.prefix + f for lay in layouts.values() for f in lay.fqns}
+    parents = {p[:-1] for p, _ in flats}
+    return any(p[:-1] in parents and p[-1] in params for p, _ in walk(tree))
+
+
+def _replace_flat(
+    tree: dict, replaced: dict[TreePath, dict[str, object]], prefix: TreePath = ()
+) -> dict:
+    """Return ``tree`` with each flat parameter swapped for its parameters, dropping saved pieces."""
+    params = {k for p, ps in replaced.items() if p[:-1] == prefix for k in ps}
+    out: dict = {}
+    for k, v in tree.items():
+        here = prefix + (k,)
+        if here in replaced:
+            out.update(replaced[here])
+        elif isinstance(v, dict):
+            out[k] = _replace_flat(v, replaced, here)
+        elif k not in params:
+            out[k] = v
+    return out

@@ -1,0 +1,193 @@
+"""Per-rank ``torch.save`` files: which file is which rank's, and loading them without a process group.
+
+A directory holds one file per rank, named ``[STEM_][world_size_N_]rank[_]R.{pt,pth,bin}``:
+``rank_0.pt`` (what shardckpt writes), ``model_world_size_4_rank_0.pt`` (veRL),
+``pytorch_model_fsdp_rank0.bin`` (accelerate). Files of one stem are one tree; several
+stems (``model_…``, ``optim_…``) become one tree keyed by stem.
+
+``ShardedTensor.__setstate__`` insists on a default process group of the saving job's
+size and rank, so a file of rank 3 of 4 cannot be loaded by any other process. The
+unpickler is told to build ``StoredShardedTensor`` instead: the same state (local
+shards, global shard metadata, the saver's rank and world size), no process group.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import (
+    MEM_FORMAT_ENCODING,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed._shard.sharded_tensor.shard import Shard
+from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
+from torch.distributed.remote_device import _remote_device
+
+from shardckpt.errors import BadInputError, UnsafePickleError
+
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+_RANK_FILE = re.compile(
+    r"^(?:(?P<stem>.+?)_)?(?:world_size_(?P<ws>\d+)_)?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$"
+)
+
+
+class _ProcessGroupState:
+    """``ShardedTensor.ProcessGroupState``: the saving rank and world size."""
+
+    local_rank: int
+    global_rank: int
+    local_world_size: int
+    global_world_size: int
+
+
+class StoredShardedTensor(torch.Tensor):
+    """A ShardedTensor as stored: global shape, this file's local shards, every rank's shard metadata."""
+
+    ProcessGroupState = _ProcessGroupState
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a stored ShardedTensor: read its local shards instead")
+
+    def __setstate__(self, state) -> None:
+        self.local_shards, self.st_metadata, self.pg_state, self.spec, _ = state
+
+    @property
+    def shards_metadata(self) -> list[ShardMetadata]:
+        """Return the metadata of every rank's shard (the whole tensor's layout)."""
+        return list(self.st_metadata.shards_metadata)
+
+    @property
+    def saved_world_size(self) -> int:
+        """Return the world size of the job that saved this tensor."""
+        return int(self.pg_state.global_world_size)
+
+
+# The allow-list: ShardedTensor's own metadata classes, and the stand-in under ShardedTensor's name.
+_SAFE = [
+    (StoredShardedTensor, SHARDED_TENSOR),
+    (_ProcessGroupState, f"{SHARDED_TENSOR}.ProcessGroupState"),
+    ShardMetadata,
+    Shard,
+    ChunkShardingSpec,
+    _remote_device,
+    ShardedTensorMetadata,
+    TensorProperties,
+    MEM_FORMAT_ENCODING,
+    getattr,  # how the pickle reaches ShardedTensor.ProcessGroupState
+]
+
+
+class _TrustedUnpickler(pickle.Unpickler):
+    """Plain pickle (``--trust-pickle``), with the stand-in for ShardedTensor."""
+
+    def find_class(self, module: str, name: str):
+        if f"{module}.{name}" == SHARDED_TENSOR:
+            return StoredShardedTensor
+        return super().find_class(module, name)
+
+
+class _TrustedPickle:
+    """A ``pickle_module`` for ``torch.load`` that uses ``_TrustedUnpickler``."""
+
+    Unpickler = _TrustedUnpickler
+    load = pickle.load
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One rank's file: its path, stem (``model``, ``optim``, or ``""``) and rank."""
+
+    path: Path
+    stem: str
+    rank: int
+    world_size: int | None
+
+
+def rank_files(src: Path, example: str = "rank_0.pt") -> dict[str, list[RankFile]]:
+    """Return the rank files of ``src`` by stem, each list in rank order, checked complete."""
+    if not src.is_dir():
+        raise BadInputError(
+            "is not a directory of per-rank files",
+            path=src,
+            hint=f"pass the directory holding {example}, rank_1.pt, …",
+        )
+    found: dict[str, dict[int, RankFile]] = {}
+    for p in sorted(src.iterdir()):
+        m = _RANK_FILE.match(p.name)
+        if m and p.is_file():
+            ws = int(m.group("ws")) if m.group("ws") else None
+            f = RankFile(p, m.group("stem") or "", int(m.group("rank")), ws)
+            found.setdefault(f.stem, {})[f.rank] = f
+    if not found:
+        raise BadInputError(
+            "holds no per-rank files",
+            path=src,
+            hint=f"name them like {example} (or STEM_rank_R.pt, STEM_world_size_N_rank_R.pt)",
+        )
+    # A world size in the names is the job's; otherwise the highest rank tells it.
+    named = {f.world_size for by_rank in found.values() for f in by_rank.values() if f.world_size}
+    top = max(max(by_rank) for by_rank in found.values()) + 1
+    sizes = named | ({top} if not named or top > max(named) else set())
+    if len(sizes) > 1:
+        raise BadInputError(
+            f"holds files of different world sizes ({', '.join(map(str, sorted(sizes)))})",
+            path=src,
+            hint="keep only one checkpoint's rank files in the directory",
+        )
+    world_size = sizes.pop()
+    for by_rank in found.values():
+        missing = [r for r in range(world_size) if r not in by_rank]
+        if missing:
+            name = _name_like(next(iter(by_rank.values())), missing[0])
+            raise BadInputError(
+                f"no file for rank {missing[0]} of {world_size} ({name})",
+                path=src,
+                hint="copy every rank's file of the checkpoint",
+            )
+    return {stem: [by_rank[r] for r in range(world_size)] for stem, by_rank in found.items()}
+
+
+def _name_like(f: RankFile, rank: int) -> str:
+    """Return the file name rank ``rank`` would have, following ``f``'s name."""
+    m = _RANK_FILE.match(f.path.name)
+    assert m is not None
+    start, end = m.span("rank")
+    return f.path.name[:start] + str(rank) + f.path.name[end:]
+
+
+def load_rank_file(path: Path, trust_pickle: bool) -> object:
+    """Return the object in one rank's file, memory-mapped, ShardedTensors as ``StoredShardedTensor``."""
+    try:
+        if trust_pickle:
+            return torch.load(path, map_location="cpu", mmap=True, pickle_module=_TrustedPickle)
+        with torch.serialization.safe_globals(_SAFE):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafePickleError(
+            f"refused to unpickle ({_first_line(exc)})",
+            path=path,
+            hint="pass --trust-pickle only if you trust this file",
+        ) from None
+    except Exception as exc:
+        raise BadInputError(
+            f"not a readable torch.save file ({_first_line(exc)})",
+            path=path,
+            hint="the file is truncated or in another format; pass --from to say which",
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    # torch's weights-only message puts the reason after a long preamble.
+    reason = next((ln for ln in lines if ln.startswith("WeightsUnpickler error")), None)
+    if reason is None:
+        reason = next((ln for ln in lines if "Unsupported global" in ln), None)
+    text = reason or (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,73 @@
+"""Writing a ``ShardedTensor`` for rank r of M without being rank r of a job of M.
+
+``ShardedTensor.__getstate__`` asks the default process group for the rank and world
+size, so a real ShardedTensor can only be saved from inside a job of M. A
+``ShardedTensorRecord`` pickles to exactly what ``torch.save`` writes for that
+ShardedTensor: ``_rebuild_from_type_v2`` of a wrapper subclass of type
+``ShardedTensor``, with the state ``(local_shards, metadata, ProcessGroupState,
+sharding_spec, init_rrefs)`` built from torch's own classes. Rank r of a job of M
+loads it with ``torch.load`` like any file FSDP1 saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharded_tensor.shard import Shard
+from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
+
+
+class ShardedTensorRecord:
+    """Pickles as the ``ShardedTensor`` rank ``rank`` of ``world_size`` holds with ``local`` at ``offset``."""
+
+    def __init__(
+        self,
+        local: torch.Tensor | None,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        dim0_shards: Sequence[tuple[int, int, int]],
+        rank: int,
+        world_size: int,
+    ):
+        """``dim0_shards``: every rank's non-empty shard as ``(rank, first row, rows)``."""
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.rank = rank
+        self.world_size = world_size
+        rest = list(self.shape[1:])
+        self.shards_metadata = [
+            ShardMetadata([first] + [0] * len(rest), [rows] + rest, f"rank:{q}/cpu")
+            for q, first, rows in dim0_shards
+        ]
+        mine = [m for (q, _, _), m in zip(dim0_shards, self.shards_metadata) if q == rank]
+        self.local_shards = (
+            [Shard(local.contiguous(), mine[0])] if mine and local is not None else []
+        )
+
+    def __reduce_ex__(self, protocol):
+        properties = TensorProperties(
+            self.dtype, torch.strided, False, torch.contiguous_format, False
+        )
+        metadata = ShardedTensorMetadata(self.shards_metadata, self.shape, properties)
+        pg_state = ShardedTensor.ProcessGroupState(
+            self.rank, self.rank, self.world_size, self.world_size
+        )
+        spec = ChunkShardingSpec(dim=0, placements=[m.placement for m in self.shards_metadata])
+        stride = torch.empty(self.shape, device="meta").stride()
+        args = (
+            ShardedTensor,
+            self.dtype,
+            tuple(self.shape),
+            stride,
+            0,
+            torch.strided,
+            torch.device("cpu"),
+            False,
+        )
+        state = (self.local_shards, metadata, pg_state, spec, False)
+        rebuild = (torch._utils._rebuild_wrapper_subclass, ShardedTensor, args, state)
+        return (torch._tensor._rebuild_from_type_v2, rebuild)
