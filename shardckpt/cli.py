@@ -14,8 +14,12 @@ from typing import Annotated
 import typer
 
 from shardckpt import api, render
+from shardckpt.cast import DTYPES
 from shardckpt.dist import env_rank, launch
 from shardckpt.errors import EXIT_DIFFERENT, IOFailure, RemoteRankError, ShardckptError, UsageError
+from shardckpt.formats import READERS
+from shardckpt.optim import OPTIM_KEYS
+from shardckpt.plan import ONLY
 from shardckpt.progress import Progress
 
 app = typer.Typer(
@@ -30,47 +34,32 @@ app = typer.Typer(
 )
 
 
-class Layout(str, Enum):
-    full = "full"
-    sharded = "sharded"
-    local = "local"
+def _choices(name: str, values) -> type[Enum]:
+    """Return a str Enum of ``values`` for Typer, so each option's choices live in one place."""
+    return Enum(name, {v: v for v in values}, type=str)
 
 
-class Only(str, Enum):
-    all = "all"
-    model = "model"
-    optim = "optim"
-
-
-class Dtype(str, Enum):
-    keep = "keep"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
-class OptimKeys(str, Enum):
-    keep = "keep"
-    fqn = "fqn"
-    id = "id"
-
-
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
+Layout = _choices("Layout", api.LAYOUTS)
+Only = _choices("Only", ONLY)
+Dtype = _choices("Dtype", DTYPES)
+OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
+Device = _choices("Device", ("cpu", "cuda"))
+ALL_FORMATS = ", ".join(READERS)
 
 # Option types shared by the commands.
 SrcFormat = Annotated[
     str | None,
     typer.Option(
-        "--format",
-        help="Source format (default: detected): dcp, torch, safetensors, hf, fsdp2-ranks.",
+        "--format", metavar="FORMAT", help=f"Source format (default: detected): {ALL_FORMATS}."
     ),
 ]
 Filters = Annotated[
     list[str] | None,
-    typer.Option("--filter", help="Keep leaves whose dotted path matches this glob (repeatable)."),
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Keep leaves whose dotted path matches this glob (repeatable).",
+    ),
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
@@ -98,6 +87,7 @@ Wraps = Annotated[
     list[str] | None,
     typer.Option(
         "--wrap",
+        metavar="pkg.module:Class",
         help="pkg.module:Class that FSDP1's ModuleWrapPolicy wrapped (repeatable); "
         "with --model, gives fsdp1-local flat-parameter layouts.",
     ),
@@ -130,7 +120,9 @@ def inspect(
     model: Annotated[
         str | None,
         typer.Option(
-            "--model", help="pkg.module:factory; names what fsdp1-local flat params hold."
+            "--model",
+            metavar="pkg.module:factory",
+            help="pkg.module:factory; names what fsdp1-local flat params hold.",
         ),
     ] = None,
     wraps: Wraps = None,
@@ -188,27 +180,31 @@ def convert(
         str | None,
         typer.Option(
             "--format",
-            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded. "
-            "hf: a Hugging Face directory of safetensors shards (model state only); fsdp2-ranks for local.",
+            metavar="FORMAT",
+            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
+            "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
+            "model state only), fsdp1-sharded, fsdp1-local.",
         ),
     ] = None,
     src_format: Annotated[
         str | None,
         typer.Option(
             "--from",
-            help="Source format, when detection is not wanted: dcp, torch, safetensors, hf, fsdp2-ranks.",
+            metavar="FORMAT",
+            help=f"Source format, when detection is not wanted: {ALL_FORMATS}.",
         ),
     ] = None,
     world_size: Annotated[
         int | None,
         typer.Option(
             "--world-size",
+            metavar="M",
             help="Ranks of a sharded or local DST, any M >= 1, whatever the launch (default: the launch's).",
         ),
     ] = None,
     only: Annotated[
         Only, typer.Option("--only", help="all, model (everything but optimizers) or optim.")
-    ] = Only.all,
+    ] = Only["all"],
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
     dtype: Annotated[
@@ -216,7 +212,7 @@ def convert(
         typer.Option(
             "--dtype", help="Cast model floating-point tensors (ints and bools stay as they are)."
         ),
-    ] = Dtype.keep,
+    ] = Dtype["keep"],
     cast_optim: Annotated[
         bool,
         typer.Option(
@@ -228,6 +224,7 @@ def convert(
         str | None,
         typer.Option(
             "--max-shard-size",
+            metavar="SIZE",
             help="For --format hf: the most tensor bytes per shard (default 5GB).",
         ),
     ] = None,
@@ -237,11 +234,12 @@ def convert(
             "--optim-keys",
             help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), or keep.",
         ),
-    ] = OptimKeys.keep,
+    ] = OptimKeys["keep"],
     model: Annotated[
         str | None,
         typer.Option(
             "--model",
+            metavar="pkg.module:factory",
             help="pkg.module:factory returning the module or (module, param_groups); "
             "gives the order of param IDs.",
         ),
@@ -258,6 +256,7 @@ def convert(
         list[str] | None,
         typer.Option(
             "--rename",
+            metavar="REGEX=REPL",
             help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike (repeatable).",
         ),
     ] = None,
@@ -265,6 +264,7 @@ def convert(
         list[str] | None,
         typer.Option(
             "--drop",
+            metavar="REGEX",
             help="Drop every FQN this regex finds, with its optimizer state (repeatable).",
         ),
     ] = None,
@@ -278,7 +278,10 @@ def convert(
         bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
     ] = False,
     buffer_size: Annotated[
-        str, typer.Option("--buffer-size", help="Bytes of tensors moved per batch (e.g. 256MiB).")
+        str,
+        typer.Option(
+            "--buffer-size", metavar="SIZE", help="Bytes of tensors moved per batch (e.g. 256MiB)."
+        ),
     ] = "256MiB",
     json_out: JsonOut = False,
     quiet: Quiet = False,
@@ -334,16 +337,18 @@ def diff(
     a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
     b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
     atol: Annotated[
-        float, typer.Option("--atol", help="Absolute tolerance (default: exact).")
+        float, typer.Option("--atol", metavar="X", help="Absolute tolerance (default: exact).")
     ] = 0.0,
     rtol: Annotated[
-        float, typer.Option("--rtol", help="Relative tolerance (default: exact).")
+        float, typer.Option("--rtol", metavar="X", help="Relative tolerance (default: exact).")
     ] = 0.0,
     fmt_a: Annotated[
-        str | None, typer.Option("--format-a", help="Format of A (default: detected).")
+        str | None,
+        typer.Option("--format-a", metavar="FORMAT", help="Format of A (default: detected)."),
     ] = None,
     fmt_b: Annotated[
-        str | None, typer.Option("--format-b", help="Format of B (default: detected).")
+        str | None,
+        typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected)."),
     ] = None,
     clean_fqns: CleanFqns = True,
     json_out: JsonOut = False,

@@ -33,6 +33,8 @@ from shardckpt.tree import (
     walk,
 )
 
+# What --only keeps: everything, all but optimizer subtrees, or only them.
+ONLY = ("all", "model", "optim")
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
 # Formats whose multi-rank sources store a tensor whole only when every rank held it whole.
@@ -58,7 +60,7 @@ class Selection:
     """The parameters ``--model`` builds, for param-ID order; None: inferred from SRC."""
 
     def __post_init__(self) -> None:
-        if self.only not in ("all", "model", "optim"):
+        if self.only not in ONLY:
             raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
         if self.optim_keys not in OPTIM_KEYS:
             raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
