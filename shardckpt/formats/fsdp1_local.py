@@ -25,11 +25,8 @@ from shardckpt.errors import BadInputError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
-from shardckpt.formats.rank_files import (
-    StoredShardedTensor,
-    load_rank_file,
-    rank_files,
-)
+from shardckpt.formats.rank_names import find_rank_files
+from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
 from shardckpt.tree import Path as TreePath
 from shardckpt.tree import TensorMeta, dotted, map_leaves, walk
 
@@ -42,11 +39,11 @@ def is_flat_key(key: object) -> bool:
 def detect_rank_format(src: Path) -> str | None:
     """Return the FSDP1 format of a directory of rank files, or None when it is not one."""
     try:
-        first = next(iter(rank_files(src).values()))[0]
-    except BadInputError:
-        return None
-    try:
-        tree = load_rank_file(first.path, trust_pickle=False)
+        parts = find_rank_files(src)
+        if not parts:
+            return None
+        files = next(iter(parts.values()))
+        tree = load_rank_file(files[min(files)], trust_pickle=False)
     except BadInputError:
         return None
     leaves = list(walk(tree))
