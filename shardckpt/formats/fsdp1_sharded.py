@@ -47,6 +47,7 @@ class Fsdp1ShardedReader(Reader):
                         hint="each rank's file must hold that rank's state dict",
                     )
         trees = [objs[""] if list(objs) == [""] else objs for objs in per_rank]
+        self.parts = list(by_stem)
         self.files = [[files[r] for files in by_stem.values()] for r in range(self.world_size)]
         self._whole: dict[str, torch.Tensor] = {}
         self._pieces: dict[str, list[Piece]] = {}
