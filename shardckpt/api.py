@@ -265,6 +265,7 @@ def convert(
             cast_optim=cast_optim,
             max_shard_size=max_shard_size,
         )
+        reader.check_selected(plan.tree)
         plan.flat_model, plan.use_orig_params = flat_model, use_orig_params
         # Reading through the cast also makes --verify compare DST with the cast source.
         return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan
@@ -332,7 +333,14 @@ def diff(
         lambda: (open_reader(a, fmt_a, trust_pickle), open_reader(b, fmt_b, trust_pickle))
     )
     sel = Selection(clean_fqns=clean_fqns)
-    tree_a, tree_b = runtime.agreed(lambda: (select(ra.index(), sel), select(rb.index(), sel)))
+
+    def selected() -> tuple[dict, dict]:
+        tree_a, tree_b = select(ra.index(), sel), select(rb.index(), sel)
+        ra.check_selected(tree_a)
+        rb.check_selected(tree_b)
+        return tree_a, tree_b
+
+    tree_a, tree_b = runtime.agreed(selected)
     progress = progress or Progress()
     progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)))
     try:

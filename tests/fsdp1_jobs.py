@@ -50,15 +50,22 @@ def full_state(model: FSDP, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def save(out_dir: str, use_orig_params: bool) -> dict | None:
-    """Train under FSDP1 and save LOCAL and SHARDED per-rank files; return the full state on rank 0."""
+    """Train under FSDP1 and save LOCAL and SHARDED per-rank files; return the full state on rank 0.
+
+    ``local_optim/`` is LOCAL model state beside the optimizer's own ``state_dict()``, as a
+    training loop might save it: each rank's state of its own flat shard.
+    """
     rank = dist.get_rank()
     model = wrap(example.build_model(0), use_orig_params)
     optimizer = optimizer_for(model, use_orig_params)
     example.train(model, optimizer, steps=2, seed=0)
-    for sub in ("local", "sharded"):
+    for sub in ("local", "local_optim", "sharded"):
         os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
-        torch.save({"model": model.state_dict()}, os.path.join(out_dir, "local", f"rank_{rank}.pt"))
+        local = model.state_dict()
+        torch.save({"model": local}, os.path.join(out_dir, "local", f"rank_{rank}.pt"))
+        state = {"model": local, "optim": optimizer.state_dict()}
+        torch.save(state, os.path.join(out_dir, "local_optim", f"rank_{rank}.pt"))
     FSDP.set_state_dict_type(
         model,
         StateDictType.SHARDED_STATE_DICT,

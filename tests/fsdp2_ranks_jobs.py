@@ -55,7 +55,7 @@ def load_rank_files(rank_dir: str, id_keyed: bool = False) -> dict[str, Any] | N
     """
     model = example.shard_model(example.build_model(_LOAD_SEED), dist.get_world_size())
     optimizer = example.build_optimizer(model)
-    sd = torch.load(os.path.join(rank_dir, f"rank{dist.get_rank()}.pt"), weights_only=True)
+    sd = torch.load(os.path.join(rank_dir, f"rank_{dist.get_rank()}.pt"), weights_only=True)
     model.load_state_dict(sd["model"])
     if id_keyed:
         optimizer.load_state_dict(sd["optim"])

@@ -12,8 +12,9 @@ from shardckpt.formats.base import FullWriter, Index, Reader
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
 from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
-from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader, is_rank_dir
+from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter
+from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
 
@@ -74,7 +75,7 @@ def detect(src: Path) -> str:
             "is a directory with no checkpoint in it",
             path=src,
             hint=f"pass a DCP directory (with '{METADATA_FILE}'), a directory of per-rank "
-            "files (rank0.pt, ...) or a checkpoint file",
+            "files (rank_0.pt, ...) or a checkpoint file",
         )
     with open(src, "rb") as f:
         head = f.read(9)

@@ -56,6 +56,14 @@ class Reader(ABC):
     ) -> list[torch.Tensor]:
         """Return, for each meta, the requested rows (or all of it) as a CPU or device tensor."""
 
+    def check_selected(self, tree: dict) -> None:
+        """Raise when this source cannot give what ``tree`` (the part of its index to be read) holds.
+
+        Called before the first read, identically on every rank.
+        """
+        # Most formats can give every leaf of their index.
+        return None
+
 
 class FullWriter(ABC):
     """Writes one file holding every tensor whole; only the coordinator makes one."""

@@ -25,13 +25,10 @@ from shardckpt.errors import BadInputError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
-from shardckpt.formats.rank_files import (
-    StoredShardedTensor,
-    load_rank_file,
-    rank_files,
-)
+from shardckpt.formats.rank_names import find_rank_files
+from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
 from shardckpt.tree import Path as TreePath
-from shardckpt.tree import TensorMeta, dotted, map_leaves, walk
+from shardckpt.tree import TensorMeta, dotted, find_optimizers, map_leaves, walk
 
 
 def is_flat_key(key: object) -> bool:
@@ -42,11 +39,11 @@ def is_flat_key(key: object) -> bool:
 def detect_rank_format(src: Path) -> str | None:
     """Return the FSDP1 format of a directory of rank files, or None when it is not one."""
     try:
-        first = next(iter(rank_files(src).values()))[0]
-    except BadInputError:
-        return None
-    try:
-        tree = load_rank_file(first.path, trust_pickle=False)
+        parts = find_rank_files(src)
+        if not parts:
+            return None
+        files = next(iter(parts.values()))
+        tree = load_rank_file(files[min(files)], trust_pickle=False)
     except BadInputError:
         return None
     leaves = list(walk(tree))
@@ -162,6 +159,21 @@ class Fsdp1LocalReader(Reader):
 
     def index(self) -> Index:
         return Index(self.format, str(self.src), self.raw.world_size, self._tree)
+
+    def check_selected(self, tree: dict) -> None:
+        """Refuse an optimizer subtree: each rank's holds state of its own shard, not rank 0's."""
+        if not find_optimizers(tree):
+            return
+        where = find_optimizers(self._tree)[0]
+        parts = self.raw.parts
+        # Several parts (veRL's model_/optim_ files) make the tree keyed by part.
+        file = self.raw.files[0][parts.index(where[0]) if where and where[0] in parts else 0]
+        raise BadInputError(
+            "holds optimizer state, which FSDP1's LOCAL_STATE_DICT cannot describe",
+            path=file,
+            hint="convert with --only model, or save the optimizer with FSDP.optim_state_dict "
+            "as fsdp1-sharded",
+        )
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime

@@ -17,7 +17,8 @@ import torch
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp import describe_chunks
-from shardckpt.formats.rank_files import StoredShardedTensor, load_rank_file, rank_files
+from shardckpt.formats.rank_names import rank_files
+from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
 from shardckpt.tree import Chunk, TensorMeta, dotted, map_leaves, walk
 
 # A dim-0 piece of a ShardedTensor: first row and the rows, held by one rank's file.
@@ -34,7 +35,7 @@ class Fsdp1ShardedReader(Reader):
         by_stem = rank_files(self.src)
         self.world_size = len(next(iter(by_stem.values())))
         per_rank = [
-            {stem: load_rank_file(files[r].path, trust_pickle) for stem, files in by_stem.items()}
+            {stem: load_rank_file(files[r], trust_pickle) for stem, files in by_stem.items()}
             for r in range(self.world_size)
         ]
         for r, objs in enumerate(per_rank):
@@ -42,11 +43,12 @@ class Fsdp1ShardedReader(Reader):
                 if not isinstance(obj, dict):
                     raise BadInputError(
                         f"holds a {type(obj).__name__}, not a state dict",
-                        path=by_stem[stem][r].path,
+                        path=by_stem[stem][r],
                         hint="each rank's file must hold that rank's state dict",
                     )
         trees = [objs[""] if list(objs) == [""] else objs for objs in per_rank]
-        self.files = [[files[r].path for files in by_stem.values()] for r in range(self.world_size)]
+        self.parts = list(by_stem)
+        self.files = [[files[r] for files in by_stem.values()] for r in range(self.world_size)]
         self._whole: dict[str, torch.Tensor] = {}
         self._pieces: dict[str, list[Piece]] = {}
         self._tree = map_leaves(trees[0], self._describe)

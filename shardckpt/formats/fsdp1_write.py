@@ -1,5 +1,7 @@
 """Writing ``fsdp1-sharded`` and ``fsdp1-local`` for M target ranks: one ``rank_{r}.pt`` per rank.
 
+Files are named by ``shardckpt.formats.rank_names.rank_file_name``.
+
 Each process writes the files of the target ranks it acts for (``shardckpt.virtual``),
 reading only those ranks' parts of the source:
   - ``fsdp1-sharded``: each tensor a ``ShardedTensor`` of its dim-0 chunk (``torch.chunk``
@@ -21,15 +23,11 @@ import torch
 from shardckpt.errors import UsageError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.base import Reader
+from shardckpt.formats.rank_names import rank_file_name
 from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
 from shardckpt.plan import ConvertPlan, dim0_rows
 from shardckpt.tree import TensorMeta, find_optimizers, map_leaves, model_prefix, subtree
 from shardckpt.virtual import virtual_ranks
-
-
-def rank_file(path: Path, rank: int) -> Path:
-    """Return the file of ``rank`` in a per-rank output directory."""
-    return path / f"rank_{rank}.pt"
 
 
 def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]]:
@@ -55,7 +53,7 @@ def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) 
             local = reader.read([leaf], [rows], runtime)[0] if rows[1] > rows[0] else None
             return ShardedTensorRecord(local, leaf.shape, leaf.dtype, _dim0_shards(leaf, m), r, m)
 
-        torch.save(map_leaves(plan.tree, place), rank_file(path, r))
+        torch.save(map_leaves(plan.tree, place), path / rank_file_name(r))
 
     # One agreed step for all of this process's target ranks: processes act for
     # different numbers of them, and each agreed step is a collective.
@@ -95,7 +93,7 @@ def write_fsdp1_local(
             out[where[0]] = local
         else:
             out = local
-        torch.save(out, rank_file(path, r))
+        torch.save(out, path / rank_file_name(r))
 
     # One agreed step for all of this process's target ranks: processes act for
     # different numbers of them, and each agreed step is a collective.

@@ -1,10 +1,10 @@
 """``fsdp2-ranks``: a directory of per-rank ``torch.save`` files holding FSDP2/DTensor state dicts.
 
 Each file is what one rank of an FSDP2 job writes with
-``torch.save({"model": model.state_dict(), "optim": osd}, f"{dir}/rank{r}.pt")``: its
+``torch.save({"model": model.state_dict(), "optim": osd}, f"{dir}/rank_{r}.pt")``: its
 parameters and optimizer state as DTensors (this rank's local shard, the global shape,
 the placements and the job's device mesh), buffers and 0-dim ``step`` tensors as plain
-tensors, plain values as they are. Files are named by rank (see ``rank_files``).
+tensors, plain values as they are. Files are named by rank (``shardckpt.formats.rank_names``).
 
 Reading unpickles every file's pickle with ``weights_only=True`` (DTensor, DeviceMesh and
 the placements are on torch's own allow-list) and memory-maps the tensor data, so the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,54 +27,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.rank_names import check_complete, rank_files
 from shardckpt.formats.torch_file import load
 from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
-
-# rank3.pt, rank_3.pt, model_rank3.pt, model_world_size_4_rank_3.pt (veRL), rank3-of-4.pt,
-# and DCP's own naming with a .pt suffix, __3_0.pt.
-_RANK_NAME = re.compile(r"^(?P<stem>.*?)rank[_-]?(?P<rank>\d+)(?:[_-]of[_-]\d+)?\.(?:pt|pth|bin)$")
-_DCP_NAME = re.compile(r"^__(?P<rank>\d+)_0\.(?:pt|pth|bin)$")
-_WORLD_SIZE_PART = re.compile(r"world[_-]?size[_-]?\d+")
-
-
-def rank_file_name(rank: int) -> str:
-    """Return the name shardckpt gives rank ``rank``'s file: ``rank{rank}.pt``."""
-    return f"rank{rank}.pt"
-
-
-def _part_and_rank(name: str) -> tuple[str, int] | None:
-    """Return ``(part, rank)`` for a per-rank file name, or None for any other name."""
-    m = _DCP_NAME.match(name)
-    if m:
-        return "", int(m.group("rank"))
-    m = _RANK_NAME.match(name)
-    if not m:
-        return None
-    part = _WORLD_SIZE_PART.sub("", m.group("stem")).strip("_-.")
-    return part, int(m.group("rank"))
-
-
-def rank_files(directory: Path) -> dict[str, dict[int, Path]]:
-    """Return ``{part: {rank: file}}`` for the per-rank files in ``directory`` (``{}`` if none).
-
-    A part is what stays of a name without its rank and world size: veRL saves
-    ``model_…``, ``optim_…`` and ``extra_state_…`` per rank, three parts; ``rank3.pt`` is
-    the only part, ``""``.
-    """
-    parts: dict[str, dict[int, Path]] = {}
-    for path in sorted(directory.iterdir()):
-        found = _part_and_rank(path.name) if path.is_file() else None
-        if found is None:
-            continue
-        part, rank = found
-        if rank in parts.setdefault(part, {}):
-            raise BadInputError(
-                f"two files for rank {rank}: '{parts[part][rank].name}' and '{path.name}'",
-                path=directory,
-                hint="keep one file per rank in the directory",
-            )
-        parts[part][rank] = path
-    return parts
 
 
 @contextlib.contextmanager
@@ -127,19 +81,7 @@ class Fsdp2RanksReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        if not self.src.is_dir():
-            raise BadInputError(
-                "is not a directory of per-rank files",
-                path=self.src,
-                hint="pass the directory holding rank0.pt, rank1.pt, ...",
-            )
         self.parts = rank_files(self.src)
-        if not self.parts:
-            raise BadInputError(
-                "has no per-rank files (rank0.pt, rank1.pt, ...)",
-                path=self.src,
-                hint="pass the directory the training job saved its per-rank files in",
-            )
         with _quiet_mesh_unpickling():
             self.objects = {
                 part: {r: self._load(p) for r, p in files.items()}
@@ -192,15 +134,10 @@ class Fsdp2RanksReader(Reader):
                     path=self.parts[part][rank],
                     hint="the directory mixes files of jobs with different world sizes; keep one job's files",
                 )
+        # The names gave a world size; the DTensors' meshes give the job's.
+        check_complete(self.src, self.parts, world_size)
         for files in self.parts.values():
-            missing = [r for r in range(world_size) if r not in files]
             extra = [r for r in files if r >= world_size]
-            if missing:
-                raise BadInputError(
-                    f"no file for rank {missing[0]} of {world_size}",
-                    path=self.src,
-                    hint="copy every rank's file of the checkpoint",
-                )
             if extra:
                 raise BadInputError(
                     f"its DTensors are over {world_size} ranks, but the directory has a rank {extra[0]}",
@@ -322,9 +259,4 @@ def _mesh_rank(mesh) -> int | None:
     return None if rank is None else int(rank)
 
 
-def is_rank_dir(path: Path) -> bool:
-    """Return whether ``path`` is a directory holding per-rank ``torch.save`` files."""
-    return path.is_dir() and bool(rank_files(path))
-
-
-__all__ = ["Fsdp2RanksReader", "describe_placements", "is_rank_dir", "rank_file_name", "rank_files"]
+__all__ = ["Fsdp2RanksReader", "describe_placements"]

@@ -2,7 +2,7 @@
 
 The process acting for target rank r (``shardckpt.virtual``) builds rank r's state dict
 (each split tensor a ``Shard(0)`` DTensor of r's rows on a mesh of M, whole tensors as
-they are, plain values) and ``torch.save``s it as ``rank{r}.pt``. The mesh pickles as an
+they are, plain values) and ``torch.save``s it as ``rank_{r}.pt`` (``rank_names``). The mesh pickles as an
 FSDP2 job's 1-D CPU mesh does (``shardckpt.virtual.job_mesh``), so a job at M that
 ``torch.load``s the file gets DTensors on a mesh that uses its own world process group.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.formats.fsdp2_ranks import rank_file_name
+from shardckpt.formats.rank_names import rank_file_name
 from shardckpt.tree import TensorMeta, map_leaves
 from shardckpt.virtual import job_mesh, shard_dtensor
 

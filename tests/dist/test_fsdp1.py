@@ -159,6 +159,20 @@ def test_mixed_world_sizes_are_one_line(fsdp1_ckpt, tmp_path):
     )
 
 
+def test_fsdp1_local_files_with_optimizer_state_are_refused_in_one_line(fsdp1_ckpt, tmp_path):
+    root, _, full = fsdp1_ckpt
+    src = root / "local_optim"
+    with pytest.raises(BadInputError) as err:
+        api.convert(src, tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP)
+    assert err.value.line() == (
+        f"'{src / 'rank_0.pt'}': holds optimizer state, which FSDP1's LOCAL_STATE_DICT cannot "
+        "describe: convert with --only model, or save the optimizer with FSDP.optim_state_dict "
+        "as fsdp1-sharded"
+    )
+    api.convert(src, tmp_path / "model.pt", to="full", only="model", model=MODEL, wraps=WRAP)
+    assert_trees_equal(torch.load(tmp_path / "model.pt", weights_only=True), {"model": full["model"]})
+
+
 def test_fsdp1_local_without_model_is_a_usage_error(fsdp1_ckpt, tmp_path):
     root, _, _ = fsdp1_ckpt
     with pytest.raises(UsageError) as err:

@@ -70,14 +70,14 @@ def shape_of(leaf) -> tuple:
 
 
 def test_fsdp2_dcp_at_4_to_rank_files_at_2_loads_into_fsdp2_at_2(at2, ref):
-    assert names(at2) == ["rank0.pt", "rank1.pt"]
+    assert names(at2) == ["rank_0.pt", "rank_1.pt"]
     assert_trees_equal(run_ranks(jobs.load_rank_files, 2, str(at2))[0], ref)
 
 
 def test_each_file_holds_what_rank_r_of_fsdp2_at_2_saves(at2, tmp_path):
     theirs = _save(tmp_path / "job2", 2).dir
     for r in range(2):
-        ours = torch.load(at2 / f"rank{r}.pt", weights_only=True)
+        ours = torch.load(at2 / f"rank_{r}.pt", weights_only=True)
         real = torch.load(theirs / f"rank{r}.pt", weights_only=True)
         assert [(p, shape_of(v)) for p, v in walk(ours)] == [(p, shape_of(v)) for p, v in walk(real)]
 
@@ -105,7 +105,7 @@ def test_two_ranks_convert_rank_files_to_the_same_bytes_as_one(job4, tmp_path, t
     run_ranks(ranks.convert, 2, str(job4.dir), str(tmp_path / "two"), to, kwargs)
     one, two = tmp_path / "one", tmp_path / "two"
     if to == "local":
-        assert names(one) == names(two) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+        assert names(one) == names(two) == ["rank_0.pt", "rank_1.pt", "rank_2.pt"]
         for name in names(one):
             assert (one / name).read_bytes() == (two / name).read_bytes(), name
     else:
@@ -133,7 +133,8 @@ def test_a_missing_rank_file_is_named(job4, tmp_path, capsys):
     (src / "rank2.pt").unlink()
     assert _error_line(["inspect", str(src)], capsys) == (
         3,
-        f"shardckpt: error: '{src}': no file for rank 2 of 4: copy every rank's file of the checkpoint",
+        f"shardckpt: error: '{src}': no file for rank 2 of 4 (rank2.pt): copy every rank's file "
+        "of the checkpoint",
     )
 
 
@@ -141,7 +142,7 @@ def test_files_of_different_world_sizes_are_refused(job4, at2, tmp_path, capsys)
     src = tmp_path / "mixed"
     src.mkdir()
     for r in range(2):
-        shutil.copy(at2 / f"rank{r}.pt", src / f"rank{r}.pt")
+        shutil.copy(at2 / f"rank_{r}.pt", src / f"rank{r}.pt")
     for r in range(2, 4):
         shutil.copy(job4.dir / f"rank{r}.pt", src / f"rank{r}.pt")
     assert _error_line(["convert", str(src), str(tmp_path / "out.pt"), "--to", "full"], capsys) == (

@@ -1,9 +1,6 @@
-"""Per-rank ``torch.save`` files: which file is which rank's, and loading them without a process group.
+"""Loading one rank's ``torch.save`` file of ``ShardedTensor``s without a process group.
 
-A directory holds one file per rank, named ``[STEM_][world_size_N_]rank[_]R.{pt,pth,bin}``:
-``rank_0.pt`` (what shardckpt writes), ``model_world_size_4_rank_0.pt`` (veRL),
-``pytorch_model_fsdp_rank0.bin`` (accelerate). Files of one stem are one tree; several
-stems (``model_…``, ``optim_…``) become one tree keyed by stem.
+Which file is which rank's is ``shardckpt.formats.rank_names``.
 
 ``ShardedTensor.__setstate__`` insists on a default process group of the saving job's
 size and rank, so a file of rank 3 of 4 cannot be loaded by any other process. The
@@ -14,8 +11,6 @@ shards, global shard metadata, the saver's rank and world size), no process grou
 from __future__ import annotations
 
 import pickle
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,9 +27,6 @@ from torch.distributed.remote_device import _remote_device
 from shardckpt.errors import BadInputError, UnsafePickleError
 
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
-_RANK_FILE = re.compile(
-    r"^(?:(?P<stem>.+?)_)?(?:world_size_(?P<ws>\d+)_)?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$"
-)
 
 
 class _ProcessGroupState:
@@ -98,68 +90,6 @@ class _TrustedPickle:
 
     Unpickler = _TrustedUnpickler
     load = pickle.load
-
-
-@dataclass(frozen=True)
-class RankFile:
-    """One rank's file: its path, stem (``model``, ``optim``, or ``""``) and rank."""
-
-    path: Path
-    stem: str
-    rank: int
-    world_size: int | None
-
-
-def rank_files(src: Path, example: str = "rank_0.pt") -> dict[str, list[RankFile]]:
-    """Return the rank files of ``src`` by stem, each list in rank order, checked complete."""
-    if not src.is_dir():
-        raise BadInputError(
-            "is not a directory of per-rank files",
-            path=src,
-            hint=f"pass the directory holding {example}, rank_1.pt, …",
-        )
-    found: dict[str, dict[int, RankFile]] = {}
-    for p in sorted(src.iterdir()):
-        m = _RANK_FILE.match(p.name)
-        if m and p.is_file():
-            ws = int(m.group("ws")) if m.group("ws") else None
-            f = RankFile(p, m.group("stem") or "", int(m.group("rank")), ws)
-            found.setdefault(f.stem, {})[f.rank] = f
-    if not found:
-        raise BadInputError(
-            "holds no per-rank files",
-            path=src,
-            hint=f"name them like {example} (or STEM_rank_R.pt, STEM_world_size_N_rank_R.pt)",
-        )
-    # A world size in the names is the job's; otherwise the highest rank tells it.
-    named = {f.world_size for by_rank in found.values() for f in by_rank.values() if f.world_size}
-    top = max(max(by_rank) for by_rank in found.values()) + 1
-    sizes = named | ({top} if not named or top > max(named) else set())
-    if len(sizes) > 1:
-        raise BadInputError(
-            f"holds files of different world sizes ({', '.join(map(str, sorted(sizes)))})",
-            path=src,
-            hint="keep only one checkpoint's rank files in the directory",
-        )
-    world_size = sizes.pop()
-    for by_rank in found.values():
-        missing = [r for r in range(world_size) if r not in by_rank]
-        if missing:
-            name = _name_like(next(iter(by_rank.values())), missing[0])
-            raise BadInputError(
-                f"no file for rank {missing[0]} of {world_size} ({name})",
-                path=src,
-                hint="copy every rank's file of the checkpoint",
-            )
-    return {stem: [by_rank[r] for r in range(world_size)] for stem, by_rank in found.items()}
-
-
-def _name_like(f: RankFile, rank: int) -> str:
-    """Return the file name rank ``rank`` would have, following ``f``'s name."""
-    m = _RANK_FILE.match(f.path.name)
-    assert m is not None
-    start, end = m.span("rank")
-    return f.path.name[:start] + str(rank) + f.path.name[end:]
 
 
 def load_rank_file(path: Path, trust_pickle: bool) -> object:
