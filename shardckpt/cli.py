@@ -408,12 +408,13 @@ def parse_size(text: str, option: str) -> int:
 
 def report(error: ShardckptError) -> None:
     """Print ``error`` once: by the rank it started on, or by rank 0 when every rank saw it."""
+    # torchrun's root cause is whichever rank exited first, so every rank leaves the line.
+    _record_for_torchrun(error)
     if isinstance(error, RemoteRankError):
         return
     if env_rank() != 0 and not getattr(error, "agreed", False):
         return
     print(f"shardckpt: error: {error.line()}", file=sys.stderr)
-    _record_for_torchrun(error)
 
 
 def _record_for_torchrun(error: ShardckptError) -> None:
