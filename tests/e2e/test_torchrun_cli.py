@@ -95,3 +95,35 @@ def test_python_dash_m_runs_standalone(fsdp2_ckpt):
     )
     assert proc.returncode == 0, proc.stderr
     assert "model.embed.weight" in proc.stdout and "Shard(0) over 4" in proc.stdout
+
+
+def test_torchrun_writes_per_rank_files_for_another_world_size(fsdp2_ckpt, tmp_path):
+    proc = torchrun(
+        2, "convert", fsdp2_ckpt.dcp, tmp_path / "ranks3", "--to", "local", "--world-size", "3"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "ranks3").iterdir()) == [
+        "rank_0.pt",
+        "rank_1.pt",
+        "rank_2.pt",
+    ]
+    assert (
+        run(
+            [
+                "convert",
+                str(fsdp2_ckpt.dcp),
+                str(tmp_path / "one"),
+                "--to",
+                "local",
+                "--world-size",
+                "3",
+                "-q",
+            ]
+        )
+        == 0
+    )
+    for name in ("rank_0.pt", "rank_1.pt", "rank_2.pt"):
+        assert (tmp_path / "ranks3" / name).read_bytes() == (
+            tmp_path / "one" / name
+        ).read_bytes(), name
+    assert run(["diff", str(fsdp2_ckpt.dcp), str(tmp_path / "ranks3")]) == 0
