@@ -84,7 +84,8 @@ class SafetensorsReader(Reader):
             raise BadInputError(
                 f"not a readable safetensors file ({type(exc).__name__}: {exc})",
                 path=self.src,
-                hint="the file is truncated or in another format; pass --format to say which",
+                hint="the file is truncated or in another format; name its format "
+                "(convert --from, inspect --format)",
             ) from None
 
     def index(self) -> Index:

@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
 from torch.distributed.remote_device import _remote_device
 
-from shardckpt.errors import BadInputError, UnsafePickleError
+from shardckpt.formats.torch_file import load
 
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
@@ -94,30 +94,4 @@ class _TrustedPickle:
 
 def load_rank_file(path: Path, trust_pickle: bool) -> object:
     """Return the object in one rank's file, memory-mapped, ShardedTensors as ``StoredShardedTensor``."""
-    try:
-        if trust_pickle:
-            return torch.load(path, map_location="cpu", mmap=True, pickle_module=_TrustedPickle)
-        with torch.serialization.safe_globals(_SAFE):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafePickleError(
-            f"refused to unpickle ({_first_line(exc)})",
-            path=path,
-            hint="pass --trust-pickle only if you trust this file",
-        ) from None
-    except Exception as exc:
-        raise BadInputError(
-            f"not a readable torch.save file ({_first_line(exc)})",
-            path=path,
-            hint="the file is truncated or in another format; pass --from to say which",
-        ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    # torch's weights-only message puts the reason after a long preamble.
-    reason = next((ln for ln in lines if ln.startswith("WeightsUnpickler error")), None)
-    if reason is None:
-        reason = next((ln for ln in lines if "Unsupported global" in ln), None)
-    text = reason or (lines[0] if lines else "")
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return load(path, trust_pickle, safe_globals=_SAFE, trusted_pickle=_TrustedPickle)

@@ -28,8 +28,14 @@ from shardckpt.tree import TensorMeta, map_leaves, walk
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
-def load(path: Path, trust_pickle: bool) -> object:
-    """Return the object in a ``torch.save`` file, memory-mapped, refusing code execution."""
+def load(
+    path: Path, trust_pickle: bool, *, safe_globals: Sequence = (), trusted_pickle=None
+) -> object:
+    """Return the object in a ``torch.save`` file, memory-mapped, refusing code execution.
+
+    ``safe_globals`` widens torch's ``weights_only`` allow-list for one format;
+    ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
+    """
     if not path.exists():
         raise BadInputError(
             "no such file or directory", path=path, hint="check the path of the checkpoint"
@@ -40,18 +46,21 @@ def load(path: Path, trust_pickle: bool) -> object:
             path=path,
             hint="pass the file itself, or --format dcp for a DCP directory",
         )
+    options: dict = {"weights_only": not trust_pickle}
+    if trust_pickle and trusted_pickle is not None:
+        options["pickle_module"] = trusted_pickle
     try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            # Files from torch.save(_use_new_zipfile_serialization=False) cannot be mapped.
-            return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            try:
+                return torch.load(path, map_location="cpu", mmap=True, **options)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                # Files from torch.save(_use_new_zipfile_serialization=False) cannot be mapped.
+                return torch.load(path, map_location="cpu", **options)
     except pickle.UnpicklingError as exc:
-        reason = _first_line(exc)
         raise UnsafePickleError(
-            f"refused to unpickle ({reason})",
+            f"refused to unpickle ({_first_line(exc)})",
             path=path,
             hint="pass --trust-pickle only if you trust this file",
         ) from None
@@ -59,13 +68,19 @@ def load(path: Path, trust_pickle: bool) -> object:
         raise BadInputError(
             f"not a readable torch.save file ({_first_line(exc)})",
             path=path,
-            hint="the file is truncated or in another format; pass --format to say which",
+            hint="the file is truncated or in another format; name its format "
+            "(convert --from, inspect --format)",
         ) from None
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    # torch's weights-only message puts the reason after a long preamble.
+    reason = next((ln for ln in lines if ln.startswith("WeightsUnpickler error")), None)
+    if reason is None:
+        reason = next((ln for ln in lines if "Unsupported global" in ln), None)
+    text = reason or (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class TorchReader(Reader):

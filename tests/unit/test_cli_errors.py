@@ -62,7 +62,7 @@ def test_truncated_torch_file(capsys, small):
         f"shardckpt: error: '{small / 'cut.pt'}': not a readable torch.save file ("
     )
     assert line.endswith(
-        "): the file is truncated or in another format; pass --format to say which"
+        "): the file is truncated or in another format; name its format (convert --from, inspect --format)"
     )
 
 
