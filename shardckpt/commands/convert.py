@@ -1,0 +1,213 @@
+"""``shardckpt convert``: another layout, format or world size, exactly."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from shardckpt import api, render
+from shardckpt.dist import launch
+from shardckpt.options import (
+    ALL_FORMATS,
+    CleanFqns,
+    DeviceOpt,
+    Dtype,
+    Filters,
+    JsonOut,
+    Layout,
+    Only,
+    OptimKeys,
+    Quiet,
+    TrustPickle,
+    Wraps,
+    emit,
+    parse_size,
+)
+from shardckpt.progress import Progress
+
+EPILOG = (
+    "Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
+    "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
+    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
+    "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
+    "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
+    "\n\n"
+    "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
+    "  shardckpt convert fsdp1-local-ckpt full.pt --to full --model train:build --wrap train:Block\n\n"
+    "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'"
+)
+
+
+def convert(
+    src: Annotated[
+        str, typer.Argument(metavar="SRC", help="Source checkpoint (format detected; see --from).")
+    ],
+    dst: Annotated[
+        str,
+        typer.Argument(
+            metavar="DST", help="Destination; written beside its name and renamed when complete."
+        ),
+    ],
+    to: Annotated[
+        Layout,
+        typer.Option(
+            "--to",
+            help="Layout of DST: full (one file), sharded (DCP, one file per rank of --world-size) "
+            "or local (per-rank files of one world size: --format fsdp2-ranks (default), "
+            "fsdp1-sharded, fsdp1-local).",
+        ),
+    ],
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
+            "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
+            "model state only), fsdp1-sharded, fsdp1-local.",
+        ),
+    ] = None,
+    src_format: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            metavar="FORMAT",
+            help=f"Source format, when detection is not wanted: {ALL_FORMATS}.",
+        ),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            metavar="M",
+            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch (default: the launch's).",
+        ),
+    ] = None,
+    only: Annotated[
+        Only, typer.Option("--only", help="all, model (everything but optimizers) or optim.")
+    ] = Only["all"],
+    filters: Filters = None,
+    clean_fqns: CleanFqns = True,
+    dtype: Annotated[
+        Dtype,
+        typer.Option(
+            "--dtype", help="Cast model floating-point tensors (ints and bools stay as they are)."
+        ),
+    ] = Dtype["keep"],
+    cast_optim: Annotated[
+        bool,
+        typer.Option(
+            "--cast-optim",
+            help="With --dtype: also cast optimizer floating state (never its 'step' counters).",
+        ),
+    ] = False,
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-shard-size",
+            metavar="SIZE",
+            help="For --format hf: the most tensor bytes per shard (default 5GB).",
+        ),
+    ] = None,
+    optim_keys: Annotated[
+        OptimKeys,
+        typer.Option(
+            "--optim-keys",
+            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), or keep.",
+        ),
+    ] = OptimKeys["keep"],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="pkg.module:factory",
+            help="pkg.module:factory returning the module or (module, param_groups); "
+            "gives the order of param IDs.",
+        ),
+    ] = None,
+    wraps: Wraps = None,
+    use_orig_params: Annotated[
+        bool,
+        typer.Option(
+            "--use-orig-params",
+            help="For --format fsdp1-local: the layout of FSDP1 with use_orig_params=True.",
+        ),
+    ] = False,
+    renames: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            metavar="REGEX=REPL",
+            help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike (repeatable).",
+        ),
+    ] = None,
+    drops: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--drop",
+            metavar="REGEX",
+            help="Drop every FQN this regex finds, with its optimizer state (repeatable).",
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing DST.")
+    ] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Re-read DST and compare every value with SRC.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
+    ] = False,
+    buffer_size: Annotated[
+        str,
+        typer.Option(
+            "--buffer-size", metavar="SIZE", help="Bytes of tensors moved per batch (e.g. 256MiB)."
+        ),
+    ] = "256MiB",
+    json_out: JsonOut = False,
+    quiet: Quiet = False,
+    trust_pickle: TrustPickle = False,
+    device: DeviceOpt = None,
+) -> int:
+    """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
+    with launch(device.value if device else None) as runtime:
+        result = api.convert(
+            src,
+            dst,
+            to=to.value,
+            fmt=fmt,
+            src_format=src_format,
+            world_size=world_size,
+            only=only.value,
+            filters=filters or (),
+            clean_fqns=clean_fqns,
+            dtype=dtype.value,
+            cast_optim=cast_optim,
+            max_shard_size=(
+                parse_size(max_shard_size, "--max-shard-size")
+                if max_shard_size is not None
+                else None
+            ),
+            optim_keys=optim_keys.value,
+            renames=renames or (),
+            drops=drops or (),
+            model=model,
+            wraps=wraps or (),
+            use_orig_params=use_orig_params,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            verify=verify,
+            trust_pickle=trust_pickle,
+            buffer_bytes=parse_size(buffer_size, "--buffer-size"),
+            runtime=runtime,
+            progress=Progress(
+                enabled=runtime.coordinator and not quiet and not json_out, desc="convert"
+            ),
+        )
+    if json_out:
+        emit(json.dumps(render.convert_json(result)))
+    elif not quiet or dry_run:
+        emit(render.convert_text(result))
+    return 0

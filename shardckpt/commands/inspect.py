@@ -1,0 +1,57 @@
+"""``shardckpt inspect``: what a checkpoint holds, from metadata only."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from shardckpt import api, render
+from shardckpt.dist import launch
+from shardckpt.options import Filters, JsonOut, SrcFormat, TrustPickle, Wraps, emit
+
+EPILOG = "Examples:\n\n  shardckpt inspect ckpt/step-100\n\n  shardckpt inspect model.safetensors --json --filter 'model.layers.0.*'"
+
+
+def inspect(
+    src: Annotated[
+        str,
+        typer.Argument(
+            metavar="SRC", help="Checkpoint: DCP directory, .pt/.bin file or .safetensors file."
+        ),
+    ],
+    fmt: SrcFormat = None,
+    filters: Filters = None,
+    shards: Annotated[
+        bool, typer.Option("--shards", help="List every stored shard: rank, offsets, sizes.")
+    ] = False,
+    json_out: JsonOut = False,
+    trust_pickle: TrustPickle = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="pkg.module:factory",
+            help="pkg.module:factory; names what fsdp1-local flat params hold.",
+        ),
+    ] = None,
+    wraps: Wraps = None,
+) -> int:
+    """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
+    with launch("cpu") as runtime:
+        result = api.inspect(
+            src,
+            fmt=fmt,
+            filters=filters or (),
+            trust_pickle=trust_pickle,
+            model=model,
+            wraps=wraps or (),
+            runtime=runtime,
+        )
+    emit(
+        json.dumps(render.inspection_json(result, shards))
+        if json_out
+        else render.inspection_text(result, shards)
+    )
+    return 0

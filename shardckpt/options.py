@@ -1,0 +1,113 @@
+"""Option types shared by the commands, their choices, and the one stdout sink."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from shardckpt import api
+from shardckpt.cast import DTYPES
+from shardckpt.dist import env_rank
+from shardckpt.errors import UsageError
+from shardckpt.formats import READERS
+from shardckpt.optim import OPTIM_KEYS
+from shardckpt.plan import ONLY
+
+
+def _choices(name: str, values) -> type[Enum]:
+    """Return a str Enum of ``values`` for Typer, so each option's choices live in one place."""
+    return Enum(name, {v: v for v in values}, type=str)
+
+
+Layout = _choices("Layout", api.LAYOUTS)
+Only = _choices("Only", ONLY)
+Dtype = _choices("Dtype", DTYPES)
+OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
+Device = _choices("Device", ("cpu", "cuda"))
+ALL_FORMATS = ", ".join(READERS)
+
+# Option types shared by the commands.
+SrcFormat = Annotated[
+    str | None,
+    typer.Option(
+        "--format", metavar="FORMAT", help=f"Source format (default: detected): {ALL_FORMATS}."
+    ),
+]
+Filters = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Keep leaves whose dotted path matches this glob (repeatable).",
+    ),
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
+TrustPickle = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle", help="Allow pickles that run code when loaded (only for files you trust)."
+    ),
+]
+DeviceOpt = Annotated[
+    Device | None,
+    typer.Option(
+        "--device",
+        help="Under torchrun: cpu (gloo) or cuda (nccl); default: cuda when every rank has a GPU.",
+    ),
+]
+CleanFqns = Annotated[
+    bool,
+    typer.Option(
+        "--clean-fqns/--no-clean-fqns",
+        help="Strip _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a DDP module. prefix.",
+    ),
+]
+Wraps = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--wrap",
+        metavar="pkg.module:Class",
+        help="pkg.module:Class that FSDP1's ModuleWrapPolicy wrapped (repeatable); "
+        "with --model, gives fsdp1-local flat-parameter layouts.",
+    ),
+]
+
+
+def emit(text: str) -> None:
+    """Print on stdout from rank 0 only (SPEC: only rank 0 prints)."""
+    if env_rank() == 0:
+        typer.echo(text)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str, option: str) -> int:
+    """Return the byte count of ``text`` such as ``512MB``, ``2GiB`` or ``1000``."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise UsageError(
+            f"{option} {text!r} is not a size", hint="write it like 512MB, 2GiB or 1000000"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
