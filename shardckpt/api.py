@@ -30,6 +30,7 @@ from shardckpt.formats import (
     Index,
     open_reader,
 )
+from shardckpt.formats.dcp import as_stored
 from shardckpt.model import model_params
 from shardckpt.plan import (
     DEFAULT_BUFFER_BYTES,
@@ -280,8 +281,14 @@ def convert(
             progress.close()
     verified = None
     if verify and not dry_run:
+        # DCP hands every mapping key back as str; compare with what it can hold.
+        expected = as_stored(plan.tree) if fmt == "dcp" else plan.tree
         check = _diff_readers(
-            reader, plan.tree, open_reader(dst, fmt, trust_pickle), runtime, clean_fqns=False
+            reader,
+            expected,
+            open_reader(dst, fmt, trust_pickle, plan.flat_model),
+            runtime,
+            clean_fqns=False,
         )
         verified = check.equal
         if not verified:

@@ -14,7 +14,7 @@ import io
 import pickle
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -298,6 +298,15 @@ def _first_cause(exc: BaseException) -> BaseException:
         return exc
     cause = next(iter(failures.values()))
     return cause[0] if isinstance(cause, tuple) else cause
+
+
+def as_stored(tree: object) -> object:
+    """Return ``tree`` as DCP gives it back: every mapping key a str (ID-keyed state: "0", "1", ...)."""
+    if isinstance(tree, Mapping):
+        return {str(k): as_stored(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [as_stored(v) for v in tree]
+    return tree
 
 
 def is_dcp_dir(path: Path) -> bool:

@@ -36,7 +36,7 @@ def test_full_to_fsdp1_local_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     root, use_orig, full = fsdp1_ckpt
     torch.save({"model": full["model"]}, tmp_path / "full.pt")
     dst = tmp_path / "local2"
-    api.convert(
+    result = api.convert(
         tmp_path / "full.pt",
         dst,
         to="local",
@@ -45,7 +45,9 @@ def test_full_to_fsdp1_local_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
         model=MODEL,
         wraps=WRAP,
         use_orig_params=use_orig,
+        verify=True,
     )
+    assert result.verified is True
     assert sorted(p.name for p in dst.iterdir()) == ["rank_0.pt", "rank_1.pt"]
     loaded = run_ranks(fsdp1_jobs.load_local, 2, str(dst), use_orig)[0]
     assert_trees_equal(loaded, full["model"])
@@ -103,7 +105,10 @@ def test_fsdp1_sharded_written_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     if use_orig:
         pytest.skip("FSDP1's own FULL optimizer state is wrong with use_orig_params (see above)")
     dst = tmp_path / "sharded2"
-    api.convert(root / "sharded", dst, to="local", fmt="fsdp1-sharded", world_size=2)
+    result = api.convert(
+        root / "sharded", dst, to="local", fmt="fsdp1-sharded", world_size=2, verify=True
+    )
+    assert result.verified is True
     assert_trees_equal(run_ranks(fsdp1_jobs.load_sharded, 2, str(dst))[0], full)
 
 

@@ -236,3 +236,12 @@ def test_an_optimizer_alone_needs_model_for_its_fqns(capsys, tmp_path):
     assert_trees_equal(
         torch.load(tmp_path / "o.pt", weights_only=True), get_state_dict(model, opt)[1]
     )
+
+
+@pytest.mark.parametrize("to", ["sharded", "full"])
+def test_verify_accepts_id_keys_as_each_format_stores_them(plain, tmp_path, to):
+    # DCP hands ID keys back as "0", "1", ...; --verify must compare with that, not fail.
+    src, _ = plain
+    dst = tmp_path / ("ids" if to == "sharded" else "ids.pt")
+    argv = ["convert", src, dst, "--to", to, "--optim-keys", "id", "--verify", "--json"]
+    assert run([str(a) for a in argv]) == 0
