@@ -345,6 +345,10 @@ def diff(
         tree_a, tree_b = select(ra.index(), sel), select(rb.index(), sel)
         ra.check_selected(tree_a)
         rb.check_selected(tree_b)
+        if "dcp" in (ra.format, rb.format):
+            # DCP hands every mapping key back as str: compare both sides in that form,
+            # so ID-keyed state (0 vs "0") is not a difference.
+            return as_stored(tree_a), as_stored(tree_b)
         return tree_a, tree_b
 
     tree_a, tree_b = runtime.agreed(selected)

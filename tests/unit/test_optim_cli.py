@@ -245,3 +245,9 @@ def test_verify_accepts_id_keys_as_each_format_stores_them(plain, tmp_path, to):
     dst = tmp_path / ("ids" if to == "sharded" else "ids.pt")
     argv = ["convert", src, dst, "--to", to, "--optim-keys", "id", "--verify", "--json"]
     assert run([str(a) for a in argv]) == 0
+
+
+def test_diff_of_an_id_keyed_file_and_its_dcp_conversion_is_equal(plain, tmp_path):
+    src, _ = plain
+    assert run(["convert", str(src), str(tmp_path / "d"), "--to", "sharded"]) == 0
+    assert run(["diff", str(src), str(tmp_path / "d")]) == 0
