@@ -38,14 +38,6 @@ class Fsdp1ShardedReader(Reader):
             {stem: load_rank_file(files[r], trust_pickle) for stem, files in by_stem.items()}
             for r in range(self.world_size)
         ]
-        for r, objs in enumerate(per_rank):
-            for stem, obj in objs.items():
-                if not isinstance(obj, dict):
-                    raise BadInputError(
-                        f"holds a {type(obj).__name__}, not a state dict",
-                        path=by_stem[stem][r],
-                        hint="each rank's file must hold that rank's state dict",
-                    )
         trees = [objs[""] if list(objs) == [""] else objs for objs in per_rank]
         self.parts = list(by_stem)
         self.files = [[files[r] for files in by_stem.values()] for r in range(self.world_size)]

@@ -18,7 +18,6 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -28,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.rank_names import check_complete, rank_files
-from shardckpt.formats.torch_file import load
+from shardckpt.formats.torch_file import load_dict
 from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
 
@@ -84,22 +83,12 @@ class Fsdp2RanksReader(Reader):
         self.parts = rank_files(self.src)
         with _quiet_mesh_unpickling():
             self.objects = {
-                part: {r: self._load(p) for r, p in files.items()}
+                part: {r: load_dict(p, self.trust_pickle) for r, p in files.items()}
                 for part, files in self.parts.items()
             }
         self.world_size = self._check_world_size()
         self._sources: dict[str, _Source] = {}
         self._tree = self._describe()
-
-    def _load(self, path: Path) -> dict:
-        obj = load(path, self.trust_pickle)
-        if not isinstance(obj, dict):
-            raise BadInputError(
-                f"holds a {type(obj).__name__}, not a state dict",
-                path=path,
-                hint="shardckpt reads per-rank files whose top level is a dict",
-            )
-        return obj
 
     def _check_world_size(self) -> int:
         """Return the job's world size; every file must be one rank of it, and none may be missing."""

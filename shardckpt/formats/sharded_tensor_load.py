@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
 from torch.distributed.remote_device import _remote_device
 
-from shardckpt.formats.torch_file import load
+from shardckpt.formats.torch_file import load_dict
 
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
@@ -92,6 +92,6 @@ class _TrustedPickle:
     load = pickle.load
 
 
-def load_rank_file(path: Path, trust_pickle: bool) -> object:
-    """Return the object in one rank's file, memory-mapped, ShardedTensors as ``StoredShardedTensor``."""
-    return load(path, trust_pickle, safe_globals=_SAFE, trusted_pickle=_TrustedPickle)
+def load_rank_file(path: Path, trust_pickle: bool) -> dict:
+    """Return the state dict in one rank's file, memory-mapped, ShardedTensors as ``StoredShardedTensor``."""
+    return load_dict(path, trust_pickle, safe_globals=_SAFE, trusted_pickle=_TrustedPickle)

@@ -25,8 +25,6 @@ from shardckpt.errors import BadInputError, IOFailure, UnsafePickleError
 from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes
 from shardckpt.tree import TensorMeta, map_leaves, walk
 
-SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
 
 def load(
     path: Path, trust_pickle: bool, *, safe_globals: Sequence = (), trusted_pickle=None
@@ -73,6 +71,18 @@ def load(
         ) from None
 
 
+def load_dict(path: Path, trust_pickle: bool, **options) -> dict:
+    """Return the state dict in a ``torch.save`` file (``load``'s options); refuse any other top level."""
+    obj = load(path, trust_pickle, **options)
+    if not isinstance(obj, dict):
+        raise BadInputError(
+            f"holds a {type(obj).__name__}, not a state dict",
+            path=path,
+            hint="shardckpt reads files whose top level is a dict",
+        )
+    return obj
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     # torch's weights-only message puts the reason after a long preamble.
@@ -90,13 +100,7 @@ class TorchReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        obj = load(self.src, trust_pickle)
-        if not isinstance(obj, dict):
-            raise BadInputError(
-                f"holds a {type(obj).__name__}, not a state dict",
-                path=self.src,
-                hint="shardckpt reads files whose top level is a dict",
-            )
+        obj = load_dict(self.src, trust_pickle)
         self._tensors: dict[str, torch.Tensor] = {}
         self._tree = map_leaves(obj, self._describe)
 

@@ -221,3 +221,23 @@ def test_bad_size_is_a_usage_error(capsys, small):
         2,
         "shardckpt: error: --buffer-size 'lots' is not a size: write it like 512MB, 2GiB or 1000000",
     )
+
+
+def test_a_file_whose_top_level_is_not_a_dict(capsys, tmp_path):
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    assert error_of(capsys, ["inspect", tmp_path / "list.pt"]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 'list.pt'}': holds a list, not a state dict: "
+        "shardckpt reads files whose top level is a dict",
+    )
+
+
+@pytest.mark.parametrize("fmt", ["fsdp2-ranks", "fsdp1-sharded"])
+def test_a_rank_file_whose_top_level_is_not_a_dict(capsys, tmp_path, fmt):
+    (tmp_path / "ranks").mkdir()
+    torch.save([torch.ones(2)], tmp_path / "ranks" / "rank_0.pt")
+    assert error_of(capsys, ["inspect", tmp_path / "ranks", "--format", fmt]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 'ranks' / 'rank_0.pt'}': holds a list, not a state dict: "
+        "shardckpt reads files whose top level is a dict",
+    )
