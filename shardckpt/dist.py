@@ -101,10 +101,6 @@ class Runtime:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def any_true(self, flag: bool) -> bool:
-        """Return whether ``flag`` is true on any rank."""
-        return _any_rank(flag) if self.distributed else flag
-
 
 def under_torchrun() -> bool:
     """Return whether the environment was set up by torchrun (or another launcher)."""

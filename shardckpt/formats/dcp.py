@@ -309,9 +309,4 @@ def as_stored(tree: object) -> object:
     return tree
 
 
-def is_dcp_dir(path: Path) -> bool:
-    """Return whether ``path`` looks like a DCP checkpoint directory."""
-    return path.is_dir() and (path / METADATA_FILE).is_file()
-
-
-__all__ = ["DcpReader", "describe_chunks", "is_dcp_dir", "read_metadata"]
+__all__ = ["DcpReader", "describe_chunks", "read_metadata"]

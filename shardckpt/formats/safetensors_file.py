@@ -27,7 +27,6 @@ from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_b
 from shardckpt.formats.values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.tree import TensorMeta, dotted, walk
 
-SUFFIX = ".safetensors"
 TREE_KEY = "shardckpt"
 
 DTYPE_NAMES = {
