@@ -34,9 +34,9 @@ class Staging:
 
     def check(self) -> None:
         """Raise when DST may not be written; does no I/O beyond looking."""
-        dst = self.dst.resolve()
+        dst = Path(os.path.realpath(self.dst))
         for src in self.srcs:
-            src = src.resolve()
+            src = Path(os.path.realpath(src))
             if dst == src or src in dst.parents:
                 raise UsageError(
                     "DST is SRC or inside it",

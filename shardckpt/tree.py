@@ -4,7 +4,9 @@ A checkpoint is a nested container. Its leaves are tensors (or ``TensorMeta`` st
 while only metadata is known) and plain Python values. Paths follow DCP's own
 traversal so every format names a leaf the same way: mappings are always entered,
 lists only when they hold tensors or mappings, and everything else (tuples, lists of
-plain values such as ``param_groups[i]["params"]``) is one value leaf. FQNs contain
+plain values such as ``param_groups[i]["params"]``) is one value leaf. An empty mapping
+below the root is a leaf too, the value ``{}``: an optimizer's ``state`` before its first
+step is one, and a format that stores only leaves would otherwise lose it. FQNs contain
 dots, so a path is a tuple and a dotted string is only ever for display.
 """
 
@@ -63,9 +65,16 @@ def _enters(value: object) -> bool:
     return any(is_tensor_leaf(v) or (isinstance(v, (Mapping, list)) and _enters(v)) for v in value)
 
 
+def _is_empty_mapping(tree: object, prefix: Path) -> bool:
+    """Return whether ``tree`` is an empty mapping below the root: a leaf, the value ``{}``."""
+    return bool(prefix) and isinstance(tree, Mapping) and not tree
+
+
 def walk(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
     """Yield ``(path, leaf)`` for every leaf, in container order."""
-    if isinstance(tree, Mapping):
+    if _is_empty_mapping(tree, prefix):
+        yield prefix, tree
+    elif isinstance(tree, Mapping):
         for k, v in tree.items():
             yield from walk(v, prefix + (k,))
     elif prefix and _enters(tree):
@@ -77,6 +86,8 @@ def walk(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
 
 def map_leaves(tree: object, fn: Callable[[Path, object], object], prefix: Path = ()) -> object:
     """Return a copy of ``tree`` with every leaf replaced by ``fn(path, leaf)``."""
+    if _is_empty_mapping(tree, prefix):
+        return fn(prefix, {})
     if isinstance(tree, Mapping):
         return {k: map_leaves(v, fn, prefix + (k,)) for k, v in tree.items()}
     if prefix and _enters(tree):
@@ -89,10 +100,12 @@ _DROPPED = object()
 
 def prune(tree: object, keep: Callable[[Path, object], bool], prefix: Path = ()) -> object:
     """Return ``tree`` without the leaves ``keep`` rejects; emptied containers go too."""
+    if _is_empty_mapping(tree, prefix):
+        return {} if keep(prefix, tree) else _DROPPED
     if isinstance(tree, Mapping):
         kept = {k: prune(v, keep, prefix + (k,)) for k, v in tree.items()}
         kept = {k: v for k, v in kept.items() if v is not _DROPPED}
-        return kept if kept or not tree or not prefix else _DROPPED
+        return kept if kept or not prefix else _DROPPED
     if prefix and _enters(tree):
         kept_list = [prune(v, keep, prefix + (i,)) for i, v in enumerate(tree)]  # type: ignore[arg-type]
         kept_list = [v for v in kept_list if v is not _DROPPED]

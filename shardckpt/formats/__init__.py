@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from shardckpt.errors import BadInputError, UsageError
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.base import FullWriter, Index, Reader
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.files import os_error, source_file, source_stat
 from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
 from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
@@ -51,11 +53,7 @@ SUPPORTED_READ = ", ".join(READERS)
 
 def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
-    if not src.exists():
-        raise BadInputError(
-            "no such file or directory", path=src, hint="check the path of the checkpoint"
-        )
-    if src.is_dir():
+    if stat.S_ISDIR(source_stat(src).st_mode):
         if (src / METADATA_FILE).is_file():
             return "dcp"
         if (src / INDEX_FILE).is_file():
@@ -77,8 +75,11 @@ def detect(src: Path) -> str:
             hint=f"pass a DCP directory (with '{METADATA_FILE}'), a directory of per-rank "
             "files (rank_0.pt, ...) or a checkpoint file",
         )
-    with open(src, "rb") as f:
-        head = f.read(9)
+    try:
+        with open(source_file(src), "rb") as f:
+            head = f.read(9)
+    except OSError as exc:
+        raise os_error(exc, src) from None
     if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
         return "torch"
     if (

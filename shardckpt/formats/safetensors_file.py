@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes
+from shardckpt.formats.files import os_error, source_file
 from shardckpt.formats.values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.tree import TensorMeta, dotted, walk
 
@@ -69,16 +70,15 @@ class SafetensorsReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        if not self.src.exists():
-            raise BadInputError(
-                "no such file or directory", path=self.src, hint="check the path of the checkpoint"
-            )
+        source_file(self.src)
         try:
             with safe_open(self.src, framework="pt") as f:
                 self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
                 self._header_metadata = f.metadata() or {}
         except BadInputError:
             raise
+        except OSError as exc:
+            raise os_error(exc, self.src) from None
         except Exception as exc:
             raise BadInputError(
                 f"not a readable safetensors file ({type(exc).__name__}: {exc})",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import stat
 import struct
 import zipfile
 import zlib
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardckpt.errors import BadInputError, IOFailure, UnsafePickleError
 from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes
+from shardckpt.formats.files import os_error, source_file, source_stat
 from shardckpt.tree import TensorMeta, map_leaves, walk
 
 
@@ -34,16 +36,13 @@ def load(
     ``safe_globals`` widens torch's ``weights_only`` allow-list for one format;
     ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
     """
-    if not path.exists():
-        raise BadInputError(
-            "no such file or directory", path=path, hint="check the path of the checkpoint"
-        )
-    if path.is_dir():
+    if stat.S_ISDIR(source_stat(path).st_mode):
         raise BadInputError(
             "is a directory, not a torch.save file",
             path=path,
             hint="pass the file itself, or --format dcp for a DCP directory",
         )
+    source_file(path)
     options: dict = {"weights_only": not trust_pickle}
     if trust_pickle and trusted_pickle is not None:
         options["pickle_module"] = trusted_pickle
@@ -56,6 +55,8 @@ def load(
                     raise
                 # Files from torch.save(_use_new_zipfile_serialization=False) cannot be mapped.
                 return torch.load(path, map_location="cpu", **options)
+    except OSError as exc:
+        raise os_error(exc, path) from None
     except pickle.UnpicklingError as exc:
         raise UnsafePickleError(
             f"refused to unpickle ({_first_line(exc)})",

@@ -241,3 +241,37 @@ def test_a_rank_file_whose_top_level_is_not_a_dict(capsys, tmp_path, fmt):
         f"shardckpt: error: '{tmp_path / 'ranks' / 'rank_0.pt'}': holds a list, not a state dict: "
         "shardckpt reads files whose top level is a dict",
     )
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{fifo}"],
+        ["inspect", "{fifo}", "--format", "torch"],
+        ["inspect", "{fifo}", "--format", "safetensors"],
+        ["convert", "{fifo}", "{out}", "--to", "full"],
+        ["convert", "{fifo}", "{out}", "--to", "full", "--from", "torch"],
+        ["diff", "{fifo}", "{fifo}"],
+    ],
+)
+def test_a_fifo_as_src_is_refused_instead_of_blocking_on_open(capsys, tmp_path, argv):
+    fifo = tmp_path / "ckpt.pt"
+    os.mkfifo(fifo)
+    argv = [a.format(fifo=fifo, out=tmp_path / "out.pt") for a in argv]
+    assert error_of(capsys, argv) == (
+        3,
+        f"shardckpt: error: '{fifo}': is a FIFO (named pipe), not a regular file: copy the "
+        "checkpoint into a regular file first; shardckpt does not read pipes or devices",
+    )
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_symlink_loop_as_src_is_named_as_one(capsys, tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert error_of(capsys, ["convert", tmp_path / "a", tmp_path / "o.pt", "--to", "full"]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 'a'}': is a symlink loop: point the symlink at the "
+        "checkpoint itself",
+    )

@@ -104,3 +104,19 @@ def test_rename_keys_reports_a_collision():
     with pytest.raises(KeyError) as info:
         rename_keys({"model": {"module.w": 1, "w": 2}}, clean_fqn)
     assert info.value.args[0] == ("model.module.w", "model.w", "w")
+
+
+def test_an_empty_mapping_below_the_root_is_a_leaf_so_no_traversal_loses_it():
+    tree = {"a": {}, "optim": {"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}}
+    assert list(walk(tree)) == [
+        (("a",), {}),
+        (("optim", "state"), {}),
+        (("optim", "param_groups", 0, "lr"), 0.1),
+        (("optim", "param_groups", 0, "params"), []),
+    ]
+    assert map_leaves(tree, lambda _p, leaf: leaf) == tree
+    assert build(list(walk(tree))) == tree
+    # A filter keeps or drops an empty mapping like any other leaf.
+    assert prune(tree, lambda p, _: p[0] == "a") == {"a": {}}
+    assert prune(tree, lambda p, _: p[0] != "a") == {k: v for k, v in tree.items() if k != "a"}
+    assert list(walk({})) == []

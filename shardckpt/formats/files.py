@@ -1,0 +1,92 @@
+"""Source files: what a reader may open, and what an OS error on a file means to the user.
+
+Every reader opens SRC's files through ``source_file``, so a FIFO, a socket or a device
+is refused before ``open`` could block on it, and a symlink loop or a denied permission
+is named as what it is instead of as a missing or truncated file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from shardckpt.errors import BadInputError, IOFailure, ShardckptError
+
+
+def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) -> ShardckptError:
+    """Return the one-line error for ``exc``, raised while reading (or ``writing``) ``path``."""
+    code = exc.errno
+    if code == errno.ENOENT and not writing:
+        return BadInputError(
+            "no such file or directory", path=path, hint="check the path of the checkpoint"
+        )
+    if code == errno.ELOOP:
+        return BadInputError(
+            "is a symlink loop", path=path, hint="point the symlink at the checkpoint itself"
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return IOFailure(
+            "permission denied",
+            path=path,
+            hint="check the permissions of the directory DST goes in"
+            if writing
+            else "check the file's permissions; shardckpt needs to read it",
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return IOFailure(
+            f"{exc.strerror or 'no space left'} while writing",
+            path=path,
+            hint="free some space, or write DST on another filesystem",
+        )
+    what = "writing" if writing else "reading"
+    return IOFailure(
+        f"{what} failed ({exc.strerror or type(exc).__name__})",
+        path=path,
+        hint="check the disk and the filesystem it is on",
+    )
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def source_stat(path: str | os.PathLike) -> os.stat_result:
+    """Return ``os.stat(path)`` (symlinks followed), or raise the one-line error for why not."""
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+def source_file(path: str | os.PathLike) -> Path:
+    """Return ``path`` when it is a regular file (symlinks followed); raise a one-line error otherwise."""
+    mode = source_stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise BadInputError(
+            "is a directory, not a file",
+            path=path,
+            hint="pass the checkpoint file itself, or the directory as SRC for a directory format",
+        )
+    if not stat.S_ISREG(mode):
+        raise BadInputError(
+            f"is a {_kind(mode)}, not a regular file",
+            path=path,
+            hint="copy the checkpoint into a regular file first; shardckpt does not read pipes or devices",
+        )
+    return Path(path)
+
+
+def is_source_file(path: Path) -> bool:
+    """Return whether ``path`` is a regular file (symlinks followed); never raises, never blocks."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
