@@ -1,6 +1,27 @@
-"""``python -m shardckpt`` (and ``torchrun -m shardckpt``) runs the CLI."""
+"""Where ``shardckpt``, ``python -m shardckpt`` and ``torchrun -m shardckpt`` start.
 
-from shardckpt.cli import main
+The CLI imports torch, which takes seconds. A signal in that time must end the process
+with the shell's code and one line, not a traceback from inside an import, so signals
+are recorded (``shardckpt.signals.defer``) before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    """Run the CLI; a signal while it starts up ends it as soon as it can act on it."""
+    try:
+        from shardckpt import signals
+
+        signals.defer()
+        from shardckpt.cli import main as cli_main
+    except KeyboardInterrupt:  # before defer() took over: a fraction of a millisecond
+        print("shardckpt: interrupted by SIGINT", file=sys.stderr)
+        sys.exit(130)
+    cli_main()
+
 
 if __name__ == "__main__":
     main()

@@ -19,10 +19,11 @@ from shardckpt import convert as pipeline
 from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.dist import Runtime
-from shardckpt.errors import IOFailure, UsageError
+from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
     DIRECTORY_FORMATS,
+    FILE_SUFFIXES,
     FULL_WRITERS,
     LAYOUT_OF,
     LOCAL_WRITERS,
@@ -38,7 +39,7 @@ from shardckpt.plan import (
     Selection,
     make_plan,
     matches,
-    parse_rename,
+    parse_edit,
     select,
 )
 from shardckpt.progress import Progress
@@ -169,6 +170,25 @@ def _check_target(to: str, fmt: str, world_size: int | None, model: str | None =
         )
 
 
+def _check_dst_name(dst: str | os.PathLike, fmt: str) -> None:
+    """Refuse a DST whose file suffix names another format than the one to be written."""
+    suffix = Path(dst).suffix.lower()
+    named = FILE_SUFFIXES.get(suffix)
+    if named is None or named == fmt:
+        return
+    if fmt in DIRECTORY_FORMATS:
+        raise UsageError(
+            f"--format {fmt} writes a directory, but DST ends in {suffix}, a {named} file",
+            path=dst,
+            hint=f"name DST without a file suffix, or pass --format {named}",
+        )
+    raise UsageError(
+        f"DST ends in {suffix}, a {named} file, but --format is {fmt}",
+        path=dst,
+        hint=f"pass --format {named}, or name DST like the {fmt} files it will hold",
+    )
+
+
 def _check_cast(dtype: str, cast_optim: bool):
     cast_to = target_dtype(dtype)
     if cast_optim and cast_to is None:
@@ -206,8 +226,7 @@ def convert(
     cast_optim: bool = False,
     max_shard_size: int | None = None,
     optim_keys: str = "keep",
-    renames: Sequence[str] = (),
-    drops: Sequence[str] = (),
+    edits: Sequence[tuple[str, str]] = (),
     model: str | None = None,
     wraps: Sequence[str] = (),
     use_orig_params: bool = False,
@@ -221,9 +240,11 @@ def convert(
 ) -> ConvertResult:
     """Convert ``src`` into ``dst`` with layout ``to``; return what was written.
 
-    ``renames`` are ``REGEX=REPL`` strings; ``model`` is ``pkg.module:factory`` (see
+    ``edits`` are ``("--rename", "REGEX=REPL")`` and ``("--drop", "REGEX")`` pairs,
+    applied to every FQN in their order; ``model`` is ``pkg.module:factory`` (see
     ``shardckpt.model``), built on the meta device for the order of param IDs; with
     ``wraps`` (FSDP1 ``ModuleWrapPolicy`` classes) it also gives FSDP1 flat-parameter layouts.
+    DST appears only complete: written beside it, checked with ``verify``, then renamed.
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
@@ -232,6 +253,7 @@ def convert(
 
     def prepare():
         _check_target(to, fmt, world_size, model)
+        _check_dst_name(dst, fmt)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
         cast_to = _check_cast(dtype, cast_optim)
@@ -241,8 +263,7 @@ def convert(
             filters=tuple(filters),
             clean_fqns=clean_fqns,
             optim_keys=optim_keys,
-            renames=tuple(parse_rename(r) for r in renames),
-            drops=tuple(drops),
+            edits=tuple(parse_edit(option, text) for option, text in edits),
             model=model_params(model, clean_fqns) if model else None,
         )
         if not dry_run:
@@ -272,33 +293,26 @@ def convert(
         return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan
 
     reader, plan = runtime.agreed(prepare)
-    if not dry_run:
-        progress = progress or Progress()
-        progress.begin(plan.nbytes)
-        try:
-            pipeline.run(reader, plan, staging, runtime, progress)
-        finally:
-            progress.close()
     verified = None
-    if verify and not dry_run:
-        # DCP hands every mapping key back as str; compare with what it can hold.
-        expected = as_stored(plan.tree) if fmt == "dcp" else plan.tree
-        check = _diff_readers(
-            reader,
-            expected,
-            open_reader(dst, fmt, trust_pickle, plan.flat_model),
-            runtime,
-            clean_fqns=False,
-        )
-        verified = check.equal
-        if not verified:
-            first = check.differences[0]
-            raise IOFailure(
-                f"--verify found {len(check.differences)} differing leaves, first "
-                f"'{'.'.join(map(str, first.path))}' ({first.reason})",
-                path=dst,
-                hint="the output was written but does not read back equal; please report this",
-            )
+    if not dry_run:
+        try:
+            runtime.agreed(lambda: staging.open() if runtime.coordinator else None)
+            progress = progress or Progress()
+            progress.begin(plan.nbytes)
+            try:
+                pipeline.run(reader, plan, staging, runtime, progress)
+            finally:
+                progress.close()
+            if verify:
+                verified = _verify(reader, plan, staging, runtime, trust_pickle)
+            runtime.agreed(lambda: staging.commit() if runtime.coordinator else None)
+        except BaseException as exc:
+            if runtime.coordinator and not staging.committed:
+                exc.add_note(f"'{dst}' was not written")
+            raise
+        finally:
+            if runtime.coordinator:
+                staging.close()
     return ConvertResult(
         str(src),
         str(dst),
@@ -313,6 +327,35 @@ def convert(
         verified,
         plan,
     )
+
+
+def _verify(reader, plan: ConvertPlan, staging: Staging, runtime: Runtime, trust_pickle: bool):
+    """Read the staged output back and compare it with SRC; raise if anything differs."""
+    dst = staging.dst
+    # DCP hands every mapping key back as str; compare with what it can hold.
+    expected = as_stored(plan.tree) if plan.format == "dcp" else plan.tree
+    try:
+        written = runtime.agreed(
+            lambda: open_reader(staging.tmp, plan.format, trust_pickle, plan.flat_model)
+        )
+        check = _diff_readers(reader, expected, written, runtime, clean_fqns=False)
+    except ShardckptError as exc:
+        if isinstance(exc, RemoteRankError):
+            raise
+        raise IOFailure(
+            f"--verify could not read the output back ({exc.line()}); nothing was written to DST",
+            path=dst,
+            hint="please report this",
+        ) from None
+    if not check.equal:
+        first = check.differences[0]
+        raise IOFailure(
+            f"--verify found {len(check.differences)} differing leaves, first "
+            f"'{'.'.join(map(str, first.path))}' ({first.reason}); nothing was written to DST",
+            path=dst,
+            hint="the output did not read back equal to SRC; please report this",
+        )
+    return True
 
 
 # ---------------------------------------------------------------- diff

@@ -5,16 +5,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
 import typer
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardckpt.commands import convert as convert_command
 from shardckpt.commands import diff as diff_command
 from shardckpt.commands import inspect as inspect_command
 from shardckpt.dist import env_rank
-from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError
+from shardckpt.errors import (
+    BadInputError,
+    CollectiveFailure,
+    IOFailure,
+    RemoteRankError,
+    ShardckptError,
+)
+from shardckpt.options import RawArgsCommand
+from shardckpt.signals import Interrupted, interruptible
 
 app = typer.Typer(
     name="shardckpt",
@@ -28,7 +38,7 @@ app = typer.Typer(
 )
 
 app.command(epilog=inspect_command.EPILOG)(inspect_command.inspect)
-app.command(epilog=convert_command.EPILOG)(convert_command.convert)
+app.command(epilog=convert_command.EPILOG, cls=RawArgsCommand)(convert_command.convert)
 app.command(epilog=diff_command.EPILOG)(diff_command.diff)
 
 
@@ -38,7 +48,9 @@ def report(error: ShardckptError) -> None:
     _record_for_torchrun(error)
     if isinstance(error, RemoteRankError):
         return
-    if env_rank() != 0 and not getattr(error, "agreed", False):
+    # A broken group cannot agree on who reports, so every rank that saw it does.
+    reported_here = getattr(error, "agreed", False) or isinstance(error, CollectiveFailure)
+    if env_rank() != 0 and not reported_here:
         return
     print(f"shardckpt: error: {error.line()}", file=sys.stderr)
 
@@ -63,7 +75,8 @@ def _record_for_torchrun(error: ShardckptError) -> None:
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` and return the exit code (for tests and ``main``)."""
     try:
-        code = app(args=argv, prog_name="shardckpt", standalone_mode=False)
+        with interruptible():
+            code = app(args=argv, prog_name="shardckpt", standalone_mode=False)
         return code if isinstance(code, int) else 0
     except ShardckptError as exc:
         report(exc)
@@ -77,19 +90,44 @@ def run(argv: list[str] | None = None) -> int:
         return failure.exit_code
     except typer.Exit as exc:
         return exc.exit_code
-    except (typer.Abort, KeyboardInterrupt):
-        return 130
+    except (Interrupted, KeyboardInterrupt, typer.Abort) as exc:
+        return _interrupted(exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT))
     except Exception as exc:
         # Typer's usage errors (bad option, missing argument) know how to show themselves.
-        if not (hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int)):
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
+            if env_rank() == 0:
+                exc.show()
+            return exc.exit_code
+        if os.environ.get("SHARDCKPT_DEBUG"):
             raise
-        if env_rank() == 0:
-            exc.show()
-        return exc.exit_code
+        failure = _unexpected(exc)
+        report(failure)
+        return failure.exit_code
+
+
+def _interrupted(exc: Interrupted) -> int:
+    """Say once (rank 0) that a signal stopped the run, and what became of DST."""
+    if env_rank() == 0:
+        notes = "".join(f": {n}" for n in getattr(exc, "__notes__", ()))
+        print(f"shardckpt: interrupted by {exc.name}{notes}", file=sys.stderr)
+    return exc.exit_code
+
+
+def _unexpected(exc: Exception) -> ShardckptError:
+    """Return the one-line error for an exception no part of shardckpt turned into one."""
+    if isinstance(exc, RecursionError):
+        return BadInputError(
+            "the checkpoint's tree is nested too deeply to walk",
+            hint="shardckpt reads trees of nested dicts and lists a few hundred levels deep",
+        )
+    text = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return IOFailure(
+        f"internal error ({detail})",
+        hint="please report this; SHARDCKPT_DEBUG=1 shows the traceback",
+    )
 
 
 def main() -> None:
     """Console-script entry point; torchrun's ``@record`` names a crashing rank's traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     sys.exit(record(run)())

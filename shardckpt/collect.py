@@ -2,7 +2,7 @@
 
 Rows are the ones DTensor's ``Shard(0)`` gives each rank, so rank r's rows start at
 ``r * ceil(n / N)`` and every non-final rank holds exactly ``ceil(n / N)`` rows. A whole
-tensor is therefore one ``dist.gather`` into row blocks of a padded buffer on rank 0:
+tensor is therefore one gather (``Runtime.gather_into``) into row blocks of a padded buffer on rank 0:
 each rank's rows land in place, nothing is copied twice, and no other rank receives
 anything.
 """
@@ -10,7 +10,6 @@ anything.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from shardckpt.tree import TensorMeta
 
@@ -30,10 +29,10 @@ def assemble(
     padded = torch.zeros((block,) + tuple(meta.shape[1:]), dtype=meta.dtype, device=runtime.device)
     padded[: local.shape[0]].copy_(local)
     if not runtime.coordinator:
-        dist.gather(padded, None, dst=0)
+        runtime.gather_into(padded, None)
         return None
     whole = torch.empty(
         (block * world,) + tuple(meta.shape[1:]), dtype=meta.dtype, device=runtime.device
     )
-    dist.gather(padded, list(whole.chunk(world)) if block else [padded] * world, dst=0)
+    runtime.gather_into(padded, list(whole.chunk(world)) if block else [padded] * world)
     return whole[:rows].cpu()

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from shardckpt.formats.base import Reader
 from shardckpt.plan import SKIP, batches, rows_to_read
@@ -134,9 +133,8 @@ def _compare_rows(
         bad, diff = tensors_differ(x.cpu(), y.cpu(), atol, rtol)
         flags[i] = 1.0 if bad else 0.0
         diffs[i] = diff
-    if runtime.distributed:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    runtime.max_over_ranks(flags)
+    runtime.max_over_ranks(diffs)
     return [(bool(f), float(d)) for f, d in zip(flags.tolist(), diffs.tolist())]
 
 

@@ -1,15 +1,16 @@
 """The conversion pipeline: reader -> plan -> (collective) -> writer, batch by batch.
 
 Call order (every rank runs every step; ``Runtime.agreed`` turns a failure on one
-rank into the same error on all of them before the next collective):
-  1) (rank 0) ``Staging.prepare``; a full writer lays out its file from the plan alone.
+rank into the same error on all of them before the next collective). ``api.convert``
+opens the staging path before and commits it after (``shardckpt.staging``):
+  1) a full writer lays out its file from the plan alone.
   2) per batch: (all) read own rows -> (all) gather to rank 0 -> (rank 0) write whole
      tensor; or, for a sharded DST of M ranks, read the rows of each target rank this
      process acts for (``shardckpt.virtual``) and keep them as that rank's DTensor shards.
   3) (all) DCP's save protocol for the M target ranks (``formats/dcp_write.py``); or,
      for a local DST, each process saves the file of each target rank it acts for, one
      target rank at a time (``formats/fsdp2_ranks_write.py``).
-  4) (rank 0) writer closes; ``Staging.commit`` renames the output onto DST.
+  4) (rank 0) the full writer closes.
 """
 
 from __future__ import annotations
@@ -34,26 +35,17 @@ Progress = Callable[[int], None]
 
 
 def run(reader: Reader, plan: ConvertPlan, staging: Staging, runtime, progress: Progress) -> None:
-    """Write ``plan``'s DST through ``staging``; on any rank's failure, leave no DST behind."""
-    runtime.agreed(lambda: staging.prepare() if runtime.coordinator else None)
-    try:
-        if plan.layout == "full":
-            _to_full(reader, plan, staging, runtime, progress)
-        elif plan.format == "fsdp1-sharded":
-            write_fsdp1_sharded(staging.tmp, plan, reader, runtime)
-        elif plan.format == "fsdp1-local":
-            write_fsdp1_local(
-                staging.tmp, plan, reader, plan.flat_model, plan.use_orig_params, runtime
-            )
-        elif plan.layout == "local":
-            _to_local(reader, plan, staging, runtime, progress)
-        else:
-            _to_sharded(reader, plan, staging, runtime, progress)
-        runtime.agreed(lambda: staging.commit() if runtime.coordinator else None)
-    except BaseException:
-        if runtime.coordinator:
-            staging.abort()
-        raise
+    """Write ``plan``'s output under ``staging.tmp`` (opened by the coordinator; see ``Staging``)."""
+    if plan.layout == "full":
+        _to_full(reader, plan, staging, runtime, progress)
+    elif plan.format == "fsdp1-sharded":
+        write_fsdp1_sharded(staging.tmp, plan, reader, runtime)
+    elif plan.format == "fsdp1-local":
+        write_fsdp1_local(staging.tmp, plan, reader, plan.flat_model, plan.use_orig_params, runtime)
+    elif plan.layout == "local":
+        _to_local(reader, plan, staging, runtime, progress)
+    else:
+        _to_sharded(reader, plan, staging, runtime, progress)
 
 
 def _read_batch(

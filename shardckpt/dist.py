@@ -9,11 +9,16 @@ Protocol, per command:
   2) (all ranks) each phase that can fail on one rank only is wrapped in ``agreed(...)``,
      so every rank learns of the first failure instead of waiting in a collective.
   3) (all ranks) ``launch`` exits: barrier on success, then ``destroy_process_group``.
+
+Every collective runs through a ``Runtime`` method. One that fails (a peer died, or
+did not answer within ``SHARDCKPT_TIMEOUT`` seconds) raises ``CollectiveFailure`` at
+once: the group is broken, so no further collective (agreement, barrier) is tried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +28,13 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError
+from shardckpt.errors import (
+    CollectiveFailure,
+    IOFailure,
+    RemoteRankError,
+    ShardckptError,
+    UsageError,
+)
 
 T = TypeVar("T")
 
@@ -40,6 +51,7 @@ class Runtime:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     mesh: object | None = None  # DeviceMesh over all ranks; None when standalone
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
     def distributed(self) -> bool:
@@ -51,10 +63,21 @@ class Runtime:
         """Return whether this rank prints, renames outputs and writes full files."""
         return self.rank == 0
 
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Turn the failure of the collective inside into ``CollectiveFailure``, naming the cause."""
+        try:
+            yield
+        except CollectiveFailure:
+            raise
+        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses for both causes
+            raise _lost_contact(exc, self.rank, self.timeout_s) from None
+
     def barrier(self) -> None:
         """Wait for every rank (no-op standalone)."""
         if self.distributed:
-            dist.barrier()
+            with self.collective():
+                dist.barrier()
 
     def agreed(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank and fail on every rank if it failed on any."""
@@ -62,6 +85,8 @@ class Runtime:
         result = None
         try:
             result = fn()
+        except CollectiveFailure:
+            raise  # the group is broken: there is no agreeing over it
         except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = exc
         self.raise_if_any_failed(error)
@@ -75,7 +100,8 @@ class Runtime:
             return
         mine = None if error is None else (self.rank, _one_line(error), _exit_code(error))
         everyone: list[tuple[int, str, int] | None] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
+        with self.collective():
+            dist.all_gather_object(everyone, mine)
         failures = [f for f in everyone if f is not None]
         if not failures:
             return
@@ -90,7 +116,8 @@ class Runtime:
         if not self.distributed:
             return [obj]
         out: list | None = [None] * self.world_size if self.coordinator else None
-        dist.gather_object(obj, out, dst=0)
+        with self.collective():
+            dist.gather_object(obj, out, dst=0)
         return out
 
     def broadcast(self, obj: T) -> T:
@@ -98,8 +125,20 @@ class Runtime:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with self.collective():
+            dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gather_into(self, tensor: torch.Tensor, blocks: list[torch.Tensor] | None) -> None:
+        """Gather every rank's same-shape ``tensor`` into the coordinator's ``blocks`` (rank order)."""
+        with self.collective():
+            dist.gather(tensor, blocks if self.coordinator else None, dst=0)
+
+    def max_over_ranks(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` in place by its elementwise maximum over every rank."""
+        if self.distributed:
+            with self.collective():
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
 
 def under_torchrun() -> bool:
@@ -143,8 +182,9 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
         ) from exc
     in_step = False  # whether every rank is known to reach the teardown together
+    runtime = Runtime(rank=rank, world_size=world_size, timeout_s=timeout.total_seconds())
     try:
-        all_have_gpu = not _any_rank(not has_gpu)
+        all_have_gpu = not _any_rank(runtime, not has_gpu)
         if device == "cuda" and not all_have_gpu:
             raise UsageError(
                 "--device cuda was given but not every rank has a GPU",
@@ -154,8 +194,9 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(dev.type, (world_size,))
-        yield Runtime(rank=rank, world_size=world_size, device=dev, mesh=mesh)
+        with runtime.collective():
+            mesh = init_device_mesh(dev.type, (world_size,))
+        yield dataclasses.replace(runtime, device=dev, mesh=mesh)
         in_step = True
     except BaseException as exc:
         # A failure every rank agreed on brings them all here; one only this rank saw
@@ -172,10 +213,26 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             dist.destroy_process_group()
 
 
-def _any_rank(flag: bool) -> bool:
+def _any_rank(runtime: Runtime, flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with runtime.collective():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> CollectiveFailure:
+    """Return the one-line error for a failed collective: a timeout, or a peer that went away."""
+    text = str(exc).strip().splitlines()
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        return CollectiveFailure(
+            f"rank {rank} waited {timeout_s:g} s for the other ranks and gave up",
+            hint="a rank stalled or died (its error, if any, is above); "
+            "raise SHARDCKPT_TIMEOUT if a rank is only slow",
+        )
+    return CollectiveFailure(
+        f"rank {rank} lost contact with another rank ({text[0] if text else type(exc).__name__})",
+        hint="another rank died; its error, if it printed one, is above",
+    )
 
 
 def _one_line(error: BaseException) -> str:

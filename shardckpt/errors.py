@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
@@ -51,6 +52,13 @@ class IOFailure(ShardckptError):
     exit_code = EXIT_IO
 
 
+class CollectiveFailure(IOFailure):
+    """A collective failed on this rank: a peer died or did not answer in time (exit 4).
+
+    Each rank that sees it reports it: no agreement is possible over a broken group.
+    """
+
+
 class DestinationExistsError(ShardckptError):
     """DST is already there and --overwrite was not given (exit 5)."""
 
@@ -64,3 +72,8 @@ class RemoteRankError(ShardckptError):
         self.rank = rank
         self.exit_code = exit_code
         super().__init__(f"rank {rank} failed: {line}")
+
+
+def notice(message: str) -> None:
+    """Print a one-line notice on stderr: something the user should know that is not an error."""
+    print(f"shardckpt: note: {message}", file=sys.stderr)

@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
 from shardckpt import api
 from shardckpt.cast import DTYPES
@@ -111,3 +112,40 @@ def parse_size(text: str, option: str) -> int:
             f"{option} {text!r} is not a size", hint="write it like 512MB, 2GiB or 1000000"
         )
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+_RAW_ARGS = "shardckpt.raw_args"
+
+
+class RawArgsCommand(TyperCommand):
+    """A command that also keeps its raw arguments, for options whose relative order matters."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta[_RAW_ARGS] = list(args)
+        return super().parse_args(ctx, args)
+
+
+def in_given_order(ctx: typer.Context, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Return ``(option, value)`` for each use of the options ``names``, in command-line order.
+
+    Click groups a repeatable option's values per option and loses how two options
+    interleave; the raw arguments keep it. Another option's value is skipped, so a
+    value that happens to read ``--drop`` is not mistaken for the option.
+    """
+    takes_value = {
+        name: not (getattr(p, "is_flag", False) or getattr(p, "count", False))
+        for p in ctx.command.params
+        if getattr(p, "param_type_name", "") == "option"
+        for name in (*p.opts, *p.secondary_opts)
+    }
+    found: list[tuple[str, str]] = []
+    args = iter(ctx.meta.get(_RAW_ARGS, ()))
+    for arg in args:
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name in names:
+            found.append((name, value if eq else next(args, "")))
+        elif takes_value.get(name) and not eq:
+            next(args, None)
+    return found

@@ -45,57 +45,21 @@ SKIP = "skip"
 
 
 @dataclass(frozen=True)
-class Selection:
-    """Which part of the source goes to DST, and how its keys are named there."""
+class FqnEdit:
+    """One ``--rename`` (``repl`` given) or ``--drop`` (``repl`` None) for every FQN."""
 
-    only: str = "all"
-    filters: tuple[str, ...] = ()
-    clean_fqns: bool = True
-    optim_keys: str = "keep"
-    renames: tuple[tuple[str, str], ...] = ()
-    """``(REGEX, REPL)`` pairs applied with ``re.sub`` to every FQN, in order."""
-    drops: tuple[str, ...] = ()
-    """Regexes: an FQN any of them finds (``re.search``) is dropped with its optimizer state."""
-    model: ModelParams | None = None
-    """The parameters ``--model`` builds, for param-ID order; None: inferred from SRC."""
-
-    def __post_init__(self) -> None:
-        if self.only not in ONLY:
-            raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
-        if self.optim_keys not in OPTIM_KEYS:
-            raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
-        for pattern, repl in self.renames:
-            _compile("--rename", f"{pattern}={repl}", pattern).sub(repl, "")
-        for pattern in self.drops:
-            _compile("--drop", pattern, pattern)
-
-    def fqn_map(self):
-        """Return the function ``--rename`` and ``--drop`` apply to an FQN, or None for neither."""
-        if not self.renames and not self.drops:
-            return None
-        renames = [(re.compile(p), r) for p, r in self.renames]
-        drops = [re.compile(p) for p in self.drops]
-
-        def apply(fqn: str) -> str | None:
-            for pattern, repl in renames:
-                fqn = pattern.sub(repl, fqn)
-            return None if any(d.search(fqn) for d in drops) else fqn
-
-        return apply
+    pattern: str
+    repl: str | None = None
 
 
-def _compile(option: str, text: str, pattern: str) -> re.Pattern:
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise UsageError(
-            f"{option} {text!r}: bad regular expression ({exc})",
-            hint="use Python re syntax; escape dots as \\.",
-        ) from None
-
-
-def parse_rename(text: str) -> tuple[str, str]:
-    """Return ``(REGEX, REPL)`` from ``REGEX=REPL``, split at the last ``=`` (FQNs hold none)."""
+def parse_edit(option: str, text: str) -> FqnEdit:
+    """Return the edit ``--rename REGEX=REPL`` or ``--drop REGEX`` describes; refuse bad regexes."""
+    if option == "--drop":
+        _compile("--drop", text, text)
+        return FqnEdit(text)
+    if option != "--rename":
+        raise UsageError(f"unknown FQN edit {option!r}", hint="use --rename or --drop")
+    # Split at the last '=': FQNs hold none, a replacement may.
     pattern, sep, repl = text.rpartition("=")
     if not sep or not pattern:
         raise UsageError(
@@ -109,7 +73,55 @@ def parse_rename(text: str) -> tuple[str, str]:
             f"--rename {text!r}: bad regular expression or replacement ({exc})",
             hint="use Python re syntax; escape dots as \\.",
         ) from None
-    return pattern, repl
+    return FqnEdit(pattern, repl)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which part of the source goes to DST, and how its keys are named there."""
+
+    only: str = "all"
+    filters: tuple[str, ...] = ()
+    clean_fqns: bool = True
+    optim_keys: str = "keep"
+    edits: tuple[FqnEdit, ...] = ()
+    """``--rename`` and ``--drop``, applied to every FQN in the order they were given:
+    a rename is ``re.sub``; a drop removes an FQN it finds (``re.search``) with its
+    optimizer state, and later edits never see it."""
+    model: ModelParams | None = None
+    """The parameters ``--model`` builds, for param-ID order; None: inferred from SRC."""
+
+    def __post_init__(self) -> None:
+        if self.only not in ONLY:
+            raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
+        if self.optim_keys not in OPTIM_KEYS:
+            raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
+
+    def fqn_map(self):
+        """Return the function ``--rename`` and ``--drop`` apply to an FQN, or None for neither."""
+        if not self.edits:
+            return None
+        edits = [(re.compile(e.pattern), e.repl) for e in self.edits]
+
+        def apply(fqn: str) -> str | None:
+            for pattern, repl in edits:
+                if repl is not None:
+                    fqn = pattern.sub(repl, fqn)
+                elif pattern.search(fqn):
+                    return None
+            return fqn
+
+        return apply
+
+
+def _compile(option: str, text: str, pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(
+            f"{option} {text!r}: bad regular expression ({exc})",
+            hint="use Python re syntax; escape dots as \\.",
+        ) from None
 
 
 def _collision(src: str, exc: KeyError, after: str, hint: str) -> BadInputError:

@@ -1,74 +1,163 @@
 """Outputs that appear only when complete: written beside DST, renamed into place.
 
-Protocol (all ranks, in this order):
-  1) ``check()``  every rank, before any collective: refuse an existing DST without
-     --overwrite, and a DST that is or lies inside SRC.
-  2) ``prepare()``  rank 0 clears a stale partial output and makes the staging path.
-  3) writers write under ``staging.tmp``.
-  4) ``commit()``  rank 0 renames the partial output onto DST (the old one, with
-     --overwrite, is moved aside first and removed after), or ``abort()`` removes it.
+Protocol (in this order):
+  1) (every rank) ``check()`` before any collective, looking only: refuse a DST that is
+     SRC, inside SRC or around it, the current directory or one around it, an existing
+     DST without --overwrite, and with --overwrite a directory that holds no checkpoint.
+  2) (coordinator) ``open()`` takes the exclusive lock on DST for the whole run
+     (``shardckpt.lock``), repairs what a killed run left in DST's directory, checks
+     DST again under the lock and makes the staging path ``tmp``.
+  3) (every rank) writers write under ``tmp``; ``--verify`` reads it back there.
+  4) (coordinator) ``commit()`` renames ``tmp`` onto DST (an old DST, with --overwrite,
+     is moved aside first and removed after); then ``close()`` removes ``tmp`` if it is
+     still there and gives the lock back. ``close()`` runs on every exit path.
+
+A run killed at any point leaves DST as it was or complete: ``.NAME.shardckpt-partial``
+is only ever a partial output, and ``.NAME.shardckpt-old`` is the previous DST, put back
+by the next run when the kill fell between the two renames of ``commit()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 
-from shardckpt.errors import DestinationExistsError, IOFailure, UsageError
+from shardckpt.errors import (
+    DestinationExistsError,
+    IOFailure,
+    ShardckptError,
+    UsageError,
+    notice,
+)
+from shardckpt.lock import FileLock, LockBusy
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardckpt-(?P<kind>partial|old)$")
+
+
+def _real(path: str | os.PathLike) -> Path:
+    """Return ``path`` with symlinks resolved; a symlink loop stays as it is instead of raising."""
+    return Path(os.path.realpath(path))
+
+
+def _lexists(path: Path) -> bool:
+    """Return whether ``path`` is there, a dangling symlink included."""
+    return os.path.lexists(path)
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _source_paths(src: Path) -> list[Path]:
+    """Return SRC and, for a directory, every entry in it, each with symlinks resolved."""
+    paths = [_real(src)]
+    with contextlib.suppress(OSError):
+        if src.is_dir():
+            paths += [_real(entry) for entry in src.iterdir()]
+    return paths
 
 
 class Staging:
-    """A DST path and the partial path beside it that becomes DST on commit."""
+    """A DST path, the partial path beside it that becomes DST on commit, and the lock on both."""
 
     def __init__(
-        self, dst: str | os.PathLike, *, overwrite: bool, is_dir: bool, srcs: tuple[Path, ...] = ()
+        self,
+        dst: str | os.PathLike,
+        *,
+        overwrite: bool,
+        is_dir: bool,
+        srcs: tuple[Path, ...] = (),
     ):
         self.dst = Path(dst)
         self.overwrite = overwrite
         self.is_dir = is_dir
         self.srcs = srcs
-        self.tmp = self.dst.with_name(f".{self.dst.name}.shardckpt-partial")
-        self._old = self.dst.with_name(f".{self.dst.name}.shardckpt-old")
+        name = self.dst.name
+        self.tmp = self.dst.with_name(f".{name}.shardckpt-partial") if name else self.dst
+        self._old = self.dst.with_name(f".{name}.shardckpt-old") if name else self.dst
+        self._lock = FileLock(self.dst.with_name(f".{name}.shardckpt-lock")) if name else None
+        self._committed = False
+
+    # ------------------------------------------------------------ 1) every rank
 
     def check(self) -> None:
         """Raise when DST may not be written; does no I/O beyond looking."""
-        dst = Path(os.path.realpath(self.dst))
+        dst = _real(self.dst)
+        cwd = _real(os.getcwd())
+        if self.dst.name in ("", ".", "..") or _within(cwd, dst):
+            raise UsageError(
+                "DST is the current directory or a directory around it",
+                path=self.dst,
+                hint="name a new file or directory for the output",
+            )
         for src in self.srcs:
-            src = Path(os.path.realpath(src))
-            if dst == src or src in dst.parents:
-                raise UsageError(
-                    "DST is SRC or inside it",
-                    path=self.dst,
-                    hint="write the conversion somewhere else; SRC is never modified",
-                )
-        if self.dst.exists() and not self.overwrite:
+            for path in _source_paths(src):
+                if _within(dst, path):
+                    raise UsageError(
+                        "DST is SRC or inside it",
+                        path=self.dst,
+                        hint="write the conversion somewhere else; SRC is never modified",
+                    )
+                if _within(path, dst):
+                    raise UsageError(
+                        f"DST holds SRC ('{src}')",
+                        path=self.dst,
+                        hint="write the conversion somewhere else; SRC is never modified",
+                    )
+        self._check_existing()
+
+    def _check_existing(self) -> None:
+        if not _lexists(self.dst):
+            return
+        if not self.overwrite:
             raise DestinationExistsError(
                 "already exists", path=self.dst, hint="pass --overwrite to replace it"
             )
+        if self.dst.is_dir() and not self.dst.is_symlink() and not _holds_checkpoint(self.dst):
+            raise UsageError(
+                "is a directory that holds no checkpoint, so --overwrite will not replace it",
+                path=self.dst,
+                hint="remove it yourself if you mean it, or choose another DST",
+            )
 
-    def prepare(self) -> None:
-        """Clear what a crashed run left and create the partial output's parent (rank 0)."""
+    # ------------------------------------------------------------ 2)-4) coordinator
+
+    def open(self) -> None:
+        """Lock DST, repair what killed runs left beside it, and make the staging path."""
+        assert self._lock is not None  # check() refused a DST without a name
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire(wait_s=1.0)
+        except LockBusy as busy:
+            raise IOFailure(
+                f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
+                path=self.dst,
+                hint="wait for that run to finish, or write to another DST",
+            ) from None
+        except OSError as exc:
+            raise _cannot_prepare(exc, self.dst) from None
+        try:
+            self._repair_leftovers()
+            self._check_existing()
             _remove(self.tmp)
             if self.is_dir:
                 self.tmp.mkdir()
+        except ShardckptError:
+            raise
         except OSError as exc:
-            raise IOFailure(
-                f"cannot prepare the output ({exc.strerror or exc})",
-                path=self.dst,
-                hint="check that the directory is writable and has free space",
-            ) from None
+            raise _cannot_prepare(exc, self.dst) from None
 
     def commit(self) -> None:
-        """Move the complete output onto DST (rank 0)."""
+        """Move the complete output onto DST."""
         try:
-            if self.dst.exists() or self.dst.is_symlink():
+            if _lexists(self.dst):
                 _remove(self._old)
                 os.replace(self.dst, self._old)
             os.replace(self.tmp, self.dst)
+            self._committed = True
             _remove(self._old)
         except OSError as exc:
             raise IOFailure(
@@ -77,14 +166,79 @@ class Staging:
                 hint="check permissions of its directory",
             ) from None
 
-    def abort(self) -> None:
-        """Remove the partial output; never raises (rank 0)."""
-        with contextlib.suppress(OSError):
-            _remove(self.tmp)
+    @property
+    def committed(self) -> bool:
+        """Return whether the output is in place at DST."""
+        return self._committed
+
+    def close(self) -> None:
+        """Remove an uncommitted partial output and give the lock back; never raises."""
+        if self._lock is None or not self._lock.held:
+            return
+        if not self._committed:
+            with contextlib.suppress(OSError):
+                _remove(self.tmp)
+        self._lock.release()
+
+    def _repair_leftovers(self) -> None:
+        """Remove partial outputs of dead runs in DST's directory; put back a DST a dead run moved aside."""
+        protected = [p for src in self.srcs for p in _source_paths(src)]
+        for entry in sorted(self.dst.parent.iterdir()):
+            found = _LEFTOVER.match(entry.name)
+            if found is None or any(_within(p, _real(entry)) for p in protected):
+                continue
+            name, kind = found.group("name"), found.group("kind")
+            if name == self.dst.name:
+                _repair(entry, self.dst.with_name(name), kind)  # we hold its lock
+                continue
+            owner = FileLock(entry.with_name(f".{name}.shardckpt-lock"))
+            try:
+                owner.acquire()
+            except (LockBusy, OSError):
+                continue  # a live run owns it, or we may not look: leave it alone
+            try:
+                _repair(entry, entry.with_name(name), kind)
+            finally:
+                owner.release()
+
+
+def _repair(leftover: Path, dst: Path, kind: str) -> None:
+    """Remove ``leftover`` of a dead run, or put it back at ``dst`` when it is DST moved aside."""
+    if kind == "old" and not _lexists(dst):
+        os.replace(leftover, dst)
+        notice(
+            f"put back '{dst}' from '{leftover.name}': a run with --overwrite was killed "
+            "while replacing it"
+        )
+        return
+    _remove(leftover)
+    what = "partial output" if kind == "partial" else "replaced output"
+    notice(f"removed '{leftover}', the {what} of a shardckpt run that was killed")
+
+
+def _holds_checkpoint(directory: Path) -> bool:
+    """Return whether ``directory`` is empty or holds a checkpoint shardckpt can detect."""
+    from shardckpt.formats import detect  # formats import much; only --overwrite needs this
+
+    try:
+        if not any(directory.iterdir()):
+            return True
+        detect(directory)
+    except (ShardckptError, OSError):
+        return False
+    return True
+
+
+def _cannot_prepare(exc: OSError, dst: Path) -> ShardckptError:
+    return IOFailure(
+        f"cannot prepare the output ({exc.strerror or exc})",
+        path=dst,
+        hint="check that the directory is writable and has free space",
+    )
 
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
+    elif _lexists(path):
         path.unlink()

@@ -9,6 +9,7 @@ import typer
 
 from shardckpt import api, render
 from shardckpt.dist import launch
+from shardckpt.errors import UsageError
 from shardckpt.options import (
     ALL_FORMATS,
     CleanFqns,
@@ -23,6 +24,7 @@ from shardckpt.options import (
     TrustPickle,
     Wraps,
     emit,
+    in_given_order,
     parse_size,
 )
 from shardckpt.progress import Progress
@@ -41,6 +43,7 @@ EPILOG = (
 
 
 def convert(
+    ctx: typer.Context,
     src: Annotated[
         str, typer.Argument(metavar="SRC", help="Source checkpoint (format detected; see --from).")
     ],
@@ -140,7 +143,8 @@ def convert(
         typer.Option(
             "--rename",
             metavar="REGEX=REPL",
-            help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike (repeatable).",
+            help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike "
+            "(repeatable; --rename and --drop apply in the order given).",
         ),
     ] = None,
     drops: Annotated[
@@ -148,7 +152,8 @@ def convert(
         typer.Option(
             "--drop",
             metavar="REGEX",
-            help="Drop every FQN this regex finds, with its optimizer state (repeatable).",
+            help="Drop every FQN this regex finds, with its optimizer state "
+            "(repeatable; --rename and --drop apply in the order given).",
         ),
     ] = None,
     overwrite: Annotated[
@@ -191,8 +196,7 @@ def convert(
                 else None
             ),
             optim_keys=optim_keys.value,
-            renames=renames or (),
-            drops=drops or (),
+            edits=_fqn_edits(ctx, renames or [], drops or []),
             model=model,
             wraps=wraps or (),
             use_orig_params=use_orig_params,
@@ -211,3 +215,17 @@ def convert(
     elif not quiet or dry_run:
         emit(render.convert_text(result))
     return 0
+
+
+def _fqn_edits(ctx: typer.Context, renames: list[str], drops: list[str]) -> list[tuple[str, str]]:
+    """Return ``--rename``/``--drop`` as ``(option, value)`` in the order they were given."""
+    edits = in_given_order(ctx, ("--rename", "--drop"))
+    # Typer parsed them too; the order found must hold exactly the values it parsed.
+    if [v for o, v in edits if o == "--rename"] != renames or [
+        v for o, v in edits if o == "--drop"
+    ] != drops:
+        raise UsageError(
+            "cannot tell the order of --rename and --drop",
+            hint="write each as --rename=REGEX=REPL or --drop=REGEX",
+        )
+    return edits

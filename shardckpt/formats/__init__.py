@@ -44,6 +44,8 @@ FULL_WRITERS: dict[str, type[FullWriter]] = {
     "safetensors": SafetensorsWriter,
     "hf": HfWriter,
 }
+# File suffixes that name a format: a DST called so must be written in it.
+FILE_SUFFIXES = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".safetensors": "safetensors"}
 SHARDED_WRITERS = {"dcp"}
 LOCAL_WRITERS = {"fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
 # Outputs that are a directory of files (staged as a directory) rather than one file.
@@ -136,6 +138,7 @@ def open_reader(
 
 __all__ = [
     "DIRECTORY_FORMATS",
+    "FILE_SUFFIXES",
     "FULL_WRITERS",
     "LOCAL_WRITERS",
     "Index",

@@ -96,7 +96,7 @@ def test_drop_removes_a_block_and_the_result_loads_into_the_model_without_it(
     fsdp2_ckpt, ref, tmp_path
 ):
     api.convert(
-        fsdp2_ckpt.dcp, tmp_path / "one.pt", to="full", optim_keys="id", drops=[r"^blocks\.1\."]
+        fsdp2_ckpt.dcp, tmp_path / "one.pt", to="full", optim_keys="id", edits=[("--drop", r"^blocks\.1\.")]
     )
     out = torch.load(tmp_path / "one.pt", weights_only=True)
     model, optimizer = plain_model_and_optimizer(num_blocks=1)

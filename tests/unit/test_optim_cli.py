@@ -251,3 +251,60 @@ def test_diff_of_an_id_keyed_file_and_its_dcp_conversion_is_equal(plain, tmp_pat
     src, _ = plain
     assert run(["convert", str(src), str(tmp_path / "d"), "--to", "sharded"]) == 0
     assert run(["diff", str(src), str(tmp_path / "d")]) == 0
+
+
+def _blocks(tmp_path):
+    """Return a full checkpoint of blocks 0..4 (block i holds the value i) with its optimizer."""
+    model = {f"blocks.{i}.w": torch.full((2, 3), float(i)) for i in range(5)}
+    optim = {
+        "state": {k: {"exp_avg": v + 10, "step": torch.tensor(3.0)} for k, v in model.items()},
+        "param_groups": [{"lr": 0.1, "params": list(model)}],
+    }
+    torch.save({"model": model, "optim": optim}, tmp_path / "blocks.pt")
+    return tmp_path / "blocks.pt"
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        ["--drop", r"^blocks\.3\.", "--rename", r"^blocks\.4\.=blocks.3."],
+        # The =VALUE forms; and a value that reads like an option ("--drop", a glob that
+        # matches nothing here) belongs to the option before it.
+        [
+            r"--drop=^blocks\.3\.",
+            "--filter",
+            "*",
+            "--filter",
+            "--drop",
+            r"--rename=^blocks\.4\.=blocks.3.",
+        ],
+    ],
+)
+def test_rename_and_drop_apply_in_the_order_given(tmp_path, edits):
+    """The documented example removes block 3 and moves block 4 into its place."""
+    out = tmp_path / "o.pt"
+    argv = ["convert", _blocks(tmp_path), out, "--to", "full", *edits, "-q"]
+    assert run([str(a) for a in argv]) == 0
+    got = torch.load(out)
+    assert list(got["model"]) == ["blocks.0.w", "blocks.1.w", "blocks.2.w", "blocks.3.w"]
+    assert torch.equal(got["model"]["blocks.3.w"], torch.full((2, 3), 4.0))
+    assert torch.equal(got["optim"]["state"]["blocks.3.w"]["exp_avg"], torch.full((2, 3), 14.0))
+    assert got["optim"]["param_groups"][0]["params"] == list(got["model"])
+
+
+def test_rename_before_drop_drops_what_the_rename_made(tmp_path):
+    out = tmp_path / "o.pt"
+    argv = [
+        "convert",
+        _blocks(tmp_path),
+        out,
+        "--to",
+        "full",
+        "--rename",
+        r"^blocks\.4\.=blocks.3.",
+        "--drop",
+        r"^blocks\.3\.",
+        "-q",
+    ]
+    assert run([str(a) for a in argv]) == 0
+    assert list(torch.load(out)["model"]) == ["blocks.0.w", "blocks.1.w", "blocks.2.w"]

@@ -1,0 +1,78 @@
+"""SIGTERM and SIGHUP end a run the way Ctrl-C (SIGINT) does: by unwinding, so cleanup runs.
+
+Python turns SIGINT into ``KeyboardInterrupt``; by default SIGTERM (what torchrun, a
+job scheduler or ``kill`` sends) and SIGHUP (a closed terminal) kill the process on
+the spot, leaving a partial output and a lock file behind. Inside ``interruptible()``
+all three raise ``Interrupted`` in the main thread, so every ``finally`` on the way out
+(the partial output's removal, the lock's release, the process group's teardown) runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """The run was stopped by a signal; ``exit_code`` is the shell's 128 + signal number.
+
+    A BaseException, like ``KeyboardInterrupt``: no ``except Exception`` on the way out
+    may swallow it.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def name(self) -> str:
+        """Return the signal's name, e.g. ``SIGTERM``."""
+        return signal.Signals(self.signum).name
+
+
+def _raise(signum: int, _frame) -> None:
+    raise Interrupted(signum)
+
+
+# Signals that arrived before ``interruptible()``, while the CLI was still importing.
+_pending: list[int] = []
+
+
+def _record(signum: int, _frame) -> None:
+    _pending.append(signum)
+
+
+def defer() -> None:
+    """Until ``interruptible()`` starts, record SIGINT, SIGTERM and SIGHUP instead of acting.
+
+    Start-up imports torch for seconds, and an exception raised inside some library's
+    import can be swallowed by a bare ``except:`` there, so the run would go on. A
+    recorded signal is raised as soon as ``interruptible()`` is in place.
+    """
+    for sig in HANDLED:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _record)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` (main thread only)."""
+    previous = {}
+    try:
+        for sig in HANDLED:
+            # An ignored signal stays ignored: `nohup` ignores SIGHUP so the run survives logout.
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _raise)
+    except ValueError:
+        pass  # not the main thread (e.g. an embedding application): keep its handlers
+    try:
+        if _pending:
+            raise Interrupted(_pending[0])
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
