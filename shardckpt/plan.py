@@ -188,6 +188,32 @@ def _rekey(src: str, tree: dict, selection: Selection) -> dict:
         ) from None
 
 
+def _holds_tensor(value: object) -> bool:
+    if isinstance(value, (torch.Tensor, TensorMeta)):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(k) or _holds_tensor(v) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _check_values(tree: dict, src: str) -> None:
+    """Refuse a plain value that holds tensors: no writer can stream tensors from inside one.
+
+    Tensors are carried where DCP's traversal finds them, in dicts and lists; a tensor
+    inside a tuple (or a set) is part of a value, and would be pickled whole or lost.
+    """
+    for path, leaf in walk(tree):
+        if not isinstance(leaf, TensorMeta) and _holds_tensor(leaf):
+            raise BadInputError(
+                f"'{dotted(path)}' is a {type(leaf).__name__} holding tensors, "
+                "which shardckpt cannot carry",
+                path=src,
+                hint="keep tensors in dicts and lists, or leave this out with --filter/--only",
+            )
+
+
 def matches(path: Path, globs: Sequence[str]) -> bool:
     """Return whether the dotted form of ``path`` matches any glob (no globs: everything)."""
     name = dotted(path)
@@ -306,6 +332,7 @@ def make_plan(
     if fmt == "hf":
         tree = model_tree(tree, index.src)
     tree, read_as = cast_tree(tree, dtype, cast_optim)
+    _check_values(tree, index.src)
     tensors = [(p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
     if not tensors and not any(True for _ in walk(tree)):
         raise UsageError(

@@ -47,10 +47,11 @@ class WriteBehind:
         self._writer.close()
 
     def abandon(self) -> None:
-        """Stop the thread after a failure elsewhere; queued tensors are dropped."""
+        """Stop the thread after a failure; queued tensors are dropped, the file left unfinished."""
         self._error = self._error or RuntimeError("abandoned")
         self._queue.put(None)
         self._thread.join()
+        self._writer.abandon()
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:

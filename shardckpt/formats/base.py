@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from shardckpt.errors import BadInputError
 from shardckpt.tree import TensorMeta, walk
 
 # Rows [start, stop) of dim 0, or None for the whole tensor.
@@ -80,6 +81,10 @@ class FullWriter(ABC):
     def close(self) -> None:
         """Finish the file (headers, checksums) and close it."""
 
+    @abstractmethod
+    def abandon(self) -> None:
+        """Close whatever is open without finishing it, after a failure; never raises."""
+
 
 def contiguous_bytes(tensor: torch.Tensor) -> memoryview:
     """Return the raw bytes of ``tensor`` (on CPU, contiguous) without copying when possible."""
@@ -90,3 +95,13 @@ def contiguous_bytes(tensor: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def too_deep(path: str | os.PathLike) -> BadInputError:
+    """Return the error for a source whose tree nests deeper than Python's recursion allows."""
+    return BadInputError(
+        "its tree of dicts and lists is nested too deeply to walk",
+        path=path,
+        hint="shardckpt reads trees a few hundred levels deep; this one was not written "
+        "by a training job",
+    )

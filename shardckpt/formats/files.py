@@ -7,9 +7,11 @@ is named as what it is instead of as a missing or truncated file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from shardckpt.errors import BadInputError, IOFailure, ShardckptError
@@ -67,7 +69,11 @@ def source_stat(path: str | os.PathLike) -> os.stat_result:
 
 
 def source_file(path: str | os.PathLike) -> Path:
-    """Return ``path`` when it is a regular file (symlinks followed); raise a one-line error otherwise."""
+    """Return ``path`` when it is a readable regular file (symlinks followed); else raise one line.
+
+    The file is opened once here: libraries report a denied read their own way
+    (safetensors says the file does not exist), and a regular file cannot block ``open``.
+    """
     mode = source_stat(path).st_mode
     if stat.S_ISDIR(mode):
         raise BadInputError(
@@ -81,6 +87,10 @@ def source_file(path: str | os.PathLike) -> Path:
             path=path,
             hint="copy the checkpoint into a regular file first; shardckpt does not read pipes or devices",
         )
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        raise os_error(exc, path) from None
     return Path(path)
 
 
@@ -90,3 +100,25 @@ def is_source_file(path: Path) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Turn a failed write of ``path`` (disk full, permissions, I/O) into one line naming it.
+
+    ``torch.save`` reports a failed write as a RuntimeError of its zip writer
+    ("PytorchStreamWriter failed writing file ..."), not as an OSError.
+    """
+    try:
+        yield
+    except OSError as exc:
+        raise os_error(exc, path, writing=True) from None
+    except RuntimeError as exc:
+        if "PytorchStreamWriter" not in str(exc) and "file write failed" not in str(exc):
+            raise
+        first = str(exc).strip().splitlines()[0]
+        raise IOFailure(
+            f"writing failed ({first})",
+            path=path,
+            hint="check the free space and the filesystem DST is on",
+        ) from None

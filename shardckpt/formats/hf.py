@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from safetensors import safe_open
 
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import FullWriter, Index, Reader, Rows
+from shardckpt.formats.files import os_error, source_file, writing
 from shardckpt.formats.safetensors_file import SafetensorsFile, tensor_meta
 from shardckpt.tree import TensorMeta, dotted, model_leaves, model_prefix
 
@@ -107,13 +109,18 @@ class HfWriter(FullWriter):
             self._current = None
             self._written += 1
 
+    def abandon(self) -> None:
+        if self._current is not None:
+            self._current.abandon()
+            self._current = None
+
     def close(self) -> None:
         if self._current is not None:
             self._current.close()
             raise RuntimeError(f"internal: shard {self._files[self._written]} is incomplete")
         # Written last, so a directory with an index has all its shards.
         index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
-        with open(self.path / INDEX_FILE, "w") as f:
+        with writing(self.path / INDEX_FILE), open(self.path / INDEX_FILE, "w") as f:
             # transformers writes it this way (sorted keys, indent 2, newline).
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
             f.flush()
@@ -138,20 +145,20 @@ class HfReader(Reader):
 
     def _read_index(self) -> dict[str, str]:
         index_path = self.src / INDEX_FILE
-        if not index_path.is_file():
+        if not index_path.exists():
             raise BadInputError(
                 f"no '{INDEX_FILE}' in this directory",
                 path=self.src,
                 hint="pass the Hugging Face model directory itself, or --format for another format",
             )
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            # Shard names are plain file names: an index must not point outside its directory.
+            weight_map = json.loads(source_file(index_path).read_text())["weight_map"]
             ok = isinstance(weight_map, dict) and all(
-                isinstance(k, str) and isinstance(v, str) and _plain_name(v)
-                for k, v in weight_map.items()
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
             )
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except OSError as exc:
+            raise os_error(exc, index_path) from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             ok = False
         if not ok:
             raise BadInputError(
@@ -159,23 +166,51 @@ class HfReader(Reader):
                 path=index_path,
                 hint="re-save the model with save_pretrained, or re-copy the file",
             )
+        # Shard names are plain file names: an index must not point outside its directory.
+        for name, file in weight_map.items():
+            if not _plain_name(file):
+                raise BadInputError(
+                    f"names '{file}' as the shard of '{name}', which is not a file name "
+                    "in this directory",
+                    path=index_path,
+                    hint="an index lists the names of the shards beside it; re-save the model "
+                    "with save_pretrained",
+                )
+        self._check_unlisted_shards(set(weight_map.values()), index_path)
         return weight_map
+
+    def _check_unlisted_shards(self, listed: set[str], index_path: Path) -> None:
+        """Refuse a file named like the index's shards that the index does not list."""
+        patterns = {re.sub(r"\d+", r"\\d+", re.escape(name)) for name in listed}
+        shard_like = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
+        for entry in sorted(self.src.iterdir()):
+            if patterns and entry.name not in listed and shard_like.fullmatch(entry.name):
+                raise BadInputError(
+                    f"'{entry.name}' is named like a shard but {INDEX_FILE} does not list it",
+                    path=index_path,
+                    hint="the index and the shards do not match; re-save the model, or remove "
+                    "the stray shard",
+                )
 
     def _read_shard(self, file: str, wanted: set[str]) -> list[tuple[str, TensorMeta]]:
         path = self.src / file
-        if not path.is_file():
+        if not path.exists():
             raise BadInputError(
                 f"missing shard '{file}' named by {INDEX_FILE}",
                 path=self.src,
                 hint="copy every *.safetensors shard of the checkpoint",
             )
+        source_file(path)
         try:
             with safe_open(path, framework="pt") as f:
                 # File order: the writer's tree order for our own output.
-                present = [k for k in f.offset_keys() if k in wanted]
+                keys = list(f.offset_keys())
+                present = [k for k in keys if k in wanted]
                 metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
         except BadInputError:
             raise
+        except OSError as exc:
+            raise os_error(exc, path) from None
         except Exception as exc:
             raise BadInputError(
                 f"not a readable safetensors file ({type(exc).__name__}: {exc})",
@@ -188,6 +223,14 @@ class HfReader(Reader):
                 f"has no tensor '{missing[0]}', which {INDEX_FILE} puts there",
                 path=path,
                 hint="the index and the shards do not match; re-copy the checkpoint",
+            )
+        unlisted = [k for k in keys if k not in wanted]
+        if unlisted:
+            raise BadInputError(
+                f"holds tensor '{unlisted[0]}', which {INDEX_FILE} does not put there",
+                path=path,
+                hint="the index and the shards do not match; re-save the model, or add the "
+                "tensor to the index's weight_map",
             )
         return metas
 

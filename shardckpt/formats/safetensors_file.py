@@ -13,6 +13,7 @@ each tensor's bytes follow as they arrive, in the layout the format specifies
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -23,8 +24,8 @@ import torch
 from safetensors import safe_open
 
 from shardckpt.errors import BadInputError, UsageError
-from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes
-from shardckpt.formats.files import os_error, source_file
+from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes, too_deep
+from shardckpt.formats.files import os_error, source_file, writing
 from shardckpt.formats.values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.tree import TensorMeta, dotted, walk
 
@@ -93,6 +94,8 @@ class SafetensorsReader(Reader):
             return Index(self.format, str(self.src), 1, dict(self._metas))
         try:
             tree = decode_tree(json.loads(encoded), self._metas.__getitem__)
+        except RecursionError:
+            raise too_deep(self.src) from None
         except (ValueError, KeyError, TypeError) as exc:
             raise BadInputError(
                 f"malformed '{TREE_KEY}' header metadata ({exc})",
@@ -153,8 +156,14 @@ class SafetensorsFile:
         self._order = [meta.key for _, meta in entries]
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self.path = path
+        with writing(path):
+            self._file = open(path, "wb")
+            try:
+                self._file.write(struct.pack("<Q", len(raw)) + raw)
+            except BaseException:
+                self._file.close()
+                raise
         self._next = 0
 
     @property
@@ -169,14 +178,21 @@ class SafetensorsFile:
                 f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
             )
         self._next += 1
-        self._file.write(contiguous_bytes(tensor))
+        with writing(self.path):
+            self._file.write(contiguous_bytes(tensor))
 
     def close(self) -> None:
         """Flush the file to disk and close it."""
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
+        with writing(self.path):
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            finally:
+                self._file.close()
+
+    def abandon(self) -> None:
+        """Close the file unfinished; never raises."""
+        with contextlib.suppress(OSError):
             self._file.close()
 
 
@@ -200,3 +216,6 @@ class SafetensorsWriter(FullWriter):
 
     def close(self) -> None:
         self._file.close()
+
+    def abandon(self) -> None:
+        self._file.abandon()

@@ -10,6 +10,7 @@ whole checkpoint, and the result is an ordinary ``torch.save`` file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import stat
@@ -23,8 +24,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardckpt.errors import BadInputError, IOFailure, UnsafePickleError
-from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes
-from shardckpt.formats.files import os_error, source_file, source_stat
+from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes, too_deep
+from shardckpt.formats.files import os_error, source_file, source_stat, writing
 from shardckpt.tree import TensorMeta, map_leaves, walk
 
 
@@ -103,7 +104,10 @@ class TorchReader(Reader):
         super().__init__(src, trust_pickle)
         obj = load_dict(self.src, trust_pickle)
         self._tensors: dict[str, torch.Tensor] = {}
-        self._tree = map_leaves(obj, self._describe)
+        try:
+            self._tree = map_leaves(obj, self._describe)
+        except RecursionError:
+            raise too_deep(self.src) from None
 
     def _describe(self, path, leaf):
         if not isinstance(leaf, torch.Tensor):
@@ -149,13 +153,15 @@ class TorchWriter(FullWriter):
         # Through a stream, torch names the archive "archive" instead of after the (temporary)
         # file name, so the bytes do not depend on where the file is staged.
         with (
+            writing(path),
             torch.serialization.skip_data(materialize_fake_tensors=True),
             open(path, "wb") as stream,
         ):
             torch.save(skeleton, stream)
         self._records = _locate_records(path, metas)
         self._crc: dict[str, int] = {}
-        self._fd = os.open(path, os.O_RDWR)
+        with writing(path):
+            self._fd = os.open(path, os.O_RDWR)
 
     def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         name, offset, size = self._records[meta.key]
@@ -165,16 +171,24 @@ class TorchWriter(FullWriter):
                 f"internal: {meta.key} has {len(data)} bytes, its record {size}", path=self.path
             )
         written = 0
-        while written < size:
-            written += os.pwrite(self._fd, data[written:], offset + written)
+        with writing(self.path):
+            while written < size:
+                written += os.pwrite(self._fd, data[written:], offset + written)
         self._crc[name] = zlib.crc32(data)
 
     def close(self) -> None:
-        try:
-            _patch_crcs(self._fd, self.path, self._crc)
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
+        with writing(self.path):
+            try:
+                _patch_crcs(self._fd, self.path, self._crc)
+                os.fsync(self._fd)
+            finally:
+                self.abandon()
+
+    def abandon(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 def _locate_records(path: Path, metas: list[TensorMeta]) -> dict[str, tuple[str, int, int]]:

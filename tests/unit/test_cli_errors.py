@@ -275,3 +275,113 @@ def test_a_symlink_loop_as_src_is_named_as_one(capsys, tmp_path):
         f"shardckpt: error: '{tmp_path / 'a'}': is a symlink loop: point the symlink at the "
         "checkpoint itself",
     )
+
+
+# ---------------------------------------------------------------- real adverse conditions
+
+
+def _hf_dir(path):
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file({"w": torch.ones(4)}, path / "model-00001-of-00001.safetensors")
+    (path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"w": "model-00001-of-00001.safetensors"}}'
+    )
+    return path / "model-00001-of-00001.safetensors"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "hf"])
+def test_an_unreadable_source_says_permission_denied(fmt):
+    from conditions import public_dir, run_unprivileged
+    from safetensors.torch import save_file
+
+    with public_dir() as where:
+        if fmt == "torch":
+            src = unreadable = where / "x.pt"
+            torch.save({"w": torch.ones(2)}, src)
+        elif fmt == "safetensors":
+            src = unreadable = where / "x.safetensors"
+            save_file({"w": torch.ones(2)}, src)
+        else:
+            src, unreadable = where / "hf", _hf_dir(where / "hf")
+            src.chmod(0o755)
+        unreadable.chmod(0o600)
+        proc = run_unprivileged(["convert", src, where / "o.pt", "--to", "full"], cwd=where)
+        assert (proc.returncode, proc.stderr.splitlines()) == (
+            4,
+            [
+                f"shardckpt: error: '{unreadable}': permission denied: check the file's "
+                "permissions; shardckpt needs to read it"
+            ],
+        )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "hf"])
+def test_a_full_disk_while_writing_a_full_output_is_one_line_and_leaves_nothing(
+    capsys, tmp_path, fmt
+):
+    from conditions import tiny_disk
+
+    torch.save({"model": {f"w{i}": torch.randn(128, 128) for i in range(8)}}, tmp_path / "s.pt")
+    with tiny_disk("256k") as disk:
+        dst = disk / ("out" if fmt == "hf" else f"out.{'pt' if fmt == 'torch' else fmt}")
+        code, line = error_of(
+            capsys, ["convert", tmp_path / "s.pt", dst, "--to", "full", "--format", fmt]
+        )
+        assert code == 4, line
+        partial = disk / f".{dst.name}.shardckpt-partial"
+        written = partial / "model-00001-of-00001.safetensors" if fmt == "hf" else partial
+        assert line in (
+            f"shardckpt: error: '{written}': No space left on device while writing: free some "
+            "space, or write DST on another filesystem",
+            # torch.save's zip writer does not say why a write failed.
+            f"shardckpt: error: '{written}': writing failed (PytorchStreamWriter failed writing "
+            "file data/0: file write failed): check the free space and the filesystem DST is on",
+        )
+        assert list(disk.iterdir()) == []
+
+
+def test_a_tuple_holding_tensors_is_refused_before_anything_is_written(capsys, tmp_path):
+    torch.save({"w": torch.ones(2), "pair": (torch.ones(1), torch.zeros(1))}, tmp_path / "t.pt")
+    assert error_of(capsys, ["convert", tmp_path / "t.pt", tmp_path / "o.pt", "--to", "full"]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 't.pt'}': 'pair' is a tuple holding tensors, which "
+        "shardckpt cannot carry: keep tensors in dicts and lists, or leave this out with "
+        "--filter/--only",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+
+
+def test_a_safetensors_tree_nested_thousands_deep_is_one_line(capsys, tmp_path):
+    from safetensors.torch import save_file
+
+    deep = '{"dict": [["a", ' * 5000 + '{"value": 1}' + "]]}" * 5000
+    save_file({"w": torch.ones(1)}, tmp_path / "d.safetensors", {"shardckpt": deep})
+    assert error_of(capsys, ["inspect", tmp_path / "d.safetensors"]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 'd.safetensors'}': its tree of dicts and lists is nested "
+        "too deeply to walk: shardckpt reads trees a few hundred levels deep; this one was not "
+        "written by a training job",
+    )
+
+
+def test_a_torch_tree_nested_thousands_deep_is_one_line(capsys, tmp_path):
+    import sys
+
+    tree: dict = {"w": torch.ones(1)}
+    for _ in range(5000):
+        tree = {"a": tree}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)  # only pickling it needs the room; reading must not
+    try:
+        torch.save(tree, tmp_path / "d.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert error_of(capsys, ["inspect", tmp_path / "d.pt"]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 'd.pt'}': its tree of dicts and lists is nested "
+        "too deeply to walk: shardckpt reads trees a few hundred levels deep; this one was not "
+        "written by a training job",
+    )

@@ -181,8 +181,8 @@ def test_index_naming_a_tensor_not_in_its_shard(capsys, tmp_path):
     assert not (tmp_path / "o.pt").exists()
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"weight_map": {"w": "../model.safetensors"}}'])
-def test_index_that_is_not_an_index_of_shards_here(capsys, tmp_path, text):
+@pytest.mark.parametrize("text", ["{not json", '{"weight_map": ["w"]}', '{"metadata": {}}'])
+def test_index_that_is_not_an_index_of_shards(capsys, tmp_path, text):
     write_hf_like_transformers(tmp_path / "hf", {"w": torch.ones(2)}, per_shard=1)
     (tmp_path / "hf" / INDEX_FILE).write_text(text)
     assert error_of(capsys, ["inspect", tmp_path / "hf"]) == (
@@ -190,6 +190,56 @@ def test_index_that_is_not_an_index_of_shards_here(capsys, tmp_path, text):
         f"shardckpt: error: '{tmp_path / 'hf' / INDEX_FILE}': not an index of safetensors shards "
         "(no 'weight_map' of names to files): re-save the model with save_pretrained, or re-copy the file",
     )
+
+
+@pytest.mark.parametrize("file", ["../model.safetensors", "/etc/passwd", "sub/x.safetensors", ".."])
+def test_index_naming_a_file_outside_its_directory_says_so(capsys, tmp_path, file):
+    write_hf_like_transformers(tmp_path / "hf", {"w": torch.ones(2)}, per_shard=1)
+    (tmp_path / "hf" / INDEX_FILE).write_text(json.dumps({"weight_map": {"w": file}}))
+    assert error_of(capsys, ["inspect", tmp_path / "hf"]) == (
+        3,
+        f"shardckpt: error: '{tmp_path / 'hf' / INDEX_FILE}': names '{file}' as the shard of 'w', "
+        "which is not a file name in this directory: an index lists the names of the shards "
+        "beside it; re-save the model with save_pretrained",
+    )
+
+
+def test_a_tensor_a_shard_holds_but_the_index_omits_is_an_error_not_a_loss(capsys, tmp_path):
+    write_hf_like_transformers(tmp_path / "hf", training_tree()["model"], per_shard=4)
+    index_path = tmp_path / "hf" / INDEX_FILE
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["ids"]  # the tensor stays in its shard
+    index_path.write_text(json.dumps(index))
+    shard = tmp_path / "hf" / "model-00002-of-00003.safetensors"
+    assert error_of(capsys, ["convert", tmp_path / "hf", tmp_path / "o.pt", "--to", "full"]) == (
+        3,
+        f"shardckpt: error: '{shard}': holds tensor 'ids', which {INDEX_FILE} does not put there: "
+        "the index and the shards do not match; re-save the model, or add the tensor to the "
+        "index's weight_map",
+    )
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_shard_the_index_does_not_list_is_an_error_not_a_loss(capsys, tmp_path):
+    write_hf_like_transformers(tmp_path / "hf", training_tree()["model"], per_shard=4)
+    index_path = tmp_path / "hf" / INDEX_FILE
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {
+        k: v for k, v in index["weight_map"].items() if v != "model-00003-of-00003.safetensors"
+    }
+    index_path.write_text(json.dumps(index))
+    assert error_of(capsys, ["inspect", tmp_path / "hf"]) == (
+        3,
+        f"shardckpt: error: '{index_path}': 'model-00003-of-00003.safetensors' is named like a "
+        f"shard but {INDEX_FILE} does not list it: the index and the shards do not match; "
+        "re-save the model, or remove the stray shard",
+    )
+
+
+def test_other_safetensors_files_beside_the_shards_are_not_shards(capsys, tmp_path):
+    write_hf_like_transformers(tmp_path / "hf", {"w": torch.ones(2)}, per_shard=1)
+    save_file({"x": torch.zeros(1)}, tmp_path / "hf" / "consolidated.safetensors")
+    assert run(["inspect", str(tmp_path / "hf")]) == 0
 
 
 @pytest.mark.parametrize(
