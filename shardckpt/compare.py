@@ -14,7 +14,7 @@ import torch
 
 from shardckpt.formats.base import Reader
 from shardckpt.plan import SKIP, batches, rows_to_read
-from shardckpt.tree import Path, TensorMeta, walk
+from shardckpt.tree import Path, TensorMeta, containers, walk
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ def compare(
     """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``)."""
     leaves_a, leaves_b = dict(walk(tree_a)), dict(walk(tree_b))
     result = DiffResult(compared=len(set(leaves_a) | set(leaves_b)))
+    # Structure first: a list on one side and a dict with the same keys on the other
+    # hold leaves at the same paths, but they are not the same checkpoint.
+    kinds_b = dict(containers(tree_b))
+    for path, kind in containers(tree_a):
+        if kinds_b.get(path, kind) != kind:
+            result.differences.append(Difference(path, f"a {kind} in A, a {kinds_b[path]} in B"))
     pairs: list[tuple[Path, TensorMeta, TensorMeta]] = []
     for path in list(leaves_a) + [p for p in leaves_b if p not in leaves_a]:
         if path not in leaves_b:
@@ -73,7 +79,9 @@ def compare(
             if bad:
                 result.differences.append(Difference(path, "values differ", diff))
         progress(sum(m.nbytes for m in group))
-    order = {p: i for i, p in enumerate(list(leaves_a) + list(leaves_b))}
+    order: dict[Path, int] = {}
+    for p in [*(p for p, _ in containers(tree_a)), *leaves_a, *leaves_b]:
+        order.setdefault(p, len(order))
     result.differences.sort(key=lambda d: order[d.path])
     return result
 

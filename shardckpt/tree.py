@@ -84,6 +84,21 @@ def walk(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
         yield prefix, tree
 
 
+def containers(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, str]]:
+    """Yield ``(path, "dict" | "list")`` for every container ``walk`` enters below the root."""
+    if _is_empty_mapping(tree, prefix):
+        return
+    if isinstance(tree, Mapping):
+        if prefix:
+            yield prefix, "dict"
+        for k, v in tree.items():
+            yield from containers(v, prefix + (k,))
+    elif prefix and _enters(tree):
+        yield prefix, "list"
+        for i, v in enumerate(tree):  # type: ignore[arg-type]
+            yield from containers(v, prefix + (i,))
+
+
 def map_leaves(tree: object, fn: Callable[[Path, object], object], prefix: Path = ()) -> object:
     """Return a copy of ``tree`` with every leaf replaced by ``fn(path, leaf)``."""
     if _is_empty_mapping(tree, prefix):
