@@ -159,6 +159,7 @@ class Staging:
             os.replace(self.tmp, self.dst)
             self._committed = True
             _remove(self._old)
+            _sync_directory(self.dst.parent)
         except OSError as exc:
             raise IOFailure(
                 f"cannot move the finished output into place ({exc.strerror or exc})",
@@ -235,6 +236,15 @@ def _cannot_prepare(exc: OSError, dst: Path) -> ShardckptError:
         path=dst,
         hint="check that the directory is writable and has free space",
     )
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the renames in ``directory`` durable: a rename lives in the directory, not the file."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:
