@@ -8,6 +8,7 @@ without --trust-pickle.
 from __future__ import annotations
 
 import io
+import warnings
 import zipfile
 
 import pickle_payloads as payloads
@@ -87,3 +88,44 @@ def test_a_damaged_rank_file_is_named_and_damaged(capsys, tmp_path, fmt):
     ranks = payloads.rank_dir(tmp_path / "ranks", bad_opcode(data_pkl(saved(STATE))))
     code, err = error_of(capsys, ["inspect", ranks] + (["--format", fmt] if fmt else []))
     assert_damaged(code, err, ranks / "rank_0.pt", reason)
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["safe", "trusted"])
+def test_a_damaged_dcp_value_is_damaged_not_unsafe(capsys, tmp_path, trust):
+    bad_opcode, reason = DAMAGES["bad-opcode"]
+    value = payloads.torch_save_bytes(bad_opcode(data_pkl(saved(3))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt = payloads.dcp_with_value(tmp_path / "ckpt", value)
+    code, err = error_of(capsys, ["inspect", ckpt] + (["--trust-pickle"] if trust else []))
+    assert err == [
+        f"shardckpt: error: '{ckpt / '__0_0.distcp'}': value 'epoch' is damaged ({reason}): "
+        "re-copy the checkpoint from where it was written"
+    ]
+    assert code == 3
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["safe", "trusted"])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda md: md[: len(md) // 2], "UnpicklingError: pickle data was truncated"),
+        (lambda md: b"\x00" + md[1:], "UnpicklingError: invalid load key, '\\x00'."),
+    ],
+    ids=["cut", "garbled"],
+)
+def test_damaged_dcp_metadata_is_damaged_not_unsafe(capsys, tmp_path, damage, reason, trust):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt = payloads.dcp_dir(tmp_path / "ckpt")
+    md = ckpt / ".metadata"
+    md.write_bytes(damage(md.read_bytes()))
+    code, err = error_of(capsys, ["inspect", ckpt] + (["--trust-pickle"] if trust else []))
+    assert (code, err) == (
+        3,
+        [
+            f"shardckpt: error: '{md}': cannot read DCP metadata ({reason}): the file is damaged "
+            "or not written by torch.distributed.checkpoint; re-copy the checkpoint from where "
+            "it was written"
+        ],
+    )
