@@ -1,6 +1,8 @@
-"""What safe loading still reads, and how narrowly: DCP metadata.
+"""What safe loading still reads, and how narrowly: DCP metadata, ShardedTensor files, detection.
 
-DCP's ``.metadata`` is unpickled with exact ``(module, name)`` pairs.
+DCP's ``.metadata`` is unpickled with exact ``(module, name)`` pairs; ShardedTensor
+files with torch's ``weights_only`` loader and a ``getattr`` that answers one lookup;
+detection reads a rank file's opcodes and loads nothing.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ import pickle_payloads as payloads
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
 
 from shardckpt.cli import run
+from shardckpt.formats import detect
 from shardckpt.formats.dcp import _VOCABULARY, _MetadataUnpickler, read_metadata
+from shardckpt.formats.sharded_tensor_load import (
+    _SAFE,
+    StoredShardedTensor,
+    _process_group_state,
+    _ProcessGroupState,
+    load_rank_file,
+)
+from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
 
 
 def error_of(capsys, argv) -> tuple[int, str]:
@@ -81,3 +93,74 @@ def test_a_saved_path_reads_as_a_pure_path_from_any_python(module):
     pk = f"\x80\x02c{module}\nPosixPath\nX\x04\x00\x00\x00/ckp\x85R.".encode("latin-1")
     path = _MetadataUnpickler(io.BytesIO(pk)).load()
     assert type(path) is PurePosixPath and path == PurePosixPath("/ckp")
+
+
+def sharded_rank_file(path, *, flat: bool = False, legacy: bool = False) -> None:
+    """Write rank 0's file of a 2-rank FSDP1 job: SHARDED_STATE_DICT, or LOCAL (``flat``)."""
+    key = "layer._flat_param" if flat else "layer.weight"
+    local = torch.arange(6.0).reshape(2, 3)
+    record = ShardedTensorRecord(local, (4, 3), torch.float32, [(0, 0, 2), (1, 2, 2)], 0, 2)
+    state = {"model": {key: record, "buf": torch.ones(2)}, "epoch": 1}
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+
+
+def test_sharded_tensor_files_load_without_the_real_getattr(tmp_path):
+    allowed = dict((e[1], e[0]) if isinstance(e, tuple) else (e.__qualname__, e) for e in _SAFE)
+    assert getattr not in allowed.values()
+    assert allowed["builtins.getattr"] is _process_group_state
+    sharded_rank_file(tmp_path / "rank_0.pt")
+    tree = load_rank_file(tmp_path / "rank_0.pt", trust_pickle=False)
+    weight = tree["model"]["layer.weight"]
+    assert isinstance(weight, StoredShardedTensor) and weight.saved_world_size == 2
+    assert isinstance(weight.pg_state, _ProcessGroupState) and weight.pg_state.global_rank == 0
+    assert torch.equal(weight.local_shards[0].tensor, torch.arange(6.0).reshape(2, 3))
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [
+        (StoredShardedTensor, "__init__"),
+        (ShardMetadata, "ProcessGroupState"),
+        (StoredShardedTensor, 3),
+    ],
+)
+def test_getattr_answers_only_process_group_state(owner, name):
+    assert _process_group_state(StoredShardedTensor, "ProcessGroupState") is _ProcessGroupState
+    with pytest.raises(pickle.UnpicklingError, match="only looks up ProcessGroupState"):
+        _process_group_state(owner, name)
+
+
+def test_a_getattr_chain_in_a_sharded_tensor_file_is_refused(capsys, tmp_path):
+    marker = tmp_path / "PAYLOAD-RAN"
+    pk = payloads.as_state_dict(payloads.getattr_chain(marker))
+    ranks = payloads.rank_dir(tmp_path / "ranks", pk)
+    assert error_of(capsys, ["inspect", ranks, "--format", "fsdp1-sharded"]) == (
+        3,
+        f"shardckpt: error: '{ranks / 'rank_0.pt'}': refused to unpickle (getattr of '__init__', "
+        "where a ShardedTensor only looks up ProcessGroupState): "
+        "pass --trust-pickle only if you trust this file",
+    )
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_detection_tells_rank_formats_apart_and_loads_nothing(tmp_path, monkeypatch, legacy):
+    for name, flat in (("sharded", False), ("local", True)):
+        (tmp_path / name).mkdir()
+        for rank in (0, 1):
+            sharded_rank_file(tmp_path / name / f"rank_{rank}.pt", flat=flat, legacy=legacy)
+    (tmp_path / "plain").mkdir()
+    for rank in (0, 1):
+        path = tmp_path / "plain" / f"rank_{rank}.pt"
+        torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=not legacy)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("detection loaded a file")
+
+    monkeypatch.setattr(torch, "load", no_load)
+    monkeypatch.setattr(pickle, "load", no_load)
+    assert [detect(tmp_path / d) for d in ("sharded", "local", "plain")] == [
+        "fsdp1-sharded",
+        "fsdp1-local",
+        "fsdp2-ranks",
+    ]
