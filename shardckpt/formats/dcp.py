@@ -14,8 +14,9 @@ import io
 import pickle
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,11 +26,15 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     create_default_local_load_plan,
 )
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -38,44 +43,65 @@ from torch.distributed.tensor import Shard
 
 from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.pickle_scan import (
+    TRUST_HINT,
+    first_line,
+    judge_failed_load,
+    quiet_protocol_warning,
+)
 from shardckpt.tree import Chunk, TensorMeta, build
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-_ALLOWED_MODULES = {
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-}
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
+
+
+def _metadata_vocabulary() -> dict[tuple[str, str], object]:
+    """Return every ``(module, name)`` that DCP's ``.metadata`` pickle names, and what it stands for.
+
+    Only these exact pairs are looked up: no import by name and no dotted attribute path
+    (protocol 4 would let ``(allowed module, "os.system")`` walk to anything).
+    """
+    classes = (
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        _MEM_FORMAT_ENCODING,
+        _StorageInfo,
+    )
+    vocabulary: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
+    vocabulary[("torch", "Size")] = torch.Size
+    vocabulary[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    vocabulary[("collections", "OrderedDict")] = OrderedDict
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            vocabulary[("torch", name)] = value
+    # StorageMeta.checkpoint_id may be the path it was saved to. Python 3.13 names
+    # pathlib's classes from pathlib._local; a pure path reads on any OS (a WindowsPath
+    # cannot be made on Linux) and is all the id needs.
+    for module in ("pathlib", "pathlib._local"):
+        for name, pure in (("Posix", PurePosixPath), ("Windows", PureWindowsPath)):
+            vocabulary[(module, f"{name}Path")] = vocabulary[(module, f"Pure{name}Path")] = pure
+    return vocabulary
+
+
+_VOCABULARY = _metadata_vocabulary()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata; any global outside DCP's metadata vocabulary is refused."""
 
     def find_class(self, module: str, name: str):
-        obj = super().find_class(module, name) if self._allowed(module, name) else None
-        if obj is None:
+        try:
+            return _VOCABULARY[(module, name)]
+        except KeyError:
             raise UnsafePickleError(
                 f"metadata references {module}.{name}, which DCP metadata never holds",
-                hint="pass --trust-pickle only if you trust this checkpoint",
-            )
-        return obj
-
-    @staticmethod
-    def _allowed(module: str, name: str) -> bool:
-        if (module, name) in _ALLOWED:
-            return True
-        if module == "torch":
-            return isinstance(getattr(torch, name, None), torch.dtype)
-        return module in _ALLOWED_MODULES and not name.startswith("__")
+                hint=TRUST_HINT,
+            ) from None
 
 
 def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
@@ -100,9 +126,10 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
         raise UnsafePickleError(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
         raise BadInputError(
-            f"cannot read DCP metadata ({type(exc).__name__}: {exc})",
+            f"cannot read DCP metadata ({first_line(exc)})",
             path=file,
-            hint="the file is truncated or not written by torch.distributed.checkpoint",
+            hint="the file is damaged or not written by torch.distributed.checkpoint; "
+            "re-copy the checkpoint from where it was written",
         ) from None
     if not isinstance(md, Metadata):
         raise BadInputError(
@@ -149,14 +176,28 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
         try:
-            self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
+            with quiet_protocol_warning():
+                self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
+            return
         except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # Refused, or a damaged pickle: only the first may be told to trust the file.
+            # Other failures are DcpReader's "cannot read checkpoint data".
+            failure = judge_failed_load(exc, value, self.trust_pickle)
+        file = self._file_of(read_item)
+        if failure.kind == "refused":
             raise UnsafePickleError(
-                f"value {key!r} needs code execution to load ({first})",
-                path=self.where,
-                hint="pass --trust-pickle only if you trust this checkpoint",
-            ) from None
+                f"refused to unpickle value {key!r} ({failure.reason})", path=file, hint=TRUST_HINT
+            )
+        raise BadInputError(
+            f"value {key!r} is damaged ({failure.reason})",
+            path=file,
+            hint="re-copy the checkpoint from where it was written",
+        )
+
+    def _file_of(self, read_item) -> Path:
+        """Return the ``.distcp`` file that holds ``read_item`` (the directory if unknown)."""
+        info = (self.metadata.storage_data or {}).get(read_item.storage_index)
+        return self.where / info.relative_path if info is not None else self.where
 
 
 class _Storage(FileSystemReader):

@@ -24,9 +24,11 @@ import torch
 from shardckpt.errors import BadInputError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.files import source_file
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
+from shardckpt.formats.pickle_scan import DamagedPickle, NotTorchFile, scan_torch_file
 from shardckpt.formats.rank_names import find_rank_files
-from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
+from shardckpt.formats.sharded_tensor_load import SHARDED_TENSOR
 from shardckpt.tree import Path as TreePath
 from shardckpt.tree import TensorMeta, dotted, find_optimizers, map_leaves, walk
 
@@ -37,19 +39,24 @@ def is_flat_key(key: object) -> bool:
 
 
 def detect_rank_format(src: Path) -> str | None:
-    """Return the FSDP1 format of a directory of rank files, or None when it is not one."""
+    """Return the FSDP1 format of a directory of rank files, or None when it is not one.
+
+    Rank 0's pickle is read as opcodes, never loaded (``pickle_scan``): detection runs
+    before the user chose a format or a trust level, so it runs no code of the file's
+    whatever the file holds. A flat parameter's key makes ``fsdp1-local``, a
+    ShardedTensor without one ``fsdp1-sharded``.
+    """
     try:
         parts = find_rank_files(src)
         if not parts:
             return None
         files = next(iter(parts.values()))
-        tree = load_rank_file(files[min(files)], trust_pickle=False)
-    except BadInputError:
+        found = scan_torch_file(source_file(files[min(files)]))
+    except (BadInputError, DamagedPickle, NotTorchFile, OSError):
         return None
-    leaves = list(walk(tree))
-    if any(p and is_flat_key(p[-1]) for p, _ in leaves):
+    if any(is_flat_key(text) for text in found.strings):
         return "fsdp1-local"
-    if any(isinstance(v, StoredShardedTensor) for _, v in leaves):
+    if SHARDED_TENSOR in found.globals:
         return "fsdp1-sharded"
     return None
 

@@ -61,10 +61,29 @@ class StoredShardedTensor(torch.Tensor):
         return int(self.pg_state.global_world_size)
 
 
-# The allow-list: ShardedTensor's own metadata classes, and the stand-in under ShardedTensor's name.
+def _process_group_state(owner: object, name: object) -> type:
+    """Return ``ShardedTensor.ProcessGroupState``: ``builtins.getattr`` for that one lookup only.
+
+    Protocol 2 cannot name a nested class, so ``torch.save`` pickles it as
+    ``getattr(ShardedTensor, "ProcessGroupState")``. The real ``getattr`` on the
+    allow-list would let a pickle walk from any allowed name to ``eval``
+    (``ShardMetadata.__init__.__builtins__``); this stand-in answers nothing else.
+    """
+    if owner is StoredShardedTensor and type(name) is str and name == "ProcessGroupState":
+        return _ProcessGroupState
+    what = repr(name) if type(name) is str else f"a {type(name).__name__}"
+    raise pickle.UnpicklingError(
+        f"getattr of {what}, where a ShardedTensor only looks up ProcessGroupState"
+    )
+
+
+# The allow-list: ShardedTensor's own metadata classes, and stand-ins under the names the
+# pickle uses. Each callable here is harmless whatever arguments a pickle passes it.
 _SAFE = [
     (StoredShardedTensor, SHARDED_TENSOR),
+    # Named so that NEWOBJ may build it; the pickle reaches it through getattr, below.
     (_ProcessGroupState, f"{SHARDED_TENSOR}.ProcessGroupState"),
+    (_process_group_state, "builtins.getattr"),
     ShardMetadata,
     Shard,
     ChunkShardingSpec,
@@ -72,7 +91,6 @@ _SAFE = [
     ShardedTensorMetadata,
     TensorProperties,
     MEM_FORMAT_ENCODING,
-    getattr,  # how the pickle reaches ShardedTensor.ProcessGroupState
 ]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import stat
 import struct
 import zipfile
@@ -26,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from shardckpt.errors import BadInputError, IOFailure, UnsafePickleError
 from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes, too_deep
 from shardckpt.formats.files import os_error, source_file, source_stat, writing
+from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
 from shardckpt.tree import TensorMeta, map_leaves, walk
 
 
@@ -36,6 +36,8 @@ def load(
 
     ``safe_globals`` widens torch's ``weights_only`` allow-list for one format;
     ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
+    A failure is told as unsafe (only then is ``--trust-pickle`` suggested), damaged or
+    unreadable (``pickle_scan.judge_failed_load``).
     """
     if stat.S_ISDIR(source_stat(path).st_mode):
         raise BadInputError(
@@ -48,7 +50,7 @@ def load(
     if trust_pickle and trusted_pickle is not None:
         options["pickle_module"] = trusted_pickle
     try:
-        with torch.serialization.safe_globals(list(safe_globals)):
+        with torch.serialization.safe_globals(list(safe_globals)), quiet_protocol_warning():
             try:
                 return torch.load(path, map_location="cpu", mmap=True, **options)
             except RuntimeError as exc:
@@ -58,19 +60,24 @@ def load(
                 return torch.load(path, map_location="cpu", **options)
     except OSError as exc:
         raise os_error(exc, path) from None
-    except pickle.UnpicklingError as exc:
-        raise UnsafePickleError(
-            f"refused to unpickle ({_first_line(exc)})",
-            path=path,
-            hint="pass --trust-pickle only if you trust this file",
-        ) from None
     except Exception as exc:
+        failure = judge_failed_load(exc, path, trust_pickle)
+    if failure.kind == "refused":
+        raise UnsafePickleError(
+            f"refused to unpickle ({failure.reason})", path=path, hint=TRUST_HINT
+        )
+    if failure.kind == "damaged":
         raise BadInputError(
-            f"not a readable torch.save file ({_first_line(exc)})",
+            f"is a damaged torch.save file ({failure.reason})",
             path=path,
-            hint="the file is truncated or in another format; name its format "
-            "(convert --from, inspect --format)",
-        ) from None
+            hint="re-copy it from where it was written",
+        )
+    raise BadInputError(
+        f"not a readable torch.save file ({failure.reason})",
+        path=path,
+        hint="the file is truncated or in another format; name its format "
+        "(convert --from, inspect --format)",
+    )
 
 
 def load_dict(path: Path, trust_pickle: bool, **options) -> dict:
@@ -83,16 +90,6 @@ def load_dict(path: Path, trust_pickle: bool, **options) -> dict:
             hint="shardckpt reads files whose top level is a dict",
         )
     return obj
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    # torch's weights-only message puts the reason after a long preamble.
-    reason = next((ln for ln in lines if ln.startswith("WeightsUnpickler error")), None)
-    if reason is None:
-        reason = next((ln for ln in lines if "Unsupported global" in ln), None)
-    text = reason or (lines[0] if lines else "")
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class TorchReader(Reader):

@@ -1,0 +1,137 @@
+"""Malicious pickles in every format that unpickles, through every command: the payload never runs.
+
+Each payload (``tests/pickle_payloads.py``) creates a marker file if anything runs it.
+Without ``--trust-pickle`` every command refuses the file with exit 3 and one line that
+names it and the option, and no marker appears, whether the format is detected or
+named. With ``--trust-pickle`` the same files create the marker: the payloads are live,
+so it is the refusal that kept them from running.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pickle_payloads as payloads
+import pytest
+
+from shardckpt.cli import run
+
+HINT = ": pass --trust-pickle only if you trust this file"
+
+
+@dataclass(frozen=True)
+class Carrier:
+    """A format that unpickles: how to hide a pickle in it, its ``--format`` name, the file refused."""
+
+    build: Callable[[Path, bytes], Path]
+    fmt: str
+    refused: Callable[[Path], Path]
+
+
+CARRIERS = {
+    "torch": Carrier(
+        lambda d, pk: payloads.torch_file(d / "evil.pt", pk), "torch", lambda src: src
+    ),
+    "dcp-metadata": Carrier(
+        lambda d, pk: payloads.dcp_with_metadata(d / "ckpt", pk),
+        "dcp",
+        lambda src: src / ".metadata",
+    ),
+    "dcp-value": Carrier(
+        lambda d, pk: payloads.dcp_with_value(d / "ckpt", payloads.torch_save_bytes(pk)),
+        "dcp",
+        lambda src: src / "__0_0.distcp",
+    ),
+    "fsdp2-ranks": Carrier(
+        lambda d, pk: payloads.rank_dir(d / "ranks", pk),
+        "fsdp2-ranks",
+        lambda src: src / "rank_0.pt",
+    ),
+    "fsdp1-sharded": Carrier(
+        lambda d, pk: payloads.rank_dir(d / "ranks", payloads.as_state_dict(pk)),
+        "fsdp1-sharded",
+        lambda src: src / "rank_0.pt",
+    ),
+    "fsdp1-local": Carrier(
+        lambda d, pk: payloads.rank_dir(d / "ranks", payloads.as_state_dict(pk, flat_param=True)),
+        "fsdp1-local",
+        lambda src: src / "rank_0.pt",
+    ),
+}
+
+COMMANDS = {
+    "inspect": lambda src, out, fmt: ["inspect", src] + (["--format", fmt] if fmt else []),
+    "convert": lambda src, out, fmt: (
+        ["convert", src, out, "--to", "full"] + (["--from", fmt] if fmt else [])
+    ),
+    "diff": lambda src, out, fmt: (
+        ["diff", src, src] + (["--format-a", fmt, "--format-b", fmt] if fmt else [])
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Evil:
+    """A checkpoint carrying a payload, and the marker the payload would create."""
+
+    src: Path
+    marker: Path
+    refused: Path
+
+
+def make_evil(root: Path, carrier: str, payload: str) -> Evil:
+    """Write ``payload`` hidden in ``carrier`` under ``root``; return where it and its marker are."""
+    root.mkdir(parents=True)
+    marker = root / "PAYLOAD-RAN"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save's own, while building: not under test
+        src = CARRIERS[carrier].build(root, payloads.PAYLOADS[payload](marker))
+    return Evil(src, marker, CARRIERS[carrier].refused(src))
+
+
+@pytest.fixture(scope="module")
+def evil(tmp_path_factory) -> Callable[[str, str], Evil]:
+    """Return a maker of one checkpoint per (carrier, payload), shared by the commands run on it."""
+    root = tmp_path_factory.mktemp("evil")
+    made: dict[tuple[str, str], Evil] = {}
+
+    def get(carrier: str, payload: str) -> Evil:
+        if (carrier, payload) not in made:
+            made[(carrier, payload)] = make_evil(root / f"{carrier}-{payload}", carrier, payload)
+        return made[(carrier, payload)]
+
+    return get
+
+
+def run_cli(capsys, argv) -> tuple[int, list[str]]:
+    code = run([str(a) for a in argv])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["detected", "named"])
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("payload", payloads.PAYLOADS)
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_a_malicious_pickle_is_refused_and_never_runs(
+    capsys, recwarn, evil, tmp_path, carrier, payload, command, named
+):
+    bad = evil(carrier, payload)
+    out = tmp_path / "out.pt"
+    argv = COMMANDS[command](bad.src, out, CARRIERS[carrier].fmt if named else None)
+    code, err = run_cli(capsys, argv)
+    assert not bad.marker.exists(), "the payload ran"
+    assert code == 3 and len(err) == 1, err
+    assert err[0].startswith(f"shardckpt: error: '{bad.refused}': ") and err[0].endswith(HINT)
+    assert not out.exists()
+    assert [str(w.message) for w in recwarn] == []
+
+
+@pytest.mark.parametrize("payload", payloads.PAYLOADS)
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_the_same_payload_runs_with_trust_pickle(capsys, tmp_path, carrier, payload):
+    bad = make_evil(tmp_path / "evil", carrier, payload)
+    run_cli(capsys, ["inspect", bad.src, "--trust-pickle"])
+    assert bad.marker.exists()
