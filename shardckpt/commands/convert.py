@@ -157,10 +157,18 @@ def convert(
         ),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing DST.")
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace an existing DST: a file, or a directory holding a checkpoint.",
+        ),
     ] = False,
     verify: Annotated[
-        bool, typer.Option("--verify", help="Re-read DST and compare every value with SRC.")
+        bool,
+        typer.Option(
+            "--verify",
+            help="Read the output back and compare every value with SRC before it becomes DST.",
+        ),
     ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
