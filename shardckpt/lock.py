@@ -44,7 +44,8 @@ class FileLock:
         """Take the lock, waiting up to ``wait_s`` seconds; raise ``LockBusy`` if another holds it."""
         deadline = time.monotonic() + wait_s
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # O_NOFOLLOW: a symlink planted at the lock's name must not get its target truncated.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -186,21 +186,26 @@ class Staging:
         protected = [p for src in self.srcs for p in _source_paths(src)]
         for entry in sorted(self.dst.parent.iterdir()):
             found = _LEFTOVER.match(entry.name)
-            if found is None or any(_within(p, _real(entry)) for p in protected):
+            if found is None or found.group("name") in (".", ".."):
+                continue
+            if any(_within(p, _real(entry)) for p in protected):
                 continue
             name, kind = found.group("name"), found.group("kind")
-            if name == self.dst.name:
-                _repair(entry, self.dst.with_name(name), kind)  # we hold its lock
-                continue
-            owner = FileLock(entry.with_name(f".{name}.shardckpt-lock"))
+            owner = (
+                None
+                if name == self.dst.name
+                else FileLock(entry.with_name(f".{name}.shardckpt-lock"))
+            )
             try:
-                owner.acquire()
-            except (LockBusy, OSError):
-                continue  # a live run owns it, or we may not look: leave it alone
-            try:
+                if owner is not None:
+                    owner.acquire()  # we hold our own DST's lock already
                 _repair(entry, entry.with_name(name), kind)
+            except (LockBusy, OSError):
+                # A live run owns it, or it is not ours to touch: not this run's concern.
+                continue
             finally:
-                owner.release()
+                if owner is not None:
+                    owner.release()
 
 
 def _repair(leftover: Path, dst: Path, kind: str) -> None:

@@ -289,3 +289,22 @@ def test_verify_of_a_good_output_keeps_it(capsys, small):
     argv = ["convert", small / "small.pt", small / "o.safetensors", "--to", "full", "--verify"]
     assert run([str(a) for a in argv]) == 0
     assert sorted(p.name for p in small.iterdir()) == ["o.safetensors", "small.pt"]
+
+
+def test_a_symlink_planted_at_the_lock_name_is_not_followed(capsys, small):
+    (small / "victim").write_text("precious")
+    (small / ".out.pt.shardckpt-lock").symlink_to(small / "victim")
+    code, err = lines_of(capsys, ["convert", small / "small.pt", small / "out.pt", "--to", "full"])
+    assert code == 4 and err[-1].startswith(
+        f"shardckpt: error: '{small / 'out.pt'}': cannot prepare the output ("
+    )
+    assert (small / "victim").read_text() == "precious"
+    assert not (small / "out.pt").exists()
+
+
+def test_odd_leftover_names_and_unremovable_leftovers_do_not_stop_a_run(capsys, small):
+    (small / "....shardckpt-old").write_text("x")  # the name it would restore is '..'
+    (small / "...shardckpt-partial").mkdir()  # '.'
+    code, err = lines_of(capsys, ["convert", small / "small.pt", small / "o.pt", "--to", "full"])
+    assert (code, err) == (0, [])
+    assert (small / "....shardckpt-old").exists() and (small / "o.pt").is_file()
