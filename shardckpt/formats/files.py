@@ -90,3 +90,20 @@ def is_source_file(path: Path) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """Return the OSError that caused ``exc`` (itself, or one it was raised from or during), if any.
+
+    torch.save reports a failed write as a RuntimeError ("unexpected pos ...") raised
+    while handling the OSError (ENOSPC, EIO) the file object raised; that is the cause
+    the user can act on.
+    """
+    seen: set[int] = set()
+    here: BaseException | None = exc
+    while here is not None and id(here) not in seen:
+        if isinstance(here, OSError):
+            return here
+        seen.add(id(here))
+        here = here.__cause__ or here.__context__
+    return None
