@@ -173,16 +173,19 @@ class _Storage(FileSystemReader):
     def __init__(self, path: Path, metadata: Metadata):
         super().__init__(path)
         self._metadata = metadata
-        stored = (metadata.storage_data or {}).items()
-        self._key_of = {id(info): index.fqn for index, info in stored}
-        self._reading: str | None = None
+        self._reading: object = None  # the storage entry whose bytes are being read
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self._metadata
 
     def _slice_file(self, file, sinfo):
-        self._reading = self._key_of.get(id(sinfo))
+        self._reading = sinfo
         return super()._slice_file(file, sinfo)
+
+    def _key_being_read(self) -> str | None:
+        """Return the key whose storage entry is being read (looked up only on failure)."""
+        stored = (self._metadata.storage_data or {}).items()
+        return next((index.fqn for index, info in stored if info is self._reading), None)
 
     def read_data(self, plan: LoadPlan, planner) -> Future:
         per_file: dict[str, list] = {}
@@ -196,7 +199,7 @@ class _Storage(FileSystemReader):
             except ShardckptError:
                 raise
             except Exception as exc:
-                raise _read_error(exc, Path(self.path) / name, self._reading) from None
+                raise _read_error(exc, Path(self.path) / name, self._key_being_read()) from None
         done: Future = Future()
         done.set_result(None)
         return done

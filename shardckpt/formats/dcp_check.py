@@ -71,6 +71,16 @@ def _ints(value: object) -> Ints | None:
     return tuple(value)
 
 
+def _show(value: object) -> str:
+    """Return ``value`` for an error line: a sequence as a list, anything else by its repr."""
+    if isinstance(value, (tuple, list)):
+        return repr(list(value))
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a damaged object may not even print
+        return f"a {type(value).__name__}"
+
+
 def _entries(md: Metadata, where: Path) -> dict:
     """Return ``state_dict_metadata`` once its keys and entries have DCP's types."""
     entries = getattr(md, "state_dict_metadata", None)
@@ -82,7 +92,7 @@ def _entries(md: Metadata, where: Path) -> dict:
         if not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
             raise _bad(f"{key!r} is described by a {type(entry).__name__}", where)
     for name in ("planner_data", "storage_data"):
-        value = getattr(md, name, None)
+        value = getattr(md, name, None)  # Metadata's class defaults them to None
         if value is not None and not isinstance(value, dict):
             raise _bad(f"{name} is a {type(value).__name__}, not a dict", where)
     return entries
@@ -184,7 +194,7 @@ def _check_tensor(
         raise _bad(f"{key!r} has dtype {dtype!r}, not a torch dtype", where)
     shape = _ints(getattr(entry, "size", None))
     if shape is None or any(s < 0 for s in shape):
-        raise _bad(f"{key!r} has shape {getattr(entry, 'size', None)!r}", where)
+        raise _bad(f"{key!r} has shape {_show(getattr(entry, 'size', None))}", where)
     chunks = getattr(entry, "chunks", None)
     if not isinstance(chunks, (list, tuple)):
         raise _bad(f"{key!r} has no chunk list", where)
@@ -197,7 +207,12 @@ def _check_tensor(
         )
         sizes = _ints(getattr(chunk, "sizes", None)) if offsets is not None else None
         if sizes is None or len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise _bad(f"a chunk of {key!r} {list(shape)} is {chunk!r}", where)
+            raise _bad(
+                f"a chunk of {key!r} {list(shape)} has offsets "
+                f"{_show(getattr(chunk, 'offsets', None))} and sizes "
+                f"{_show(getattr(chunk, 'sizes', None))}",
+                where,
+            )
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise _bad(
                 f"the chunk at {list(offsets)} of {key!r} (sizes {list(sizes)}) "
@@ -300,9 +315,10 @@ def _storage_index(md: Metadata, where: Path) -> dict[tuple[str, Ints | None], o
     """Return ``storage_data`` by (key, chunk offsets or None), once its entries are well formed."""
     stored = {}
     for index, info in (md.storage_data or {}).items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
-            raise _bad(f"storage_data is keyed by {index!r}", where)
-        offsets = None if index.offset is None else _ints(index.offset)
+        fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
+        if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
+            raise _bad(f"storage_data has a key {type(index).__name__} for {_show(fqn)}", where)
+        offsets = None if offset is None else _ints(offset)
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         transforms = getattr(info, "transform_descriptors", None)
@@ -313,8 +329,12 @@ def _storage_index(md: Metadata, where: Path) -> dict[tuple[str, Ints | None], o
             )
             and (transforms is None or _is_str_list(transforms))
         ):
-            raise _bad(f"the storage entry of {index.fqn!r} is {info!r}", where)
-        stored[(index.fqn, offsets)] = info
+            raise _bad(
+                f"the storage entry of {fqn!r} has relative_path {_show(name)}, "
+                f"offset {_show(offset)}, length {_show(length)}",
+                where,
+            )
+        stored[(fqn, offsets)] = info
     return stored
 
 
