@@ -98,8 +98,10 @@ def test_empty_lists_were_already_kept_as_values(converted):
     assert md.planner_data["none_yet"] == ("none_yet",) and "none_yet" in md.state_dict_metadata
 
 
-def test_an_empty_mapping_whose_dotted_name_is_taken_is_refused(capsys, tmp_path):
-    torch.save({"a.b": torch.ones(2), "a": {"b": {}}}, tmp_path / "src.pt")
+@pytest.mark.parametrize("inner", [{}, torch.zeros(2)], ids=["empty mapping", "tensor"])
+def test_two_paths_with_one_dotted_name_are_refused_in_one_line(capsys, tmp_path, inner):
+    # DCP names a leaf by its dotted path; torch's own flattening raised a ValueError.
+    torch.save({"a.b": torch.ones(2), "a": {"b": inner}}, tmp_path / "src.pt")
     code = run(["convert", str(tmp_path / "src.pt"), str(tmp_path / "dcp"), "--to", "sharded"])
     assert (code, capsys.readouterr().err.strip().splitlines()[-1]) == (
         3,
