@@ -51,8 +51,9 @@ class _SavePlanner(DefaultSavePlanner):
       shardckpt reads it) where DCP's 2.3 traversal stops at it: that is where a
       loader whose state dict also holds this ``{}`` would take the stored key as a
       sign of a pre-2.4 checkpoint, switch to 2.3 keys and fail ("Missing key in
-      checkpoint state_dict: optim.param_groups"). A top-level ``{}`` beside a model
-      is such a place; ``state`` of an optimizer without tensors is not.
+      checkpoint state_dict: optim.param_groups"). Any top-level ``{}`` is such a
+      place, and so is a ``{}`` beside tensors in a list; the ``state`` of an optimizer
+      that holds no tensor (SGD without momentum) is not.
 
     Empty lists need none of this: DCP stores ``[]`` as a value.
     """
