@@ -40,9 +40,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import Shard
+from torch.futures import Future
 
 from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.dcp_check import check_metadata
+from shardckpt.formats.files import os_error, os_error_in
 from shardckpt.formats.pickle_scan import (
     TRUST_HINT,
     first_line,
@@ -201,14 +204,74 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _Storage(FileSystemReader):
-    """DCP's file reader, given the metadata we already read safely."""
+    """DCP's file reader, given the metadata we already read (and checked) safely.
+
+    A failure while reading a data file names that file and, once its bytes are being
+    read, the key stored there: DCP's own errors ("EOFError", "mismatch sizes") name
+    neither, and a denied permission is not a truncated file.
+    """
 
     def __init__(self, path: Path, metadata: Metadata):
         super().__init__(path)
         self._metadata = metadata
+        self._reading: object = None  # the storage entry whose bytes are being read
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self._metadata
+
+    def _slice_file(self, file, sinfo):
+        self._reading = sinfo
+        return super()._slice_file(file, sinfo)
+
+    def _key_being_read(self) -> str | None:
+        """Return the key whose storage entry is being read (looked up only on failure)."""
+        stored = (self._metadata.storage_data or {}).items()
+        return next((index.fqn for index, info in stored if info is self._reading), None)
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            self._reading = None
+            try:
+                super().read_data(LoadPlan(items), planner).wait()
+            except ShardckptError:
+                raise
+            except Exception as exc:
+                raise _read_error(exc, Path(self.path) / name, self._key_being_read()) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def _read_error(exc: Exception, path: Path, key: str | None) -> ShardckptError:
+    """Return the one-line error for ``exc``, raised while reading data file ``path``."""
+    cause = os_error_in(exc)
+    if cause is not None:
+        error = os_error(cause, path)
+        if key is None:
+            return error
+        return type(error)(f"{error.message} at {key!r}", path=path, hint=error.hint)
+    what = f"the data of {key!r}" if key is not None else "its data"
+    return BadInputError(
+        f"cannot read {what} ({type(exc).__name__}: {_reason(exc)})",
+        path=path,
+        hint="the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written",
+    )
+
+
+def _reason(exc: Exception) -> str:
+    """Return the line of ``exc``'s message that says what was wrong with the bytes."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # weights_only's refusal opens with advice to load with weights_only=False, which
+    # is no fix for damaged bytes; its reason is the line after this marker.
+    marker = "WeightsUnpickler error:"
+    for here, line in enumerate(lines[:-1]):
+        if line.endswith(marker):
+            return lines[here + 1]
+    return lines[0] if lines else ""
 
 
 def describe_chunks(shape: tuple[int, ...], chunks: Sequence[Chunk], world_size: int | None) -> str:
@@ -239,11 +302,18 @@ class DcpReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         self.metadata = read_metadata(self.src, trust_pickle)
+        self._checked = False
+
+    def _check(self) -> None:
+        """Refuse a ``.metadata`` that does not describe SRC's files, before any data moves."""
+        if not self._checked:
+            check_metadata(self.metadata, self.src)
+            self._checked = True
 
     def index(self) -> Index:
+        self._check()
         md = self.metadata
         files = {info.relative_path for info in (md.storage_data or {}).values()}
-        self._check_files(files)
         ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))]
         world_size = (max(ranks) + 1) if ranks else (len(files) or None)
         rank_of = {}
@@ -261,10 +331,11 @@ class DcpReader(Reader):
         items = []
         for key in keys:
             entry = md.state_dict_metadata.get(key)
-            if entry is None:
-                continue
             path = tuple(paths.get(key, (key,)))
-            if isinstance(entry, TensorStorageMetadata):
+            if entry is None:
+                # A path alone: an empty mapping dcp_write kept from torch's loader.
+                items.append((path, {}))
+            elif isinstance(entry, TensorStorageMetadata):
                 shape = tuple(entry.size)
                 chunks = tuple(
                     Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes))
@@ -276,15 +347,6 @@ class DcpReader(Reader):
                 items.append((path, values[key]))
         return Index(self.format, str(self.src), world_size, build(items))
 
-    def _check_files(self, files: set[str]) -> None:
-        for name in sorted(files):
-            if not (self.src / name).is_file():
-                raise BadInputError(
-                    f"missing data file '{name}' named by .metadata",
-                    path=self.src,
-                    hint="copy every *.distcp file of the checkpoint",
-                )
-
     def _read_values(self, keys: list[str]) -> dict[str, object]:
         if not keys:
             return {}
@@ -295,6 +357,7 @@ class DcpReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
+        self._check()
         targets: dict[str, torch.Tensor] = {}
         row_starts: dict[str, int] = {}
         for meta, r in zip(metas, rows):

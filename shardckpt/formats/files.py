@@ -102,18 +102,39 @@ def is_source_file(path: Path) -> bool:
         return False
 
 
+def os_error_in(exc: BaseException) -> OSError | None:
+    """Return the OSError that caused ``exc`` (itself, or one it was raised from or during), if any.
+
+    torch.save reports a failed write as a RuntimeError ("unexpected pos ...") raised
+    while handling the OSError (ENOSPC, EIO) the file object raised; that is the cause
+    the user can act on.
+    """
+    seen: set[int] = set()
+    here: BaseException | None = exc
+    while here is not None and id(here) not in seen:
+        if isinstance(here, OSError):
+            return here
+        seen.add(id(here))
+        here = here.__cause__ or here.__context__
+    return None
+
+
 @contextlib.contextmanager
 def writing(path: str | os.PathLike) -> Iterator[None]:
     """Turn a failed write of ``path`` (disk full, permissions, I/O) into one line naming it.
 
     ``torch.save`` reports a failed write as a RuntimeError of its zip writer
-    ("PytorchStreamWriter failed writing file ..."), not as an OSError.
+    ("PytorchStreamWriter failed writing file ...", "unexpected pos ..."), raised while
+    handling the OSError behind it when there is one.
     """
     try:
         yield
-    except OSError as exc:
-        raise os_error(exc, path, writing=True) from None
-    except RuntimeError as exc:
+    except ShardckptError:
+        raise
+    except (OSError, RuntimeError) as exc:
+        cause = os_error_in(exc)
+        if cause is not None:
+            raise os_error(cause, path, writing=True) from None
         if "PytorchStreamWriter" not in str(exc) and "file write failed" not in str(exc):
             raise
         first = str(exc).strip().splitlines()[0]
