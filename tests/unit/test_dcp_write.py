@@ -165,7 +165,8 @@ def test_a_full_disk_while_writing_a_data_file_names_it(capsys, big, small_fs):
 def test_a_full_disk_while_writing_the_metadata_names_it(capsys, big, small_fs, tmp_path):
     api.convert(big, tmp_path / "sized", to="sharded", world_size=1)
     data = (tmp_path / "sized" / "__0_0.distcp").stat().st_size
-    fs = small_fs(-(-data // 4096) * 4096)  # room for the data file, not one page more
+    # Room for the data file and the lock file beside DST (a page each), not one page more.
+    fs = small_fs(-(-data // 4096) * 4096 + 4096)
     code = run(["convert", str(big), str(fs / "out"), "--to", "sharded", "--world-size", "1"])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert (code, line) == (
