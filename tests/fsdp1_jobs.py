@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -88,7 +89,10 @@ def load_local(src_dir: str, use_orig_params: bool) -> dict | None:
         result = model.load_state_dict(state["model"], strict=not use_orig_params)
     flat = [k for k in state["model"] if k.endswith("_flat_param")]
     assert not result.missing_keys and result.unexpected_keys == (flat if use_orig_params else [])
-    full = full_state(model, optimizer_for(model, use_orig_params))["model"]
+    optimizer = optimizer_for(model, use_orig_params)
+    full = copy.deepcopy(full_state(model, optimizer)["model"])
+    # One step proves the loaded flat parameters train.
+    example.train(model, optimizer, steps=1, seed=7)
     return full if dist.get_rank() == 0 else None
 
 
@@ -105,7 +109,9 @@ def load_sharded(src_dir: str) -> dict | None:
     )
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optim"]))
-    full = full_state(model, optimizer)
+    full = copy.deepcopy(full_state(model, optimizer))
+    # One step proves the loaded parameters and optimizer state train.
+    example.train(model, optimizer, steps=1, seed=7)
     return full if dist.get_rank() == 0 else None
 
 

@@ -10,6 +10,7 @@ import torch
 import fsdp1_jobs
 import ranks
 from harness import run_ranks
+from rank_bytes import assert_each_file_holds_only_its_own_bytes
 from reference import assert_trees_equal
 from shardckpt import api
 from shardckpt.errors import BadInputError, UsageError
@@ -49,6 +50,7 @@ def test_full_to_fsdp1_local_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     )
     assert result.verified is True
     assert sorted(p.name for p in dst.iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert_each_file_holds_only_its_own_bytes(dst)
     loaded = run_ranks(fsdp1_jobs.load_local, 2, str(dst), use_orig)[0]
     assert_trees_equal(loaded, full["model"])
 
