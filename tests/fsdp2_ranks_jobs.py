@@ -95,3 +95,17 @@ def save_2d_rank_files(out_dir: str, kind: str) -> dict[str, Any] | None:
     state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
     torch.save(state, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     return _full_state(model, optimizer)
+
+
+def save_two_saves(out_dir: str) -> None:
+    """Train 2 steps and save ``rank{r}.pt`` in ``step2/``, then 1 more and save in ``step3/``.
+
+    Two saves of one job: the same files, shapes and layouts, other values.
+    """
+    model = example.shard_model(example.build_model(0), dist.get_world_size())
+    optimizer = example.build_optimizer(model)
+    for seed, (steps, sub) in enumerate(((2, "step2"), (1, "step3"))):
+        example.train(model, optimizer, steps, seed)
+        os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+        state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
+        torch.save(state, os.path.join(out_dir, sub, f"rank{dist.get_rank()}.pt"))
