@@ -9,6 +9,7 @@ from typing import Any
 import meshes
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from reference import example
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -109,3 +110,29 @@ def save_two_saves(out_dir: str) -> None:
         os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
         torch.save(state, os.path.join(out_dir, sub, f"rank{dist.get_rank()}.pt"))
+
+
+def save_replicated_dcp(out_dir: str) -> dict[str, Any] | None:
+    """Train FSDP2 over a replicate x shard mesh of 2 x 1 and ``dcp.save`` it; return the full state.
+
+    Every rank holds every parameter whole (its shard dimension has one rank), so DCP
+    stores each tensor as one whole chunk, parameters and buffers alike, as Lightning's
+    FSDP2 strategy does on such a mesh.
+    """
+    mesh = init_device_mesh(
+        "cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
+    )
+    model = example.build_model(0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = example.build_optimizer(model)
+    example.train(model, optimizer, 2, 0)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
+    return _full_state(model, optimizer)
+
+
+def build_model() -> torch.nn.Module:
+    """Return the example TinyLM: the zero-argument factory ``--model`` names."""
+    return example.build_model(0)

@@ -121,6 +121,32 @@ def test_fsdp1_sharded_written_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     assert_trees_equal(run_ranks(fsdp1_jobs.load_sharded, 2, str(dst))[0], full)
 
 
+def test_a_full_file_to_fsdp1_sharded_with_the_model_loads_into_fsdp1_and_trains(
+    fsdp1_ckpt, tmp_path
+):
+    root, use_orig, full = fsdp1_ckpt
+    if use_orig:
+        pytest.skip("FSDP1's own FULL optimizer state is wrong with use_orig_params (see above)")
+    torch.save(full, tmp_path / "full.pt")
+    dst = tmp_path / "sharded2"
+    with pytest.raises(UsageError, match="cannot tell parameters"):
+        api.convert(tmp_path / "full.pt", dst, to="local", fmt="fsdp1-sharded", world_size=2)
+    result = api.convert(
+        tmp_path / "full.pt",
+        dst,
+        to="local",
+        fmt="fsdp1-sharded",
+        world_size=2,
+        model=MODEL,
+        verify=True,
+    )
+    assert result.verified is True
+    assert_each_file_holds_only_its_own_bytes(dst)
+    # Buffers whole, as FSDP1 saves them; FSDP1 loads a ShardedTensor only for a parameter.
+    assert type(load_rank_file(dst / "rank_1.pt", False)["model"]["pos_scale"]) is torch.Tensor
+    assert_trees_equal(run_ranks(fsdp1_jobs.load_sharded, 2, str(dst))[0], full)
+
+
 @pytest.mark.parametrize("kind", ["local", "sharded"])
 def test_two_ranks_write_the_same_bytes_as_one(fsdp1_ckpt, tmp_path, kind):
     root, use_orig, _ = fsdp1_ckpt
