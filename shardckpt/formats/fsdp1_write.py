@@ -40,9 +40,25 @@ def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]
     return shards
 
 
+def _refuse_one_rank(fmt: str, world_size: int) -> None:
+    """Refuse an FSDP1 output for one rank: FSDP1 on one rank runs ``NO_SHARD``.
+
+    Its state dicts then hold whole tensors under the parameters' own names (no
+    ShardedTensor, no flat parameter), so a sharded layout of one rank would not load.
+    """
+    if world_size == 1:
+        raise UsageError(
+            f"--format {fmt} for --world-size 1: FSDP1 on one rank runs NO_SHARD, whose "
+            "state dicts hold whole tensors, not shards",
+            hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
+            "or pass --world-size 2 or more",
+        )
+
+
 def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
+    _refuse_one_rank("fsdp1-sharded", m)
 
     def one(r: int) -> None:
         def place(_path, leaf):
@@ -72,6 +88,7 @@ def write_fsdp1_local(
 ) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``LOCAL_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
+    _refuse_one_rank("fsdp1-local", m)
     if flat_model is None:
         raise UsageError(
             "fsdp1-local output needs the model's flat-parameter layout",

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+import fsdp1_jobs
 import fsdp2_ranks_jobs as jobs
 from harness import run_ranks
 from rank_bytes import assert_each_file_holds_only_its_own_bytes
@@ -101,6 +102,44 @@ def test_rank_files_from_every_source_load_into_fsdp2_train_and_read_back(
     loaded = run_ranks(jobs.load_rank_files, world_size, str(dst))[0]
     assert_trees_equal(loaded, src.full)
     assert api.diff(dst, src.path).equal
+
+
+@pytest.mark.parametrize("kind, world_size", [("dcp", 2), ("dcp-whole", 2), ("safetensors", 3)])
+def test_fsdp1_local_files_from_fsdp2_checkpoints_load_into_fsdp1_and_train(
+    sources, tmp_path, kind, world_size
+):
+    src = sources[kind]
+    dst = tmp_path / "local"
+    result = api.convert(
+        src.path,
+        dst,
+        to="local",
+        fmt="fsdp1-local",
+        world_size=world_size,
+        only="model",
+        model=MODEL,
+        wraps=["fsdp1_jobs:Block"],
+        verify=True,
+    )
+    assert result.verified is True
+    assert_each_file_holds_only_its_own_bytes(dst)
+    loaded = run_ranks(fsdp1_jobs.load_local, world_size, str(dst), False)[0]
+    assert_trees_equal(loaded, src.full["model"])
+
+
+@pytest.mark.parametrize("fmt", ["fsdp1-sharded", "fsdp1-local"])
+def test_fsdp1_outputs_for_one_rank_are_refused(sources, tmp_path, capsys, fmt):
+    # FSDP1 on one rank runs NO_SHARD: its state dicts hold whole tensors, which
+    # neither ShardedTensors nor flat parameters would load into.
+    argv = ["convert", str(sources["dcp"].path), str(tmp_path / "out"), "--to", "local"]
+    argv += ["--format", fmt, "--world-size", "1", "--model", MODEL, "--wrap", "fsdp1_jobs:Block"]
+    assert (run(argv), capsys.readouterr().err.strip()) == (
+        2,
+        f"shardckpt: error: --format {fmt} for --world-size 1: FSDP1 on one rank runs "
+        "NO_SHARD, whose state dicts hold whole tensors, not shards: convert --to full for a "
+        "one-rank job (it loads with FULL_STATE_DICT), or pass --world-size 2 or more",
+    )
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("kind", ["torch", "dcp-whole"])
