@@ -4,8 +4,10 @@ Each rank's file holds the model state (parameters as ``ShardedTensor``: dim-0 c
 as ``torch.chunk`` makes them, buffers whole) and, when saved, ``FSDP.optim_state_dict``
 under the same state-dict type (per-parameter state as ``ShardedTensor`` too, ``step``
 and hyper-parameters whole). Every ``ShardedTensor`` carries the shard metadata of all
-ranks, so rank 0's file gives the global shapes; rows are read from the memory-mapped
-files of the ranks that hold them. Whole tensors and plain values are taken from rank 0.
+ranks and the saving job's world size, so rank 0's file gives the global shapes and the
+files are checked to be one save of that job (``rank_set``); rows are read from the
+memory-mapped files of the ranks that hold them. Whole tensors and plain values are
+taken from rank 0.
 """
 
 from __future__ import annotations

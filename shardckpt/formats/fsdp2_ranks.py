@@ -8,7 +8,8 @@ tensors, plain values as they are. Files are named by rank (``shardckpt.formats.
 
 Reading unpickles every file's pickle with ``weights_only=True`` (DTensor, DeviceMesh and
 the placements are on torch's own allow-list) and memory-maps the tensor data, so the
-index costs no tensor reads and a rank touches only the bytes of the rows it reads.
+index costs no tensor reads but the plain tensors compared to check that the files are
+one save of one job (``rank_set``), and a rank touches only the bytes of the rows it reads.
 Writing is ``shardckpt.formats.fsdp2_ranks_write``.
 """
 
