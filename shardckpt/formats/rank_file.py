@@ -38,7 +38,11 @@ def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def save_rank_file(state_dict: dict, path: Path) -> Path:
     """``torch.save`` one rank's state dict at ``path``; return ``path``, or raise a one-line error."""
     try:
-        torch.save(state_dict, path)
+        # Our own file object, closed on any exit: after a failed write, torch's zip
+        # writer lives on in the exception's frames, and a descriptor it opened itself
+        # would keep the (deleted) partial file, and its filesystem, busy until then.
+        with open(path, "wb") as stream:
+            torch.save(state_dict, stream)
     except OSError as exc:
         raise os_error(exc, path, writing=True) from None
     except RuntimeError as exc:
