@@ -63,14 +63,15 @@ def model_params(spec: str, clean_fqns: bool = True) -> ModelParams:
 def params_of(
     module: nn.Module, groups: object = None, clean_fqns: bool = True, where: str = "the model"
 ) -> ModelParams:
-    """Return ``module``'s parameters in ``named_parameters()`` order (tied ones once) and groups."""
+    """Return ``module``'s parameters in ``named_parameters()`` order (tied ones once), groups, buffers."""
     name_fn = clean_fqn if clean_fqns else str
     named = list(module.named_parameters())  # torch's order; a tied parameter under its first name
     fqn_of = {id(p): name_fn(n) for n, p in named}
     fqns = tuple(fqn_of[id(p)] for _, p in named)
     shapes = tuple(tuple(p.shape) for _, p in named)
+    aliases, buffers = _state_dict_names(module, name_fn, set(fqns), where)
     if groups is None:
-        return ModelParams(fqns, shapes)
+        return ModelParams(fqns, shapes, aliases=aliases, buffers=buffers)
     group_list = list(groups) if not isinstance(groups, torch.Tensor) else [groups]
     if group_list and not isinstance(group_list[0], Mapping):
         group_list = [{"params": group_list}]  # a plain list of parameters: one group
@@ -85,4 +86,31 @@ def params_of(
                 hint=_HINT,
             )
         out.append(tuple(fqn_of[id(p)] for p in params))
-    return ModelParams(fqns, shapes, tuple(out))
+    return ModelParams(fqns, shapes, tuple(out), aliases, buffers)
+
+
+def _state_dict_names(
+    module: nn.Module, name_fn: Callable[[str], str], fqns: set[str], where: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Return the names ``module.state_dict()`` gives tied parameters' other FQNs, and its buffers.
+
+    The state dict is asked, not the module tree, because it is what a checkpoint holds:
+    persistent buffers only, every name of a tied parameter, and any renaming its hooks do.
+    """
+    try:
+        state = module.state_dict(keep_vars=True)
+    except Exception as exc:  # noqa: BLE001 - the user's code: report it in one line
+        raise UsageError(
+            f"{where}: state_dict() failed on the meta device ({type(exc).__name__}: {exc})",
+            hint=_HINT,
+        ) from None
+    aliases, buffers = [], []
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # extra state a module keeps as a plain value
+        if isinstance(value, nn.Parameter):
+            if name_fn(name) not in fqns:
+                aliases.append(name_fn(name))
+        else:
+            buffers.append(name_fn(name))
+    return tuple(aliases), tuple(buffers)

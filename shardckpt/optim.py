@@ -42,11 +42,15 @@ class OrderError(RekeyError):
 
 @dataclass(frozen=True)
 class ModelParams:
-    """A model's parameters: FQNs in ``named_parameters()`` order, shapes, and groups when known."""
+    """A model's parameters: FQNs in ``named_parameters()`` order, shapes, groups when known; its buffers."""
 
     fqns: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     groups: tuple[tuple[str, ...], ...] | None = None
+    aliases: tuple[str, ...] = ()
+    """The state dict's other names of tied parameters (``head.weight`` tied to ``embed.weight``)."""
+    buffers: tuple[str, ...] = ()
+    """The state dict's tensors that are not parameters: persistent buffers, which FSDP never shards."""
 
 
 def key_type(optim: Mapping) -> str:

@@ -27,6 +27,7 @@ from shardckpt.tree import (
     clean_fqn,
     dotted,
     find_optimizers,
+    model_prefix,
     prune,
     rename_keys,
     split_model_optim,
@@ -37,8 +38,9 @@ from shardckpt.tree import (
 ONLY = ("all", "model", "optim")
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
-# Formats whose multi-rank sources store a tensor whole only when every rank held it whole.
-MULTI_RANK_FORMATS = frozenset({"dcp", "fsdp1-sharded", "fsdp1-local"})
+# Formats of per-rank files: a DTensor or ShardedTensor there was split across the
+# ranks, a plain tensor (a buffer, a 0-dim ``step``) was held whole by every rank.
+RANK_FILE_FORMATS = frozenset({"fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"})
 
 # Marks a tensor this rank does not read at all (another rank reads the whole of it).
 SKIP = "skip"
@@ -233,22 +235,89 @@ def is_sharded(meta: TensorMeta) -> bool:
     return len(meta.shape) > 0
 
 
-def stays_whole(meta: TensorMeta, index: Index) -> bool:
-    """Return whether a sharded DST keeps ``meta`` whole on every rank instead of splitting dim 0.
+def source_tells_whole(index: Index) -> bool:
+    """Return whether the source itself says which tensors every rank held whole.
 
-    0-dim tensors always do. So does a tensor that a DCP source written by several
-    ranks stored as one whole chunk: that is how DCP stores what every rank held whole
-    (FSDP2's buffers, plain tensors), while a DTensor gets a chunk per rank, empty ones
-    included. A one-rank source stores everything whole, so it tells nothing apart.
-    Per-rank FSDP2 files tell it directly: what is not a DTensor there stays whole.
+    Per-rank files do (``RANK_FILE_FORMATS``). So does a DCP written by several ranks
+    that stores some tensor in several chunks: DCP stores what every rank held whole
+    (FSDP2's buffers) as one chunk covering the tensor, and a sharded parameter as a
+    chunk per rank, empty ones included. A full file, a DCP of one rank, or a DCP whose
+    every tensor is one whole chunk (DDP; FSDP2 over a mesh whose shard dimension has
+    size 1) stores parameters and buffers alike.
     """
-    if not is_sharded(meta):
+    if index.format in RANK_FILE_FORMATS:
         return True
-    if index.format == "fsdp2-ranks":
-        return meta.layout == "full"
     return (
-        index.format in MULTI_RANK_FORMATS and (index.world_size or 1) > 1 and meta.layout == "full"
+        index.format == "dcp"
+        and (index.world_size or 1) > 1
+        and any(is_sharded(m) and m.layout != "full" for _, m in index.tensors())
     )
+
+
+def stays_whole(meta: TensorMeta) -> bool:
+    """Return whether a source that tells (``source_tells_whole``) held ``meta`` whole on every rank."""
+    return not is_sharded(meta) or meta.layout == "full"
+
+
+def whole_tensors(
+    index: Index, tree: dict, layout: str, model: ModelParams | None
+) -> frozenset[str]:
+    """Return the keys of the tensors a sharded or local DST keeps whole on every rank.
+
+    0-dim tensors always stay whole. A source that tells keeps whole what it held
+    whole. Otherwise ``--model`` tells: its buffers, and tensors outside the model and
+    optimizer state (a loop's extra state), stay whole; its parameters and optimizer
+    state are split, as FSDP splits them. Without ``--model`` every tensor with a
+    dimension is split, which a ``dcp`` output may do (DCP reshards on load) but a local
+    output may not: FSDP loads a buffer only as a plain tensor, so that is refused.
+    """
+    tensors = [(p, m) for p, m in walk(tree) if isinstance(m, TensorMeta)]
+    if source_tells_whole(index):
+        return frozenset(m.key for _, m in tensors if stays_whole(m))
+    optimizers = find_optimizers(tree)
+    untold = [
+        (p, m)
+        for p, m in tensors
+        if is_sharded(m) and not any(p[: len(o)] == o for o in optimizers)
+    ]
+    if model is None:
+        if layout == "local" and untold:
+            raise UsageError(
+                f"cannot tell parameters (split across ranks) from buffers (whole on every "
+                f"rank): {_stores_alike(index)} ({len(untold)} such tensors, e.g. "
+                f"'{dotted(untold[0][0])}')",
+                path=index.src,
+                hint="pass --model pkg.module:factory building the trained model",
+            )
+        return frozenset(m.key for _, m in tensors if not is_sharded(m))
+    params = set(model.fqns) | set(model.aliases)
+    buffers = set(model.buffers)
+    where = model_prefix(tree)
+    whole = {m.key for _, m in tensors if not is_sharded(m)}
+    for path, meta in untold:
+        if path[: len(where)] != where:
+            whole.add(meta.key)  # beside the model state: not FSDP's to shard
+            continue
+        fqn = dotted(path[len(where) :])
+        if fqn in buffers:
+            whole.add(meta.key)
+        elif fqn not in params:
+            raise UsageError(
+                f"'{dotted(path)}' is neither a parameter nor a buffer of the --model model",
+                path=index.src,
+                hint="check that --model builds the trained model, or --rename/--drop the "
+                "checkpoint's keys to match it",
+            )
+    return frozenset(whole)
+
+
+def _stores_alike(index: Index) -> str:
+    """Return why ``index`` cannot tell parameters from buffers, for an error line."""
+    if index.format == "dcp" and (index.world_size or 1) > 1:
+        return "this DCP checkpoint stores every tensor as one whole chunk"
+    if index.format == "dcp":
+        return "a DCP checkpoint of one rank stores every tensor whole"
+    return f"a {index.format} checkpoint stores every tensor whole"
 
 
 def rows_to_read(
@@ -298,7 +367,7 @@ class ConvertPlan:
     max_shard_size: int | None = None
     """For ``hf``: the most tensor bytes per shard file (None: the format's default)."""
     whole: frozenset[str] = frozenset()
-    """Keys of the tensors a sharded DST keeps whole on every rank (``stays_whole``)."""
+    """Keys of the tensors a sharded or local DST keeps whole on every rank (``whole_tensors``)."""
     flat_model: object | None = None
     """For ``fsdp1-local``: the ``FlatModel`` (``--model``/``--wrap``) that gives flat layouts."""
     use_orig_params: bool = False
@@ -340,7 +409,7 @@ def make_plan(
             path=index.src,
             hint="check --only and --filter against `shardckpt inspect`",
         )
-    whole = frozenset(m.key for _, m in tensors if stays_whole(m, index))
+    whole = whole_tensors(index, tree, layout, selection.model) if layout != "full" else frozenset()
     return ConvertPlan(
         layout,
         fmt,

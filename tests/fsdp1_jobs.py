@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -78,6 +79,33 @@ def save(out_dir: str, use_orig_params: bool) -> dict | None:
     return full if rank == 0 else None
 
 
+def save_two_saves(out_dir: str) -> None:
+    """Train 2 steps and save, then 1 more and save again: ``sharded{2,3}/`` and ``local{2,3}/``.
+
+    Two saves of one job: SHARDED_STATE_DICT model and optimizer state, and LOCAL model
+    state beside the loop's own step counter, as a training loop might save them.
+    """
+    rank = dist.get_rank()
+    model = wrap(example.build_model(0), False)
+    optimizer = optimizer_for(model, False)
+    for seed, steps in enumerate((2, 1)):
+        example.train(model, optimizer, steps=steps, seed=seed)
+        done = 2 + seed
+        for sub in (f"sharded{done}", f"local{done}"):
+            os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            state = {"model": model.state_dict(), "steps": done}
+            torch.save(state, os.path.join(out_dir, f"local{done}", f"rank_{rank}.pt"))
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(),
+            ShardedOptimStateDictConfig(),
+        ):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
+            torch.save(state, os.path.join(out_dir, f"sharded{done}", f"rank_{rank}.pt"))
+
+
 def load_local(src_dir: str, use_orig_params: bool) -> dict | None:
     """Load ``rank_{r}.pt`` into FSDP1 under LOCAL_STATE_DICT; return FULL_STATE_DICT's model on rank 0."""
     model = wrap(example.build_model(_LOAD_SEED), use_orig_params)
@@ -88,7 +116,10 @@ def load_local(src_dir: str, use_orig_params: bool) -> dict | None:
         result = model.load_state_dict(state["model"], strict=not use_orig_params)
     flat = [k for k in state["model"] if k.endswith("_flat_param")]
     assert not result.missing_keys and result.unexpected_keys == (flat if use_orig_params else [])
-    full = full_state(model, optimizer_for(model, use_orig_params))["model"]
+    optimizer = optimizer_for(model, use_orig_params)
+    full = copy.deepcopy(full_state(model, optimizer)["model"])
+    # One step proves the loaded flat parameters train.
+    example.train(model, optimizer, steps=1, seed=7)
     return full if dist.get_rank() == 0 else None
 
 
@@ -105,7 +136,9 @@ def load_sharded(src_dir: str) -> dict | None:
     )
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optim"]))
-    full = full_state(model, optimizer)
+    full = copy.deepcopy(full_state(model, optimizer))
+    # One step proves the loaded parameters and optimizer state train.
+    example.train(model, optimizer, steps=1, seed=7)
     return full if dist.get_rank() == 0 else None
 
 

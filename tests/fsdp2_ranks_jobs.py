@@ -9,6 +9,7 @@ from typing import Any
 import meshes
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from reference import example
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -95,3 +96,43 @@ def save_2d_rank_files(out_dir: str, kind: str) -> dict[str, Any] | None:
     state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
     torch.save(state, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     return _full_state(model, optimizer)
+
+
+def save_two_saves(out_dir: str) -> None:
+    """Train 2 steps and save ``rank{r}.pt`` in ``step2/``, then 1 more and save in ``step3/``.
+
+    Two saves of one job: the same files, shapes and layouts, other values.
+    """
+    model = example.shard_model(example.build_model(0), dist.get_world_size())
+    optimizer = example.build_optimizer(model)
+    for seed, (steps, sub) in enumerate(((2, "step2"), (1, "step3"))):
+        example.train(model, optimizer, steps, seed)
+        os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+        state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
+        torch.save(state, os.path.join(out_dir, sub, f"rank{dist.get_rank()}.pt"))
+
+
+def save_replicated_dcp(out_dir: str) -> dict[str, Any] | None:
+    """Train FSDP2 over a replicate x shard mesh of 2 x 1 and ``dcp.save`` it; return the full state.
+
+    Every rank holds every parameter whole (its shard dimension has one rank), so DCP
+    stores each tensor as one whole chunk, parameters and buffers alike, as Lightning's
+    FSDP2 strategy does on such a mesh.
+    """
+    mesh = init_device_mesh(
+        "cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
+    )
+    model = example.build_model(0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = example.build_optimizer(model)
+    example.train(model, optimizer, 2, 0)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
+    return _full_state(model, optimizer)
+
+
+def build_model() -> torch.nn.Module:
+    """Return the example TinyLM: the zero-argument factory ``--model`` names."""
+    return example.build_model(0)

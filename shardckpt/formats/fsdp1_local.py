@@ -28,6 +28,7 @@ from shardckpt.formats.files import source_file
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
 from shardckpt.formats.pickle_scan import DamagedPickle, NotTorchFile, scan_torch_file
 from shardckpt.formats.rank_names import find_rank_files
+from shardckpt.formats.rank_set import OwnTensors
 from shardckpt.formats.sharded_tensor_load import SHARDED_TENSOR
 from shardckpt.tree import Path as TreePath
 from shardckpt.tree import TensorMeta, dotted, find_optimizers, map_leaves, walk
@@ -75,6 +76,54 @@ def flat_label(position: int, count: int, padded: int) -> str:
     return f"flat param {position}/{count} (padded {padded})"
 
 
+class _FlatFiles(Fsdp1ShardedReader):
+    """fsdp1-local's files as stored: ``_flat_param`` ShardedTensors, buffers, parameter pieces."""
+
+    format = "fsdp1-local"
+
+    def __init__(self, src, trust_pickle: bool, flat_model: FlatModel | None):
+        self.flat_model = flat_model
+        self._layouts: dict[bool, list[FlatLayout]] = {}
+        super().__init__(src, trust_pickle)
+
+    def layouts(self, use_orig_params: bool) -> list[FlatLayout]:
+        """Return the flat parameters FSDP1 makes of ``--model`` at the files' world size (rank 0)."""
+        if use_orig_params not in self._layouts:
+            assert self.flat_model is not None
+            self._layouts[use_orig_params] = flat_layouts(
+                self.flat_model, self.world_size, 0, use_orig_params
+            )
+        return self._layouts[use_orig_params]
+
+    def own_tensors(self, tree: dict) -> OwnTensors:
+        """Return the pieces of original parameters that FSDP1 saves with ``use_orig_params=True``.
+
+        Each rank saves its own part of each parameter of a unit beside the unit's
+        ``_flat_param`` (``_local_post_state_dict_hook``), so they differ from rank to
+        rank. ``--model`` names them; without it, any plain tensor beside a
+        ``_flat_param`` may be one, so none of those is compared. An optimizer subtree
+        (a loop's own ``optim.state_dict()``) is each rank's state of its own flat shard
+        too; ``check_selected`` refuses it when it is to be read.
+        """
+        units = {p[:-1] for p, _ in walk(tree) if p and is_flat_key(p[-1])}
+        optimizers = find_optimizers(tree)
+        names: set[str] | None = None
+        if self.flat_model is not None:
+            names = set()
+            for lay in self.layouts(False):
+                names |= {lay.prefix + f for f in lay.fqns}
+                names |= {lay.prefix + alias for alias, _ in lay.shared}
+
+        def own(path: TreePath) -> bool:
+            if any(path[: len(o)] == o for o in optimizers):
+                return True
+            if path[:-1] not in units or is_flat_key(path[-1]):
+                return False
+            return names is None or path[-1] in names
+
+        return own
+
+
 class Fsdp1LocalReader(Reader):
     """Reads per-rank ``LOCAL_STATE_DICT`` files; with ``flat_model``, as the original parameters."""
 
@@ -82,8 +131,7 @@ class Fsdp1LocalReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False, flat_model: FlatModel | None = None):
         super().__init__(src, trust_pickle)
-        self.raw = Fsdp1ShardedReader(src, trust_pickle)
-        self.raw.format = self.format
+        self.raw = _FlatFiles(src, trust_pickle, flat_model)
         self.flat_model = flat_model
         self._slices: dict[str, _Slice] = {}
         self._tree = self._expand(self.raw.index().tree) if flat_model else self._label_raw()
@@ -114,10 +162,10 @@ class Fsdp1LocalReader(Reader):
                 path=self.src,
                 hint="this is not FSDP1 LOCAL_STATE_DICT; try --from fsdp1-sharded",
             )
-        layouts = {lay.prefix: lay for lay in flat_layouts(self.flat_model, n, 0, False)}
+        layouts = {lay.prefix: lay for lay in self.raw.layouts(False)}
         use_orig = _saved_orig_params(tree, flats, layouts)
         if use_orig:
-            layouts = {lay.prefix: lay for lay in flat_layouts(self.flat_model, n, 0, True)}
+            layouts = {lay.prefix: lay for lay in self.raw.layouts(True)}
         replaced: dict[TreePath, dict[str, object]] = {}
         for path, meta in flats:
             prefix = path[-1][: -len(FLAT_PARAM)]

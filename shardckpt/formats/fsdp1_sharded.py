@@ -4,20 +4,24 @@ Each rank's file holds the model state (parameters as ``ShardedTensor``: dim-0 c
 as ``torch.chunk`` makes them, buffers whole) and, when saved, ``FSDP.optim_state_dict``
 under the same state-dict type (per-parameter state as ``ShardedTensor`` too, ``step``
 and hyper-parameters whole). Every ``ShardedTensor`` carries the shard metadata of all
-ranks, so rank 0's file gives the global shapes; rows are read from the memory-mapped
-files of the ranks that hold them. Whole tensors and plain values are taken from rank 0.
+ranks and the saving job's world size, so rank 0's file gives the global shapes and the
+files are checked to be one save of that job (``rank_set``); rows are read from the
+memory-mapped files of the ranks that hold them. Whole tensors and plain values are
+taken from rank 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp import describe_chunks
-from shardckpt.formats.rank_names import rank_files
+from shardckpt.formats.rank_names import check_complete, present_rank_files
+from shardckpt.formats.rank_set import OwnTensors, check_one_save, job_world_size, none_own
 from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
 from shardckpt.tree import Chunk, TensorMeta, dotted, map_leaves, walk
 
@@ -32,19 +36,57 @@ class Fsdp1ShardedReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        by_stem = rank_files(self.src)
-        self.world_size = len(next(iter(by_stem.values())))
-        per_rank = [
-            {stem: load_rank_file(files[r], trust_pickle) for stem, files in by_stem.items()}
-            for r in range(self.world_size)
-        ]
+        found = present_rank_files(self.src)
+        loaded = {
+            part: {r: load_rank_file(p, trust_pickle) for r, p in files.items()}
+            for part, files in found.items()
+        }
+        self.world_size = self._check_world_size(found, loaded)
+        for part, files in found.items():
+            trees = [loaded[part][r] for r in files]
+            check_one_save(list(files.values()), trees, self.own_tensors(trees[0]))
+        per_rank = [{part: loaded[part][r] for part in found} for r in range(self.world_size)]
         trees = [objs[""] if list(objs) == [""] else objs for objs in per_rank]
-        self.parts = list(by_stem)
-        self.files = [[files[r] for files in by_stem.values()] for r in range(self.world_size)]
+        self.parts = list(found)
+        self.files = [[files[r] for files in found.values()] for r in range(self.world_size)]
         self._whole: dict[str, torch.Tensor] = {}
         self._pieces: dict[str, list[Piece]] = {}
         self._tree = map_leaves(trees[0], self._describe)
         self._collect_pieces(trees)
+
+    def own_tensors(self, tree: dict) -> OwnTensors:
+        """Return which plain tensors of a part's ``tree`` each rank holds its own of: none here."""
+        return none_own
+
+    def _check_world_size(self, found: dict[str, dict[int, Path]], loaded: dict) -> int:
+        """Return the saving job's world size, which its ShardedTensors know; check the files against it."""
+        sizes: dict[tuple[str, int], int] = {}
+        for part, objs in loaded.items():
+            for rank, tree in objs.items():
+                saved = {
+                    (leaf.saved_world_size, int(leaf.pg_state.global_rank))
+                    for _, leaf in walk(tree)
+                    if isinstance(leaf, StoredShardedTensor)
+                }
+                if not saved:
+                    continue
+                if len(saved) > 1:
+                    raise BadInputError(
+                        f"holds ShardedTensors saved as {_ranks_of(saved)}",
+                        path=found[part][rank],
+                        hint="re-save the file from one rank of one job",
+                    )
+                ((size, held),) = saved
+                if held != rank:
+                    raise BadInputError(
+                        f"holds rank {held}'s shards, not rank {rank}'s",
+                        path=found[part][rank],
+                        hint="name each file after the rank that saved it",
+                    )
+                sizes[(part, rank)] = size
+        world_size = job_world_size(self.src, found, sizes, "ShardedTensors")
+        # Without a ShardedTensor, the names are all that tell the world size.
+        return check_complete(self.src, found) if world_size is None else world_size
 
     def _describe(self, path, leaf):
         if not isinstance(leaf, torch.Tensor):
@@ -65,35 +107,22 @@ class Fsdp1ShardedReader(Reader):
                 )
             chunks.append(Chunk(md.placement.rank(), offsets, tuple(md.shard_sizes)))
         self._pieces[key] = []
-        self._check_world_size(path, leaf)
         layout = describe_chunks(shape, chunks, self.world_size)
+        if layout == "full":
+            # One rank holds all rows (one rank, or fewer rows than ranks), but it is
+            # still a ShardedTensor, split as FSDP1 splits: never a buffer.
+            layout = f"Shard(0) over {self.world_size}"
         return TensorMeta(key, shape, leaf.dtype, layout, tuple(chunks))
-
-    def _check_world_size(self, path, leaf: StoredShardedTensor) -> None:
-        if leaf.saved_world_size != self.world_size:
-            raise BadInputError(
-                f"'{dotted(path)}' was saved by a job of {leaf.saved_world_size} ranks, "
-                f"but the directory holds files of {self.world_size} ranks",
-                path=self.src,
-                hint="keep only one checkpoint's rank files in the directory",
-            )
 
     def _collect_pieces(self, trees: list[dict]) -> None:
         """Record, for every ShardedTensor, each rank's local shards as (first row, rows)."""
         metas = {p: m for p, m in walk(self._tree) if isinstance(m, TensorMeta)}
-        for rank, tree in enumerate(trees):
+        for tree in trees:
             for path, leaf in walk(tree):
                 meta = metas.get(path)
                 if meta is None or meta.key not in self._pieces:
                     continue
-                if not isinstance(leaf, StoredShardedTensor):
-                    raise BadInputError(
-                        f"'{dotted(path)}' is a ShardedTensor in rank 0's file but not in rank {rank}'s",
-                        path=self.files[rank][0],
-                        hint="keep only one checkpoint's rank files in the directory",
-                    )
-                self._check_world_size(path, leaf)
-                for shard in leaf.local_shards:
+                for shard in leaf.local_shards:  # type: ignore[attr-defined]
                     self._pieces[meta.key].append(
                         (int(shard.metadata.shard_offsets[0]), shard.tensor)
                     )
@@ -125,3 +154,8 @@ class Fsdp1ShardedReader(Reader):
                 hint="the rank files are inconsistent; re-copy them from where they were written",
             )
         return out
+
+
+def _ranks_of(saved: set[tuple[int, int]]) -> str:
+    """Return ``rank 0 of 2 and rank 1 of 4`` for a file's (world size, rank) pairs."""
+    return " and ".join(f"rank {r} of {n}" for n, r in sorted(saved))

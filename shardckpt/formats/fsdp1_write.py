@@ -23,6 +23,7 @@ import torch
 from shardckpt.errors import UsageError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.base import Reader
+from shardckpt.formats.rank_file import own_bytes, save_rank_file
 from shardckpt.formats.rank_names import rank_file_name
 from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
 from shardckpt.plan import ConvertPlan, dim0_rows
@@ -39,21 +40,37 @@ def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]
     return shards
 
 
+def _refuse_one_rank(fmt: str, world_size: int) -> None:
+    """Refuse an FSDP1 output for one rank: FSDP1 on one rank runs ``NO_SHARD``.
+
+    Its state dicts then hold whole tensors under the parameters' own names (no
+    ShardedTensor, no flat parameter), so a sharded layout of one rank would not load.
+    """
+    if world_size == 1:
+        raise UsageError(
+            f"--format {fmt} for --world-size 1: FSDP1 on one rank runs NO_SHARD, whose "
+            "state dicts hold whole tensors, not shards",
+            hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
+            "or pass --world-size 2 or more",
+        )
+
+
 def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
+    _refuse_one_rank("fsdp1-sharded", m)
 
     def one(r: int) -> None:
         def place(_path, leaf):
             if not isinstance(leaf, TensorMeta):
                 return leaf
             if leaf.key in plan.whole:
-                return reader.read([leaf], [None], runtime)[0].clone()
+                return own_bytes(reader.read([leaf], [None], runtime)[0])
             rows = dim0_rows(leaf.shape, m, r)
             local = reader.read([leaf], [rows], runtime)[0] if rows[1] > rows[0] else None
             return ShardedTensorRecord(local, leaf.shape, leaf.dtype, _dim0_shards(leaf, m), r, m)
 
-        torch.save(map_leaves(plan.tree, place), path / rank_file_name(r))
+        save_rank_file(map_leaves(plan.tree, place), path / rank_file_name(r))
 
     # One agreed step for all of this process's target ranks: processes act for
     # different numbers of them, and each agreed step is a collective.
@@ -71,6 +88,7 @@ def write_fsdp1_local(
 ) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``LOCAL_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
+    _refuse_one_rank("fsdp1-local", m)
     if flat_model is None:
         raise UsageError(
             "fsdp1-local output needs the model's flat-parameter layout",
@@ -93,7 +111,7 @@ def write_fsdp1_local(
             out[where[0]] = local
         else:
             out = local
-        torch.save(out, path / rank_file_name(r))
+        save_rank_file(out, path / rank_file_name(r))
 
     # One agreed step for all of this process's target ranks: processes act for
     # different numbers of them, and each agreed step is a collective.
@@ -119,7 +137,7 @@ def _local_model_state(
         if key in in_units:
             continue
         out[key] = (
-            reader.read([leaf], [None], runtime)[0].clone()
+            own_bytes(reader.read([leaf], [None], runtime)[0])
             if isinstance(leaf, TensorMeta)
             else leaf
         )
@@ -131,18 +149,21 @@ def _local_model_state(
             for q in range(m)
             if (n := max(0, min(lay.shard_numel, lay.unpadded_numel - q * lay.shard_numel))) > 0
         ]
+        # The file holds the valid part of the shard once, as FSDP1's own file does:
+        # without the tail padding, and the parameter pieces viewing it.
+        flat = own_bytes(shard[: max(valid, 0)])
         if lay.use_orig_params:
             # FSDP1 saves each parameter's piece of the shard, and a tied alias's too.
             piece_of = {}
             for fqn, piece in zip(lay.fqns, lay.pieces):
                 start = piece.offset_in_shard if piece.in_shard else 0
                 size = piece.numel_in_shard if piece.in_shard else 0
-                piece_of[fqn] = shard[start : start + size].clone()
+                piece_of[fqn] = flat[start : start + size]
                 out[lay.prefix + fqn] = piece_of[fqn]
             for alias, primary in lay.shared:
-                out[lay.prefix + alias] = piece_of[primary].clone()
+                out[lay.prefix + alias] = piece_of[primary]
         out[lay.prefix + FLAT_PARAM] = ShardedTensorRecord(
-            shard[:valid] if valid > 0 else None, (lay.unpadded_numel,), shard.dtype, shards, r, m
+            flat if valid > 0 else None, (lay.unpadded_numel,), shard.dtype, shards, r, m
         )
     return out
 

@@ -8,7 +8,8 @@ tensors, plain values as they are. Files are named by rank (``shardckpt.formats.
 
 Reading unpickles every file's pickle with ``weights_only=True`` (DTensor, DeviceMesh and
 the placements are on torch's own allow-list) and memory-maps the tensor data, so the
-index costs no tensor reads and a rank touches only the bytes of the rows it reads.
+index costs no tensor reads but the plain tensors compared to check that the files are
+one save of one job (``rank_set``), and a rank touches only the bytes of the rows it reads.
 Writing is ``shardckpt.formats.fsdp2_ranks_write``.
 """
 
@@ -26,7 +27,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
-from shardckpt.formats.rank_names import check_complete, rank_files
+from shardckpt.formats.rank_names import present_rank_files
+from shardckpt.formats.rank_set import check_one_save, job_world_size
 from shardckpt.formats.torch_file import load_dict
 from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
@@ -80,13 +82,16 @@ class Fsdp2RanksReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        self.parts = rank_files(self.src)
+        self.parts = present_rank_files(self.src)
         with _quiet_mesh_unpickling():
             self.objects = {
                 part: {r: load_dict(p, self.trust_pickle) for r, p in files.items()}
                 for part, files in self.parts.items()
             }
         self.world_size = self._check_world_size()
+        for part, files in self.parts.items():
+            objs = self.objects[part]
+            check_one_save(list(files.values()), [objs[r] for r in files])
         self._sources: dict[str, _Source] = {}
         self._tree = self._describe()
 
@@ -107,32 +112,14 @@ class Fsdp2RanksReader(Reader):
                         path=self.parts[part][rank],
                         hint="name each file after the rank that saved it",
                     )
-        if not sizes:
+        world_size = job_world_size(self.src, self.parts, sizes, "DTensors")
+        if world_size is None:
             first = self.parts[min(self.parts)][min(self.parts[min(self.parts)])]
             raise BadInputError(
                 "holds no DTensor, so it is not an FSDP2 per-rank file",
                 path=first,
                 hint="pass a directory of FSDP2 per-rank files, or a full checkpoint file itself",
             )
-        (part0, rank0), world_size = min(sizes.items(), key=lambda kv: kv[0][1])
-        for (part, rank), size in sorted(sizes.items()):
-            if size != world_size:
-                raise BadInputError(
-                    f"its DTensors are over {size} ranks, those of "
-                    f"'{self.parts[part0][rank0].name}' over {world_size}",
-                    path=self.parts[part][rank],
-                    hint="the directory mixes files of jobs with different world sizes; keep one job's files",
-                )
-        # The names gave a world size; the DTensors' meshes give the job's.
-        check_complete(self.src, self.parts, world_size)
-        for files in self.parts.values():
-            extra = [r for r in files if r >= world_size]
-            if extra:
-                raise BadInputError(
-                    f"its DTensors are over {world_size} ranks, but the directory has a rank {extra[0]}",
-                    path=files[extra[0]],
-                    hint="the directory mixes files of jobs with different world sizes; keep one job's files",
-                )
         for part in self.objects:
             has = {r for (p, r) in sizes if p == part}
             if has and len(has) != world_size:

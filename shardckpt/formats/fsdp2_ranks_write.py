@@ -2,7 +2,8 @@
 
 The process acting for target rank r (``shardckpt.virtual``) builds rank r's state dict
 (each split tensor a ``Shard(0)`` DTensor of r's rows on a mesh of M, whole tensors as
-they are, plain values) and ``torch.save``s it as ``rank_{r}.pt`` (``rank_names``). The mesh pickles as an
+they are, plain values) and saves it as ``rank_{r}.pt`` (``rank_names``), each tensor holding only its own bytes
+(``rank_file``). The mesh pickles as an
 FSDP2 job's 1-D CPU mesh does (``shardckpt.virtual.job_mesh``), so a job at M that
 ``torch.load``s the file gets DTensors on a mesh that uses its own world process group.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from shardckpt.formats.rank_file import own_bytes, save_rank_file
 from shardckpt.formats.rank_names import rank_file_name
 from shardckpt.tree import TensorMeta, map_leaves
 from shardckpt.virtual import job_mesh, shard_dtensor
@@ -33,9 +35,7 @@ def write_rank_file(
         if not isinstance(leaf, TensorMeta):
             return leaf
         if leaf.key in whole:
-            return whole[leaf.key]
-        return shard_dtensor(shards[leaf.key], leaf, mesh)
+            return own_bytes(whole[leaf.key])
+        return shard_dtensor(own_bytes(shards[leaf.key]), leaf, mesh)
 
-    path = directory / rank_file_name(rank)
-    torch.save(map_leaves(tree, place), path)
-    return path
+    return save_rank_file(map_leaves(tree, place), directory / rank_file_name(rank))

@@ -82,6 +82,17 @@ def find_rank_files(directory: Path) -> dict[str, dict[int, Path]]:
 
 def rank_files(src: Path) -> dict[str, dict[int, Path]]:
     """Return ``{part: {rank: file}}`` of ``src``, ranks ``0 … N-1`` in order, checked complete."""
+    parts = present_rank_files(src)
+    world_size = check_complete(src, parts)
+    return {part: {r: files[r] for r in range(world_size)} for part, files in parts.items()}
+
+
+def present_rank_files(src: Path) -> dict[str, dict[int, Path]]:
+    """Return ``{part: {rank: file}}`` of the per-rank files in ``src``, not yet checked complete.
+
+    A reader that learns the job's world size from the files' contents checks them
+    against it (``check_complete``); the names alone miss a missing last rank.
+    """
     if not src.is_dir():
         raise BadInputError(
             "is not a directory of per-rank files",
@@ -95,8 +106,7 @@ def rank_files(src: Path) -> dict[str, dict[int, Path]]:
             path=src,
             hint=f"name them like {rank_file_name(0)} (or STEM_rank_R.pt, STEM_world_size_N_rank_R.pt)",
         )
-    world_size = check_complete(src, parts)
-    return {part: {r: files[r] for r in range(world_size)} for part, files in parts.items()}
+    return {part: dict(sorted(files.items())) for part, files in parts.items()}
 
 
 def check_complete(

@@ -20,6 +20,8 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
 
+from shardckpt.formats.rank_file import own_bytes
+
 
 class ShardedTensorRecord:
     """Pickles as the ``ShardedTensor`` rank ``rank`` of ``world_size`` holds with ``local`` at ``offset``."""
@@ -33,7 +35,11 @@ class ShardedTensorRecord:
         rank: int,
         world_size: int,
     ):
-        """``dim0_shards``: every rank's non-empty shard as ``(rank, first row, rows)``."""
+        """``dim0_shards``: every rank's non-empty shard as ``(rank, first row, rows)``.
+
+        ``local`` is saved with only its own bytes (``rank_file.own_bytes``), never the
+        rest of a source storage it may view.
+        """
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.rank = rank
@@ -44,9 +50,7 @@ class ShardedTensorRecord:
             for q, first, rows in dim0_shards
         ]
         mine = [m for (q, _, _), m in zip(dim0_shards, self.shards_metadata) if q == rank]
-        self.local_shards = (
-            [Shard(local.contiguous(), mine[0])] if mine and local is not None else []
-        )
+        self.local_shards = [Shard(own_bytes(local), mine[0])] if mine and local is not None else []
 
     def __reduce_ex__(self, protocol):
         properties = TensorProperties(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +12,15 @@ import torch
 import fsdp1_jobs
 import ranks
 from harness import run_ranks
+from rank_bytes import assert_each_file_holds_only_its_own_bytes
 from reference import assert_trees_equal
 from shardckpt import api
 from shardckpt.errors import BadInputError, UsageError
+from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
+from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.shard import Shard
+from shardckpt.tree import subtree, walk
 
 MODEL = "fsdp1_jobs:build_model"
 WRAP = ["fsdp1_jobs:Block"]
@@ -49,6 +57,7 @@ def test_full_to_fsdp1_local_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     )
     assert result.verified is True
     assert sorted(p.name for p in dst.iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert_each_file_holds_only_its_own_bytes(dst)
     loaded = run_ranks(fsdp1_jobs.load_local, 2, str(dst), use_orig)[0]
     assert_trees_equal(loaded, full["model"])
 
@@ -112,6 +121,32 @@ def test_fsdp1_sharded_written_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     assert_trees_equal(run_ranks(fsdp1_jobs.load_sharded, 2, str(dst))[0], full)
 
 
+def test_a_full_file_to_fsdp1_sharded_with_the_model_loads_into_fsdp1_and_trains(
+    fsdp1_ckpt, tmp_path
+):
+    root, use_orig, full = fsdp1_ckpt
+    if use_orig:
+        pytest.skip("FSDP1's own FULL optimizer state is wrong with use_orig_params (see above)")
+    torch.save(full, tmp_path / "full.pt")
+    dst = tmp_path / "sharded2"
+    with pytest.raises(UsageError, match="cannot tell parameters"):
+        api.convert(tmp_path / "full.pt", dst, to="local", fmt="fsdp1-sharded", world_size=2)
+    result = api.convert(
+        tmp_path / "full.pt",
+        dst,
+        to="local",
+        fmt="fsdp1-sharded",
+        world_size=2,
+        model=MODEL,
+        verify=True,
+    )
+    assert result.verified is True
+    assert_each_file_holds_only_its_own_bytes(dst)
+    # Buffers whole, as FSDP1 saves them; FSDP1 loads a ShardedTensor only for a parameter.
+    assert type(load_rank_file(dst / "rank_1.pt", False)["model"]["pos_scale"]) is torch.Tensor
+    assert_trees_equal(run_ranks(fsdp1_jobs.load_sharded, 2, str(dst))[0], full)
+
+
 @pytest.mark.parametrize("kind", ["local", "sharded"])
 def test_two_ranks_write_the_same_bytes_as_one(fsdp1_ckpt, tmp_path, kind):
     root, use_orig, _ = fsdp1_ckpt
@@ -138,15 +173,19 @@ def test_two_ranks_write_the_same_bytes_as_one(fsdp1_ckpt, tmp_path, kind):
             assert api.diff(one, two).equal
 
 
-def test_missing_rank_file_is_one_line(fsdp1_ckpt, tmp_path):
+@pytest.mark.parametrize("kind", ["sharded", "local"])
+@pytest.mark.parametrize("missing", [2, 3])
+def test_a_missing_rank_file_is_named_even_the_last(fsdp1_ckpt, tmp_path, kind, missing):
+    # The names alone say 3 ranks when rank_3.pt is gone; the ShardedTensors say 4.
     root, _, _ = fsdp1_ckpt
-    src = tmp_path / "sharded"
-    shutil.copytree(root / "sharded", src)
-    (src / "rank_2.pt").unlink()
+    src = tmp_path / kind
+    shutil.copytree(root / kind, src)
+    (src / f"rank_{missing}.pt").unlink()
     with pytest.raises(BadInputError) as err:
-        api.convert(src, tmp_path / "out.pt", to="full", src_format="fsdp1-sharded")
+        api.convert(src, tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP)
     assert err.value.line() == (
-        f"'{src}': no file for rank 2 of 4 (rank_2.pt): copy every rank's file of the checkpoint"
+        f"'{src}': no file for rank {missing} of 4 (rank_{missing}.pt): copy every rank's file "
+        "of the checkpoint"
     )
 
 
@@ -159,8 +198,9 @@ def test_mixed_world_sizes_are_one_line(fsdp1_ckpt, tmp_path):
     with pytest.raises(BadInputError) as err:
         api.convert(src, tmp_path / "out.pt", to="full")
     assert err.value.line() == (
-        f"'{src}': 'model.embed.weight' was saved by a job of 2 ranks, but the directory "
-        "holds files of 4 ranks: keep only one checkpoint's rank files in the directory"
+        f"'{src / 'rank_2.pt'}': its ShardedTensors are over 4 ranks, those of 'rank_0.pt' "
+        "over 2: the directory mixes files of jobs with different world sizes; keep one job's "
+        "files"
     )
 
 
@@ -187,3 +227,77 @@ def test_fsdp1_local_without_model_is_a_usage_error(fsdp1_ckpt, tmp_path):
         "pass --model pkg.module:factory and the --wrap classes training wrapped"
     )
     assert err.value.exit_code == 2
+
+
+@pytest.fixture(scope="module")
+def two_saves(tmp_path_factory):
+    """Two saves (after steps 2 and 3) of one FSDP1 job at 2, SHARDED and LOCAL."""
+    root = tmp_path_factory.mktemp("fsdp1_two_saves")
+    run_ranks(fsdp1_jobs.save_two_saves, 2, str(root), timeout=300)
+    return root
+
+
+def _mix(tmp_path, first: Path, second: Path) -> Path:
+    """Return a directory holding ``first``'s rank_0.pt and ``second``'s rank_1.pt."""
+    src = tmp_path / "mixed"
+    src.mkdir()
+    shutil.copy(first / "rank_0.pt", src / "rank_0.pt")
+    shutil.copy(second / "rank_1.pt", src / "rank_1.pt")
+    return src
+
+
+@pytest.mark.parametrize(
+    "kind, opts, why",
+    [
+        ("sharded", {}, "'optim.state.embed.weight.step' is 3.0 here but 2.0"),
+        ("local", {"model": MODEL, "wraps": WRAP}, "'steps' is 3 here but 2"),
+    ],
+)
+def test_rank_files_of_two_saves_are_refused_naming_both(two_saves, tmp_path, kind, opts, why):
+    src = _mix(tmp_path, two_saves / f"{kind}2", two_saves / f"{kind}3")
+    with pytest.raises(BadInputError) as err:
+        api.convert(src, tmp_path / "out.pt", to="full", **opts)
+    assert err.value.line() == (
+        f"'{src / 'rank_1.pt'}': {why} in 'rank_0.pt': keep one save's rank files in the "
+        "directory"
+    )
+    # Each save on its own is one job's.
+    api.convert(two_saves / f"{kind}3", tmp_path / "one.pt", to="full", **opts)
+
+
+def _as_saved(leaf, rows: int | None = None):
+    """Return a stored ShardedTensor as what pickles to it again, its local shard cut to ``rows``."""
+    if not isinstance(leaf, StoredShardedTensor):
+        return leaf
+    shards = [(m.placement.rank(), m.shard_offsets[0], m.shard_sizes[0]) for m in leaf.shards_metadata]
+    local = leaf.local_shards[0] if leaf.local_shards else None
+    rank = int(leaf.pg_state.global_rank)
+    record = ShardedTensorRecord(
+        local and local.tensor, leaf.shape, leaf.dtype, shards, rank, leaf.saved_world_size
+    )
+    if rows is not None:
+        md = local.metadata
+        cut = ShardMetadata(md.shard_offsets, [rows, *md.shard_sizes[1:]], md.placement)
+        record.local_shards = [Shard(local.tensor[:rows].clone(), cut)]
+    return record
+
+
+def test_a_shardedtensor_whose_local_shard_contradicts_its_metadata_is_refused(
+    two_saves, tmp_path
+):
+    src = shutil.copytree(two_saves / "sharded3", tmp_path / "edited")
+    state = load_rank_file(src / "rank_1.pt", trust_pickle=False)
+    # embed.weight has 97 rows, 48 of them on rank 1: the file says so but holds 47.
+    for path, leaf in list(walk(state)):
+        rows = 47 if path == ("model", "embed.weight") else None
+        subtree(state, path[:-1])[path[-1]] = _as_saved(leaf, rows)
+    # Beside it, then renamed: the loaded state still maps the old file.
+    torch.save(state, src / "edited.tmp")
+    os.replace(src / "edited.tmp", src / "rank_1.pt")
+    with pytest.raises(BadInputError) as err:
+        api.convert(src, tmp_path / "out.pt", to="full")
+    assert err.value.line() == (
+        f"'{src / 'rank_1.pt'}': 'model.embed.weight' holds a local shard of [47, 48] float32 at "
+        "[49, 0], which its ShardedTensor does not give rank 1: the file is damaged or was "
+        "edited; re-copy it from where the job saved it"
+    )

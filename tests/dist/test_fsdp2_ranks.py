@@ -4,6 +4,7 @@ any M and by real FSDP2 jobs, load into FSDP2 and convert to what the job holds.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,3 +183,50 @@ def test_two_d_rank_files_convert_to_the_jobs_full_state(tmp_path, capsys, kind,
     assert layouts[("model", fqn)] == layout
     run_ranks(ranks.convert, 2, str(src), str(tmp_path / "full.pt"), "full", {})
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), full)
+
+
+@pytest.fixture(scope="module")
+def two_saves(tmp_path_factory):
+    """Two saves (after steps 2 and 3) of one FSDP2 job at 2: ``step2/`` and ``step3/``."""
+    root = tmp_path_factory.mktemp("two_saves")
+    run_ranks(jobs.save_two_saves, 2, str(root))
+    return root
+
+
+def test_rank_files_of_two_saves_are_refused_naming_both(two_saves, tmp_path, capsys):
+    src = tmp_path / "mixed"
+    src.mkdir()
+    shutil.copy(two_saves / "step2" / "rank0.pt", src / "rank0.pt")
+    shutil.copy(two_saves / "step3" / "rank1.pt", src / "rank1.pt")
+    assert _error_line(["convert", str(src), str(tmp_path / "out.pt"), "--to", "full"], capsys) == (
+        3,
+        f"shardckpt: error: '{src / 'rank1.pt'}': 'optim.state.embed.weight.step' is 3.0 here "
+        "but 2.0 in 'rank0.pt': keep one save's rank files in the directory",
+    )
+    assert not (tmp_path / "out.pt").exists()
+    assert run(["convert", str(two_saves / "step3"), str(tmp_path / "one.pt"), "--to", "full"]) == 0
+
+
+def test_a_dtensor_whose_local_shard_contradicts_its_metadata_is_refused(
+    two_saves, tmp_path, capsys
+):
+    src = shutil.copytree(two_saves / "step3", tmp_path / "edited")
+    state = torch.load(src / "rank1.pt", weights_only=True)
+    weight = state["model"]["embed.weight"]  # 97 rows: 49 on rank 0, 48 on rank 1
+    # The DTensor still says rank 1 holds 48 rows, but holds one less.
+    state["model"]["embed.weight"] = DTensor.from_local(
+        weight.to_local()[:-1].clone(),
+        weight.device_mesh,
+        weight.placements,
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
+    )
+    torch.save(state, src / "edited.tmp")
+    os.replace(src / "edited.tmp", src / "rank1.pt")
+    assert _error_line(["inspect", str(src)], capsys) == (
+        3,
+        f"shardckpt: error: '{src / 'rank1.pt'}': 'model.embed.weight' holds a local shard of "
+        "[47, 48], but its DTensor gives this rank [48, 48]: the file is damaged or was edited; "
+        "re-copy it from where the job saved it",
+    )

@@ -7,6 +7,7 @@ import torch
 
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index
+from shardckpt.optim import ModelParams
 from shardckpt.plan import (
     SKIP,
     Selection,
@@ -91,16 +92,88 @@ def _meta(
     return TensorMeta("k", shape, torch.float32, layout, tuple(Chunk(0, o, s) for o, s in chunks))
 
 
-def test_a_tensor_a_multi_rank_dcp_stored_as_one_whole_chunk_stays_whole():
-    buffer = _meta((5, 48), [((0, 0), (5, 48))])
-    # FSDP2's 3-row weight at 4 ranks: rank 3's empty shard is a chunk of its own.
-    param = _meta((3, 7), [((0, 0), (1, 7)), ((1, 0), (1, 7)), ((2, 0), (1, 7)), ((3, 0), (0, 7))])
-    at4 = Index("dcp", "ckpt", 4, {})
-    assert stays_whole(buffer, at4) and not stays_whole(param, at4)
-    # A one-rank DCP or a full file stores every tensor whole: nothing tells buffers apart.
-    assert not stays_whole(buffer, Index("dcp", "ckpt", 1, {}))
-    assert not stays_whole(buffer, Index("torch", "full.pt", None, {}))
-    assert stays_whole(_meta((), [((), ())]), Index("torch", "full.pt", None, {}))
+def _tree(buffer: TensorMeta, param: TensorMeta) -> dict:
+    step = TensorMeta("step", (), torch.float32)
+    exp_avg = TensorMeta("exp_avg", (3, 7), torch.float32, param.layout, param.chunks)
+    return {
+        "model": {"w": param, "pos_scale": buffer},
+        "optim": {
+            "state": {"w": {"step": step, "exp_avg": exp_avg}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        },
+        "rng": TensorMeta("rng", (16,), torch.uint8),
+    }
+
+
+def _whole(index: Index, layout: str = "local", model: ModelParams | None = None) -> set[str]:
+    plan = make_plan(index, Selection(model=model), layout, "fsdp2-ranks", 2)
+    return set(plan.whole)
+
+
+# FSDP2's 3-row weight at 4 ranks: rank 3's empty shard is a chunk of its own.
+PARAM = _meta((3, 7), [((0, 0), (1, 7)), ((1, 0), (1, 7)), ((2, 0), (1, 7)), ((3, 0), (0, 7))])
+WHOLE_PARAM = TensorMeta("w", (3, 7), torch.float32, "full", (Chunk(0, (0, 0), (3, 7)),))
+BUFFER = TensorMeta("buf", (5, 48), torch.float32, "full", (Chunk(0, (0, 0), (5, 48)),))
+MODEL = ModelParams(("w",), ((3, 7),), buffers=("pos_scale",))
+
+
+def test_a_multi_rank_dcp_keeps_whole_what_it_stored_as_one_whole_chunk():
+    index = Index("dcp", "ckpt", 4, _tree(BUFFER, PARAM))
+    assert _whole(index) == {"buf", "step", "rng"}
+    assert _whole(index, "sharded") == {"buf", "step", "rng"}
+
+
+@pytest.mark.parametrize(
+    "fmt, world_size, why",
+    [
+        ("torch", 1, "a torch checkpoint stores every tensor whole"),
+        ("dcp", 1, "a DCP checkpoint of one rank stores every tensor whole"),
+        ("dcp", 2, "this DCP checkpoint stores every tensor as one whole chunk"),
+    ],
+)
+def test_a_local_output_of_a_source_that_stores_everything_whole_needs_the_model(
+    fmt, world_size, why
+):
+    index = Index(fmt, "ckpt", world_size, _tree(BUFFER, WHOLE_PARAM))
+    with pytest.raises(UsageError) as err:
+        _whole(index)
+    assert err.value.line() == (
+        "'ckpt': cannot tell parameters (split across ranks) from buffers (whole on every "
+        f"rank): {why} (3 such tensors, e.g. 'model.w'): pass --model pkg.module:factory "
+        "building the trained model"
+    )
+    # A DCP output may split a buffer: DCP reshards it on load.
+    assert _whole(index, "sharded") == {"step"}
+    # The model tells: its buffers and what lies beside the model state stay whole.
+    assert _whole(index, model=MODEL) == _whole(index, "sharded", MODEL) == {"buf", "step", "rng"}
+
+
+def test_optimizer_state_alone_is_split_without_the_model():
+    index = Index("torch", "ckpt", 1, _tree(BUFFER, WHOLE_PARAM))
+    plan = make_plan(index, Selection(only="optim"), "local", "fsdp2-ranks", 2)
+    assert set(plan.whole) == {"step"}
+
+
+def test_a_model_state_tensor_the_model_does_not_have_is_a_usage_error():
+    index = Index("torch", "ckpt", 1, _tree(BUFFER, WHOLE_PARAM))
+    with pytest.raises(UsageError) as err:
+        _whole(index, model=ModelParams(("w",), ((3, 7),)))
+    assert err.value.line() == (
+        "'ckpt': 'model.pos_scale' is neither a parameter nor a buffer of the --model model: "
+        "check that --model builds the trained model, or --rename/--drop the checkpoint's "
+        "keys to match it"
+    )
+
+
+def test_a_tied_parameters_other_name_is_split():
+    tree = {"embed.weight": WHOLE_PARAM, "head.weight": TensorMeta("h", (3, 7), torch.float32)}
+    model = ModelParams(("embed.weight",), ((3, 7),), aliases=("head.weight",))
+    assert _whole(Index("torch", "ckpt", 1, tree), model=model) == set()
+
+
+def test_stays_whole_is_what_per_rank_files_held_as_plain_tensors():
+    assert stays_whole(BUFFER) and stays_whole(TensorMeta("s", (), torch.float32))
+    assert not stays_whole(PARAM)
 
 
 @pytest.mark.parametrize(("world_size", "launch_size"), [(1, 2), (3, 2), (8, 2), (4, 4), (5, 1)])
