@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan
 
 from shardckpt.dist import Runtime
-from shardckpt.errors import BadInputError, IOFailure, ShardckptError
-from shardckpt.formats.files import os_error, os_error_in
+from shardckpt.errors import BadInputError
+from shardckpt.formats.files import os_error, writing
 from shardckpt.tree import walk
 
 _METADATA_TMP = ".metadata.tmp"  # what FileSystemWriter.finish writes, then renames
@@ -111,13 +111,11 @@ class _NamedFiles(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode):
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        except ShardckptError:
-            raise
-        except Exception as exc:
-            raise _write_error(exc, Path(path)) from None
+        path = Path(path)
+        # .metadata is written as .metadata.tmp and renamed: name the file the user knows.
+        shown = path.with_name(".metadata") if path.name == _METADATA_TMP else path
+        with writing(path, shown), super().create_stream(path, mode) as stream:
+            yield stream
 
     def mkdir(self, path) -> None:
         try:
@@ -136,21 +134,6 @@ class _NamedFiles(FileSystem):
             super().rm_file(path)
         except OSError as exc:
             raise os_error(exc, path, writing=True) from None
-
-
-def _write_error(exc: Exception, path: Path) -> ShardckptError:
-    """Return the one-line error for ``exc``, raised while writing ``path``."""
-    if path.name == _METADATA_TMP:
-        path = path.with_name(".metadata")
-    cause = os_error_in(exc)
-    if cause is not None:
-        return os_error(cause, path, writing=True)
-    text = str(exc).strip().splitlines()
-    return IOFailure(
-        f"writing failed ({type(exc).__name__}: {text[0] if text else ''})",
-        path=path,
-        hint="check the disk and the filesystem it is on",
-    )
 
 
 class _Writer(FileSystemWriter):

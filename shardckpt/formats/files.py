@@ -119,14 +119,21 @@ def os_error_in(exc: BaseException) -> OSError | None:
     return None
 
 
+# How torch's zip writer (caffe2's inline_container.cc) words a write that failed.
+_ZIP_WRITER_FAILURES = ("PytorchStreamWriter", "inline_container", "unexpected pos")
+
+
 @contextlib.contextmanager
-def writing(path: str | os.PathLike) -> Iterator[None]:
+def writing(path: str | os.PathLike, shown_as: str | os.PathLike | None = None) -> Iterator[None]:
     """Turn a failed write of ``path`` (disk full, permissions, I/O) into one line naming it.
 
+    The line names ``shown_as`` when given (a temporary name the user never sees).
     ``torch.save`` reports a failed write as a RuntimeError of its zip writer
     ("PytorchStreamWriter failed writing file ...", "unexpected pos ..."), raised while
-    handling the OSError behind it when there is one.
+    handling the OSError behind it when there is one, and without any errno otherwise:
+    a full filesystem, by far the usual cause, is then told from the filesystem itself.
     """
+    name = shown_as if shown_as is not None else path
     try:
         yield
     except ShardckptError:
@@ -134,12 +141,24 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
     except (OSError, RuntimeError) as exc:
         cause = os_error_in(exc)
         if cause is not None:
-            raise os_error(cause, path, writing=True) from None
-        if "PytorchStreamWriter" not in str(exc) and "file write failed" not in str(exc):
+            raise os_error(cause, name, writing=True) from None
+        if not any(mark in str(exc) for mark in _ZIP_WRITER_FAILURES):
             raise
+        if _is_full(Path(path).parent):
+            full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise os_error(full, name, writing=True) from None
         first = str(exc).strip().splitlines()[0]
         raise IOFailure(
             f"writing failed ({first})",
-            path=path,
+            path=name,
             hint="check the free space and the filesystem DST is on",
         ) from None
+
+
+def _is_full(directory: Path) -> bool:
+    """Return whether the filesystem of ``directory`` has no block left for this process."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail == 0 or st.f_bfree == 0

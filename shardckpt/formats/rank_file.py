@@ -10,17 +10,11 @@ each tensor a storage of exactly its own bytes before it is saved.
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 
 import torch
 
-from shardckpt.errors import IOFailure
-from shardckpt.formats.files import os_error
-
-# How torch's zip writer (caffe2's inline_container.cc) words a write that failed.
-_ZIP_WRITER_FAILURES = ("PytorchStreamWriter", "inline_container")
+from shardckpt.formats.files import writing
 
 
 def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,37 +31,9 @@ def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def save_rank_file(state_dict: dict, path: Path) -> Path:
     """``torch.save`` one rank's state dict at ``path``; return ``path``, or raise a one-line error."""
-    try:
-        # Our own file object, closed on any exit: after a failed write, torch's zip
-        # writer lives on in the exception's frames, and a descriptor it opened itself
-        # would keep the (deleted) partial file, and its filesystem, busy until then.
-        with open(path, "wb") as stream:
-            torch.save(state_dict, stream)
-    except OSError as exc:
-        raise os_error(exc, path, writing=True) from None
-    except RuntimeError as exc:
-        if not any(mark in str(exc) for mark in _ZIP_WRITER_FAILURES):
-            raise
-        # torch's zip writer reports a failed write without its errno ("unexpected pos
-        # 576 vs 534", "PytorchStreamWriter failed writing file data/0"): a full
-        # filesystem is by far the usual cause, and it is visible afterwards.
-        if _is_full(path.parent):
-            raise os_error(
-                OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), path, writing=True
-            ) from None
-        text = str(exc).strip().splitlines()
-        raise IOFailure(
-            f"writing failed ({text[0] if text else type(exc).__name__})",
-            path=path,
-            hint="check the free space and the filesystem DST is on",
-        ) from None
+    # Our own file object, closed on any exit: after a failed write, torch's zip writer
+    # lives on in the exception's frames, and a descriptor it opened itself would keep
+    # the (deleted) partial file, and its filesystem, busy until then.
+    with writing(path), open(path, "wb") as stream:
+        torch.save(state_dict, stream)
     return path
-
-
-def _is_full(directory: Path) -> bool:
-    """Return whether the filesystem of ``directory`` has no block left for this process."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return False
-    return st.f_bavail == 0 or st.f_bfree == 0
