@@ -32,6 +32,7 @@ from shardckpt.formats import (
     open_reader,
 )
 from shardckpt.formats.dcp import as_stored
+from shardckpt.formats.fsdp1_write import FSDP1_FORMATS, refuse_one_rank
 from shardckpt.model import model_params
 from shardckpt.plan import (
     DEFAULT_BUFFER_BYTES,
@@ -253,6 +254,8 @@ def convert(
 
     def prepare():
         _check_target(to, fmt, world_size, model)
+        if fmt in FSDP1_FORMATS:
+            refuse_one_rank(fmt, world_size or runtime.world_size)
         _check_dst_name(dst, fmt)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")

@@ -40,7 +40,10 @@ def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]
     return shards
 
 
-def _refuse_one_rank(fmt: str, world_size: int) -> None:
+FSDP1_FORMATS = ("fsdp1-sharded", "fsdp1-local")
+
+
+def refuse_one_rank(fmt: str, world_size: int) -> None:
     """Refuse an FSDP1 output for one rank: FSDP1 on one rank runs ``NO_SHARD``.
 
     Its state dicts then hold whole tensors under the parameters' own names (no
@@ -58,7 +61,7 @@ def _refuse_one_rank(fmt: str, world_size: int) -> None:
 def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
-    _refuse_one_rank("fsdp1-sharded", m)
+    refuse_one_rank("fsdp1-sharded", m)
 
     def one(r: int) -> None:
         def place(_path, leaf):
@@ -88,7 +91,7 @@ def write_fsdp1_local(
 ) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``LOCAL_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
-    _refuse_one_rank("fsdp1-local", m)
+    refuse_one_rank("fsdp1-local", m)
     if flat_model is None:
         raise UsageError(
             "fsdp1-local output needs the model's flat-parameter layout",
