@@ -76,12 +76,7 @@ def save_2d_rank_files(out_dir: str, kind: str) -> dict[str, Any] | None:
     mesh_names = {"hsdp": ("replicate", "shard"), "fsdp_tp": ("dp", "tp")}[kind]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=mesh_names)
     if kind == "hsdp":
-        model = example.build_model(0)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = example.build_optimizer(model)
-        example.train(model, optimizer, 2, 0)
+        model, optimizer = meshes.train_example(mesh)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -122,12 +117,7 @@ def save_replicated_dcp(out_dir: str) -> dict[str, Any] | None:
     mesh = init_device_mesh(
         "cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
     )
-    model = example.build_model(0)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = example.build_optimizer(model)
-    example.train(model, optimizer, 2, 0)
+    model, optimizer = meshes.train_example(mesh)
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
     return _full_state(model, optimizer)

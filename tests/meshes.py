@@ -28,6 +28,17 @@ class Mlp(nn.Module):
         return x + self.fc_out(F.relu(self.fc_in(self.norm(x))))
 
 
+def train_example(mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Return the example model ``fully_shard``-ed (each block, then the whole) over ``mesh``, trained 2 steps."""
+    model = example.build_model(0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = example.build_optimizer(model)
+    example.train(model, optimizer, 2, 0)
+    return model, optimizer
+
+
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, ref_path: str) -> None:
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out_dir)
@@ -40,12 +51,7 @@ def _save(model: nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, ref_
 def train_hsdp(out_dir: str, ref_path: str) -> None:
     """Train the example model with HSDP (replicate 2 x shard 2) and save DCP + full reference."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = example.build_model(0)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = example.build_optimizer(model)
-    example.train(model, optimizer, 2, 0)
+    model, optimizer = train_example(mesh)
     _save(model, optimizer, out_dir, ref_path)
 
 
