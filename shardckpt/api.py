@@ -311,7 +311,8 @@ def convert(
             runtime.agreed(lambda: staging.commit() if runtime.coordinator else None)
         except BaseException as exc:
             if runtime.coordinator and not staging.committed:
-                exc.add_note(f"'{dst}' was not written")
+                # BaseException.add_note is Python 3.11+; __notes__ is what it appends to.
+                exc.__notes__ = [*getattr(exc, "__notes__", ()), f"'{dst}' was not written"]
             raise
         finally:
             if runtime.coordinator:
