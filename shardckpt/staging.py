@@ -94,19 +94,19 @@ class Staging:
                 hint="name a new file or directory for the output",
             )
         for src in self.srcs:
-            for path in _source_paths(src):
-                if _within(dst, path):
-                    raise UsageError(
-                        "DST is SRC or inside it",
-                        path=self.dst,
-                        hint="write the conversion somewhere else; SRC is never modified",
-                    )
-                if _within(path, dst):
-                    raise UsageError(
-                        f"DST holds SRC ('{src}')",
-                        path=self.dst,
-                        hint="write the conversion somewhere else; SRC is never modified",
-                    )
+            if _within(dst, _real(src)):
+                raise UsageError(
+                    "DST is SRC or inside it",
+                    path=self.dst,
+                    hint="write the conversion somewhere else; SRC is never modified",
+                )
+            # SRC's entries too: replacing DST must not delete a file SRC links to.
+            if any(_within(path, dst) for path in _source_paths(src)):
+                raise UsageError(
+                    f"DST holds SRC ('{src}')",
+                    path=self.dst,
+                    hint="write the conversion somewhere else; SRC is never modified",
+                )
         self._check_existing()
 
     def _check_existing(self) -> None:

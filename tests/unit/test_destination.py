@@ -308,3 +308,13 @@ def test_odd_leftover_names_and_unremovable_leftovers_do_not_stop_a_run(capsys, 
     code, err = lines_of(capsys, ["convert", small / "small.pt", small / "o.pt", "--to", "full"])
     assert (code, err) == (0, [])
     assert (small / "....shardckpt-old").exists() and (small / "o.pt").is_file()
+
+
+def test_a_dst_inside_a_directory_an_entry_of_src_links_to_is_allowed(capsys, tmp_path):
+    """Only SRC itself can contain DST; a directory symlink beside its files is not SRC."""
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "ckpt" / "logs").symlink_to(tmp_path / "logs")
+    dst = tmp_path / "logs" / "out.pt"
+    assert run([str(a) for a in ["convert", tmp_path / "ckpt", dst, "--to", "full", "-q"]]) == 0
+    assert torch.equal(torch.load(dst)["w"], torch.arange(6.0))
