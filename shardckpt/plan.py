@@ -27,6 +27,7 @@ from shardckpt.tree import (
     clean_fqn,
     dotted,
     find_optimizers,
+    is_tensor_leaf,
     model_prefix,
     prune,
     rename_keys,
@@ -191,7 +192,7 @@ def _rekey(src: str, tree: dict, selection: Selection) -> dict:
 
 
 def _holds_tensor(value: object) -> bool:
-    if isinstance(value, (torch.Tensor, TensorMeta)):
+    if is_tensor_leaf(value):
         return True
     if isinstance(value, Mapping):
         return any(_holds_tensor(k) or _holds_tensor(v) for k, v in value.items())

@@ -46,6 +46,8 @@ FSDP1_FORMATS = ("fsdp1-sharded", "fsdp1-local")
 def refuse_one_rank(fmt: str, world_size: int) -> None:
     """Refuse an FSDP1 output for one rank: FSDP1 on one rank runs ``NO_SHARD``.
 
+    ``api.convert`` calls it with the other option checks, before DST is locked.
+
     Its state dicts then hold whole tensors under the parameters' own names (no
     ShardedTensor, no flat parameter), so a sharded layout of one rank would not load.
     """
@@ -61,7 +63,6 @@ def refuse_one_rank(fmt: str, world_size: int) -> None:
 def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
-    refuse_one_rank("fsdp1-sharded", m)
 
     def one(r: int) -> None:
         def place(_path, leaf):
@@ -91,7 +92,6 @@ def write_fsdp1_local(
 ) -> None:
     """Write ``rank_{r}.pt`` of FSDP1 ``LOCAL_STATE_DICT`` for every target rank this process acts for."""
     m = plan.world_size
-    refuse_one_rank("fsdp1-local", m)
     if flat_model is None:
         raise UsageError(
             "fsdp1-local output needs the model's flat-parameter layout",
