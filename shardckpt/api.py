@@ -15,24 +15,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardckpt import convert as pipeline
+from shardckpt import engine
 from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
+from shardckpt.destination import Destination
 from shardckpt.dist import Runtime
 from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
-    DIRECTORY_FORMATS,
     FILE_SUFFIXES,
-    FULL_WRITERS,
-    LAYOUT_OF,
-    LOCAL_WRITERS,
-    SHARDED_WRITERS,
+    Format,
     Index,
+    default_format,
+    format_named,
     open_reader,
 )
 from shardckpt.formats.dcp import as_stored
-from shardckpt.formats.fsdp1_write import FSDP1_FORMATS, refuse_one_rank
 from shardckpt.model import model_params
 from shardckpt.plan import (
     DEFAULT_BUFFER_BYTES,
@@ -44,7 +42,6 @@ from shardckpt.plan import (
     select,
 )
 from shardckpt.progress import Progress
-from shardckpt.staging import Staging
 from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
 
 LAYOUTS = ("full", "sharded", "local")
@@ -133,31 +130,17 @@ class ConvertResult:
     plan: ConvertPlan | None = None
 
 
-def default_format(to: str, dst: str | os.PathLike) -> str:
-    """Return the output format SPEC picks for a layout and DST name."""
-    if to == "full":
-        return "safetensors" if str(dst).endswith(".safetensors") else "torch"
-    return {"sharded": "dcp", "local": "fsdp2-ranks"}[to]
-
-
-def _check_target(to: str, fmt: str, world_size: int | None, model: str | None = None) -> None:
+def _check_target(to: str, form: Format, world_size: int | None, model: str | None) -> None:
     if to not in LAYOUTS:
         raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
-    if fmt not in LAYOUT_OF:
-        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(LAYOUT_OF)}")
-    if LAYOUT_OF[fmt] != to:
+    if form.layout != to:
         raise UsageError(
-            f"--format {fmt} is a {LAYOUT_OF[fmt]} layout, not {to}",
-            hint=f"pass --to {LAYOUT_OF[fmt]}, or a {to} format",
+            f"--format {form.name} is a {form.layout} layout, not {to}",
+            hint=f"pass --to {form.layout}, or a {to} format",
         )
-    if fmt not in FULL_WRITERS and fmt not in SHARDED_WRITERS and fmt not in LOCAL_WRITERS:
+    if form.needs_model and not model:
         raise UsageError(
-            f"writing --format {fmt} is not supported yet",
-            hint=f"write one of {', '.join([*FULL_WRITERS, *SHARDED_WRITERS, *LOCAL_WRITERS])}",
-        )
-    if fmt == "fsdp1-local" and not model:
-        raise UsageError(
-            "--format fsdp1-local needs the model's flat-parameter layout",
+            f"--format {form.name} needs the model's flat-parameter layout",
             hint="pass --model pkg.module:factory and the --wrap classes training wraps",
         )
     if world_size is not None and to == "full":
@@ -171,22 +154,33 @@ def _check_target(to: str, fmt: str, world_size: int | None, model: str | None =
         )
 
 
-def _check_dst_name(dst: str | os.PathLike, fmt: str) -> None:
+def _check_world_size(form: Format, world_size: int) -> None:
+    """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD)."""
+    if world_size < form.min_world_size:
+        raise UsageError(
+            f"--format {form.name} for --world-size {world_size}: FSDP1 on one rank runs "
+            "NO_SHARD, whose state dicts hold whole tensors, not shards",
+            hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
+            f"or pass --world-size {form.min_world_size} or more",
+        )
+
+
+def _check_dst_name(dst: str | os.PathLike, form: Format) -> None:
     """Refuse a DST whose file suffix names another format than the one to be written."""
     suffix = Path(dst).suffix.lower()
     named = FILE_SUFFIXES.get(suffix)
-    if named is None or named == fmt:
+    if named is None or named == form.name:
         return
-    if fmt in DIRECTORY_FORMATS:
+    if form.directory:
         raise UsageError(
-            f"--format {fmt} writes a directory, but DST ends in {suffix}, a {named} file",
+            f"--format {form.name} writes a directory, but DST ends in {suffix}, a {named} file",
             path=dst,
             hint=f"name DST without a file suffix, or pass --format {named}",
         )
     raise UsageError(
-        f"DST ends in {suffix}, a {named} file, but --format is {fmt}",
+        f"DST ends in {suffix}, a {named} file, but --format is {form.name}",
         path=dst,
-        hint=f"pass --format {named}, or name DST like the {fmt} files it will hold",
+        hint=f"pass --format {named}, or name DST like the {form.name} files it will hold",
     )
 
 
@@ -200,10 +194,10 @@ def _check_cast(dtype: str, cast_optim: bool):
     return cast_to
 
 
-def _check_shard_size(fmt: str, max_shard_size: int | None) -> None:
+def _check_shard_size(form: Format, max_shard_size: int | None) -> None:
     if max_shard_size is None:
         return
-    if fmt != "hf":
+    if not form.max_shard_size:
         raise UsageError(
             "--max-shard-size applies to --format hf only",
             hint="drop --max-shard-size, or pass --format hf",
@@ -249,18 +243,23 @@ def convert(
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
-    fmt = fmt or (default_format(to, dst) if to in LAYOUTS else "")
-    staging = Staging(dst, overwrite=overwrite, is_dir=fmt in DIRECTORY_FORMATS, srcs=(Path(src),))
+    form = format_named(fmt or default_format(to, dst)) if to in LAYOUTS else None
+    destination = Destination(
+        dst, overwrite=overwrite, is_dir=form is not None and form.directory, srcs=(Path(src),)
+    )
 
     def prepare():
-        _check_target(to, fmt, world_size, model)
-        if fmt in FSDP1_FORMATS:
-            refuse_one_rank(fmt, world_size or runtime.world_size)
-        _check_dst_name(dst, fmt)
+        if form is None:
+            raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
+        _check_target(to, form, world_size, model)
+        target_world = world_size or runtime.world_size
+        if to != "full":
+            _check_world_size(form, target_world)
+        _check_dst_name(dst, form)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
         cast_to = _check_cast(dtype, cast_optim)
-        _check_shard_size(fmt, max_shard_size)
+        _check_shard_size(form, max_shard_size)
         selection = Selection(
             only=only,
             filters=tuple(filters),
@@ -270,57 +269,59 @@ def convert(
             model=model_params(model, clean_fqns) if model else None,
         )
         if not dry_run:
-            staging.check()
+            destination.check()
         flat_model = FlatModel(model, tuple(wraps)) if model else None
         reader = open_reader(src, src_format, trust_pickle, flat_model)
-        if reader.format == "fsdp1-local" and flat_model is None:
+        source = format_named(reader.format)
+        if source.needs_model and flat_model is None:
             raise UsageError(
-                "fsdp1-local flat parameters need the model to be read",
+                f"{source.name} flat parameters need the model to be read",
                 path=src,
                 hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
             )
+        index = reader.index()
         plan = make_plan(
-            reader.index(),
+            index,
             selection,
-            to,
-            fmt,
-            world_size or runtime.world_size,
+            form.name,
+            target_world,
             buffer_bytes,
             dtype=cast_to,
             cast_optim=cast_optim,
             max_shard_size=max_shard_size,
+            flat_model=flat_model,
+            use_orig_params=use_orig_params,
         )
         reader.check_selected(plan.tree)
-        plan.flat_model, plan.use_orig_params = flat_model, use_orig_params
+        writer = form.writer(destination.tmp, plan)
         # Reading through the cast also makes --verify compare DST with the cast source.
-        return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan
+        return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan, writer
 
-    reader, plan = runtime.agreed(prepare)
+    reader, plan, writer = runtime.agreed(prepare)
     verified = None
     if not dry_run:
         try:
-            runtime.agreed(lambda: staging.open() if runtime.coordinator else None)
+            runtime.agreed(lambda: destination.open() if runtime.coordinator else None)
             progress = progress or Progress()
-            progress.begin(plan.nbytes)
             try:
-                pipeline.run(reader, plan, staging, runtime, progress)
+                engine.run(reader, plan, writer, runtime, progress)
             finally:
                 progress.close()
             if verify:
-                verified = _verify(reader, plan, staging, runtime, trust_pickle)
-            runtime.agreed(lambda: staging.commit() if runtime.coordinator else None)
+                verified = _verify(reader, plan, destination, runtime, trust_pickle)
+            runtime.agreed(lambda: destination.commit() if runtime.coordinator else None)
         except BaseException as exc:
-            if runtime.coordinator and not staging.committed:
+            if runtime.coordinator and not destination.committed:
                 # BaseException.add_note is Python 3.11+; __notes__ is what it appends to.
                 exc.__notes__ = [*getattr(exc, "__notes__", ()), f"'{dst}' was not written"]
             raise
         finally:
             if runtime.coordinator:
-                staging.close()
+                destination.close()
     return ConvertResult(
         str(src),
         str(dst),
-        fmt,
+        form.name,
         to,
         plan.world_size,
         len(plan.tensors),
@@ -333,14 +334,16 @@ def convert(
     )
 
 
-def _verify(reader, plan: ConvertPlan, staging: Staging, runtime: Runtime, trust_pickle: bool):
+def _verify(
+    reader, plan: ConvertPlan, destination: Destination, runtime: Runtime, trust_pickle: bool
+):
     """Read the staged output back and compare it with SRC; raise if anything differs."""
-    dst = staging.dst
+    dst = destination.dst
     # DCP hands every mapping key back as str; compare with what it can hold.
-    expected = as_stored(plan.tree) if plan.format == "dcp" else plan.tree
+    expected = as_stored(plan.tree) if format_named(plan.format).keys_as_str else plan.tree
     try:
         written = runtime.agreed(
-            lambda: open_reader(staging.tmp, plan.format, trust_pickle, plan.flat_model)
+            lambda: open_reader(destination.tmp, plan.format, trust_pickle, plan.flat_model)
         )
         check = _diff_readers(reader, expected, written, runtime, clean_fqns=False)
     except ShardckptError as exc:
@@ -392,7 +395,7 @@ def diff(
         tree_a, tree_b = select(ra.index(), sel), select(rb.index(), sel)
         ra.check_selected(tree_a)
         rb.check_selected(tree_b)
-        if "dcp" in (ra.format, rb.format):
+        if format_named(ra.format).keys_as_str or format_named(rb.format).keys_as_str:
             # DCP hands every mapping key back as str: compare both sides in that form,
             # so ID-keyed state (0 vs "0") is not a difference.
             return as_stored(tree_a), as_stored(tree_b)

@@ -13,7 +13,7 @@ from shardckpt import api
 from shardckpt.cast import DTYPES
 from shardckpt.dist import env_rank
 from shardckpt.errors import UsageError
-from shardckpt.formats import READERS
+from shardckpt.formats import FORMATS
 from shardckpt.optim import OPTIM_KEYS
 from shardckpt.plan import ONLY
 
@@ -28,7 +28,7 @@ Only = _choices("Only", ONLY)
 Dtype = _choices("Dtype", DTYPES)
 OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
 Device = _choices("Device", ("cpu", "cuda"))
-ALL_FORMATS = ", ".join(READERS)
+ALL_FORMATS = ", ".join(FORMATS)
 
 # Option types shared by the commands.
 SrcFormat = Annotated[

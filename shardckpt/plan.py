@@ -2,8 +2,8 @@
 
 No I/O and no collectives happen here, so every rank computes the same plan from the
 same inputs, and the plan can be printed (``--dry-run``) or tested without ranks.
-The row arithmetic is torch's own: ``Shard.local_shard_size_and_offset``, the rule
-``fully_shard`` and DTensor use to split dim 0, remainders and empty ranks included.
+Where each byte goes is the writers' part (``shardckpt.regions``); the row arithmetic
+is torch's own (``regions.dim0_rows``).
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
-from torch.distributed.tensor import Shard
 
 from shardckpt.cast import cast_tree
 from shardckpt.errors import BadInputError, UsageError
+from shardckpt.formats import format_named
 from shardckpt.formats.base import Index, Rows
-from shardckpt.formats.hf import model_tree
 from shardckpt.optim import OPTIM_KEYS, ModelParams, OrderError, RekeyError, rekey
+from shardckpt.regions import dim0_rows
 from shardckpt.tree import (
     Path,
     TensorMeta,
@@ -35,16 +36,12 @@ from shardckpt.tree import (
     walk,
 )
 
+# Marks a tensor this rank does not read at all (another rank reads the whole of it).
+SKIP = "skip"
+
 # What --only keeps: everything, all but optimizer subtrees, or only them.
 ONLY = ("all", "model", "optim")
 DEFAULT_BUFFER_BYTES = 256 * 2**20
-
-# Formats of per-rank files: a DTensor or ShardedTensor there was split across the
-# ranks, a plain tensor (a buffer, a 0-dim ``step``) was held whole by every rank.
-RANK_FILE_FORMATS = frozenset({"fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"})
-
-# Marks a tensor this rank does not read at all (another rank reads the whole of it).
-SKIP = "skip"
 
 
 @dataclass(frozen=True)
@@ -223,57 +220,30 @@ def matches(path: Path, globs: Sequence[str]) -> bool:
     return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
-def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> Rows:
-    """Return the dim-0 rows rank ``rank`` holds under ``Shard(0)`` over ``world_size`` ranks."""
-    if not shape:
-        return None
-    size, offset = Shard.local_shard_size_and_offset(shape[0], world_size, rank)
-    return (int(offset), int(offset) + int(size))
-
-
 def is_sharded(meta: TensorMeta) -> bool:
     """Return whether a tensor is split across ranks (0-dim tensors stay whole, as in FSDP2)."""
     return len(meta.shape) > 0
 
 
-def source_tells_whole(index: Index) -> bool:
-    """Return whether the source itself says which tensors every rank held whole.
-
-    Per-rank files do (``RANK_FILE_FORMATS``). So does a DCP written by several ranks
-    that stores some tensor in several chunks: DCP stores what every rank held whole
-    (FSDP2's buffers) as one chunk covering the tensor, and a sharded parameter as a
-    chunk per rank, empty ones included. A full file, a DCP of one rank, or a DCP whose
-    every tensor is one whole chunk (DDP; FSDP2 over a mesh whose shard dimension has
-    size 1) stores parameters and buffers alike.
-    """
-    if index.format in RANK_FILE_FORMATS:
-        return True
-    return (
-        index.format == "dcp"
-        and (index.world_size or 1) > 1
-        and any(is_sharded(m) and m.layout != "full" for _, m in index.tensors())
-    )
-
-
 def stays_whole(meta: TensorMeta) -> bool:
-    """Return whether a source that tells (``source_tells_whole``) held ``meta`` whole on every rank."""
+    """Return whether a source that tells (``Format.tells_whole``) held ``meta`` whole on every rank."""
     return not is_sharded(meta) or meta.layout == "full"
 
 
 def whole_tensors(
-    index: Index, tree: dict, layout: str, model: ModelParams | None
+    index: Index, tree: dict, layout: str, model: ModelParams | None, told: bool
 ) -> frozenset[str]:
     """Return the keys of the tensors a sharded or local DST keeps whole on every rank.
 
-    0-dim tensors always stay whole. A source that tells keeps whole what it held
-    whole. Otherwise ``--model`` tells: its buffers, and tensors outside the model and
+    0-dim tensors always stay whole. A source that tells (``told``: per-rank files, a
+    DCP of several ranks that stores chunks) keeps whole what it held whole. Otherwise ``--model`` tells: its buffers, and tensors outside the model and
     optimizer state (a loop's extra state), stay whole; its parameters and optimizer
     state are split, as FSDP splits them. Without ``--model`` every tensor with a
     dimension is split, which a ``dcp`` output may do (DCP reshards on load) but a local
     output may not: FSDP loads a buffer only as a plain tensor, so that is refused.
     """
     tensors = [(p, m) for p, m in walk(tree) if isinstance(m, TensorMeta)]
-    if source_tells_whole(index):
+    if told:
         return frozenset(m.key for _, m in tensors if stays_whole(m))
     optimizers = find_optimizers(tree)
     untold = [
@@ -314,11 +284,11 @@ def whole_tensors(
 
 def _stores_alike(index: Index) -> str:
     """Return why ``index`` cannot tell parameters from buffers, for an error line."""
-    if index.format == "dcp" and (index.world_size or 1) > 1:
-        return "this DCP checkpoint stores every tensor as one whole chunk"
-    if index.format == "dcp":
-        return "a DCP checkpoint of one rank stores every tensor whole"
-    return f"a {index.format} checkpoint stores every tensor whole"
+    form = format_named(index.format)
+    if (index.world_size or 1) > 1:
+        return f"this {form.title} checkpoint stores every tensor as one whole chunk"
+    of_one_rank = " of one rank" if form.layout != "full" else ""
+    return f"a {form.title} checkpoint{of_one_rank} stores every tensor whole"
 
 
 def rows_to_read(
@@ -353,26 +323,35 @@ def batches(
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConvertPlan:
-    """A conversion decided: DST's tree, its tensors in order, and the batches that move them."""
+    """A conversion decided, once, before any data moves: DST's tree, its tensors, who keeps what whole."""
 
     layout: str
     format: str
     world_size: int
+    """The target world size M of a sharded or local DST (the launch's for a full one)."""
     tree: dict
-    tensors: list[tuple[Path, TensorMeta]] = field(default_factory=list)
-    batches: list[list[TensorMeta]] = field(default_factory=list)
-    read_as: dict[str, torch.dtype] = field(default_factory=dict)
+    tensors: tuple[tuple[Path, TensorMeta], ...]
+    metas: Mapping[str, TensorMeta]
+    """Each tensor of DST by its reader key."""
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    """The most tensor bytes a process reads and writes at a time (``--buffer-size``)."""
+    read_as: Mapping[str, torch.dtype] = field(default_factory=dict)
     """The source dtype of each tensor ``--dtype`` casts, by reader key."""
     max_shard_size: int | None = None
     """For ``hf``: the most tensor bytes per shard file (None: the format's default)."""
     whole: frozenset[str] = frozenset()
     """Keys of the tensors a sharded or local DST keeps whole on every rank (``whole_tensors``)."""
     flat_model: object | None = None
-    """For ``fsdp1-local``: the ``FlatModel`` (``--model``/``--wrap``) that gives flat layouts."""
+    """For FSDP1's flat parameters: the ``FlatModel`` (``--model``/``--wrap``) that lays them out."""
     use_orig_params: bool = False
     """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
+
+    @property
+    def batches(self) -> list[list[TensorMeta]]:
+        """Return the batches one process moves the tensors in (what ``--dry-run`` counts)."""
+        return batches([m for _, m in self.tensors], self.buffer_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -388,7 +367,6 @@ class ConvertPlan:
 def make_plan(
     index: Index,
     selection: Selection,
-    layout: str,
     fmt: str,
     world_size: int,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
@@ -396,29 +374,39 @@ def make_plan(
     dtype: torch.dtype | None = None,
     cast_optim: bool = False,
     max_shard_size: int | None = None,
+    flat_model: object | None = None,
+    use_orig_params: bool = False,
 ) -> ConvertPlan:
-    """Return the plan that moves ``index``'s selected part into ``layout``/``fmt`` at ``world_size``."""
-    tree = select(index, selection)
-    if fmt == "hf":
-        tree = model_tree(tree, index.src)
+    """Return the plan that moves ``index``'s selected part into format ``fmt`` at ``world_size``."""
+    form = format_named(fmt)
+    tree = form.dst_tree(select(index, selection), index.src)
     tree, read_as = cast_tree(tree, dtype, cast_optim)
     _check_values(tree, index.src)
-    tensors = [(p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
+    tensors = tuple((p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta))
     if not tensors and not any(True for _ in walk(tree)):
         raise UsageError(
             "nothing is selected",
             path=index.src,
             hint="check --only and --filter against `shardckpt inspect`",
         )
-    whole = whole_tensors(index, tree, layout, selection.model) if layout != "full" else frozenset()
+    whole = (
+        whole_tensors(
+            index, tree, form.layout, selection.model, format_named(index.format).tells_whole(index)
+        )
+        if form.layout != "full"
+        else frozenset()
+    )
     return ConvertPlan(
-        layout,
-        fmt,
+        form.layout,
+        form.name,
         world_size,
         tree,
         tensors,
-        batches([m for _, m in tensors], buffer_bytes),
-        read_as,
+        MappingProxyType({m.key: m for _, m in tensors}),
+        buffer_bytes,
+        MappingProxyType(dict(read_as)),
         max_shard_size,
         whole,
+        flat_model,
+        use_orig_params,
     )

@@ -43,12 +43,17 @@ class TensorMeta:
     chunks: tuple[Chunk, ...] = field(default=(), compare=False)
 
     @property
-    def nbytes(self) -> int:
-        """Return the size of the whole tensor in bytes."""
+    def numel(self) -> int:
+        """Return the number of elements of the whole tensor."""
         n = 1
         for s in self.shape:
             n *= s
-        return n * self.dtype.itemsize
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Return the size of the whole tensor in bytes."""
+        return self.numel * self.dtype.itemsize
 
 
 def is_tensor_leaf(value: object) -> bool:

@@ -6,6 +6,8 @@ where it cannot make the condition for real.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -67,3 +69,45 @@ def run_unprivileged(argv: list, cwd: Path) -> subprocess.CompletedProcess:
         pytest.skip("an unprivileged user cannot run this checkout's python")
     cmd = [*prefix, sys.executable, "-m", "shardckpt", *map(str, argv)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+@contextmanager
+def memory_capped(limit_bytes: int) -> Iterator[list[str]]:
+    """Yield a command prefix that runs a command (and its children) under a memory cap.
+
+    The cap is a fresh cgroup: v1's memory controller, or v2's ``memory.max``; swap is
+    capped too where the controller offers it, so going over means the OOM killer.
+    Skip with the reason where neither can be made (not root, no memory controller).
+    """
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    name = f"shardckpt-test-{os.getpid()}-{next(_caps)}"
+    if (v1 / "memory.limit_in_bytes").exists():
+        group, limits = v1 / name, ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+    elif "memory" in _read(v2 / "cgroup.controllers").split():
+        group, limits = v2 / name, ["memory.max", "memory.swap.max"]
+    else:
+        pytest.skip("no cgroup memory controller on this machine to cap memory with")
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory cgroup ({exc.strerror}; needs root)")
+    try:
+        for i, limit in enumerate(limits):
+            if (group / limit).exists():
+                (group / limit).write_text("0" if limit == "memory.swap.max" else str(limit_bytes))
+            elif i == 0:
+                pytest.skip(f"{group / limit} is missing")
+        yield ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "capped"]
+    finally:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+_caps = itertools.count()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

@@ -176,7 +176,9 @@ def convert(
     buffer_size: Annotated[
         str,
         typer.Option(
-            "--buffer-size", metavar="SIZE", help="Bytes of tensors moved per batch (e.g. 256MiB)."
+            "--buffer-size",
+            metavar="SIZE",
+            help="Most tensor bytes a process holds at a time (default 256MiB; e.g. 64MiB).",
         ),
     ] = "256MiB",
     json_out: JsonOut = False,

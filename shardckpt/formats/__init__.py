@@ -5,52 +5,163 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.flat_layout import FlatModel
-from shardckpt.formats.base import FullWriter, Index, Reader
-from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.base import Index, Reader, Writer
+from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
+from shardckpt.formats.dcp_write import DcpWriter
 from shardckpt.formats.files import os_error, source_file, source_stat
 from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
+from shardckpt.formats.fsdp1_write import Fsdp1LocalWriter, Fsdp1ShardedWriter
 from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
-from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter
+from shardckpt.formats.fsdp2_ranks_write import Fsdp2RanksWriter
+from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
 
-# Every format SPEC names, with its layout; only some are implemented so far.
-LAYOUT_OF = {
-    "dcp": "sharded",
-    "torch": "full",
-    "safetensors": "full",
-    "hf": "full",
-    "fsdp2-ranks": "local",
-    "fsdp1-sharded": "local",
-    "fsdp1-local": "local",
+
+def _never(_index: Index) -> bool:
+    return False
+
+
+def _always(_index: Index) -> bool:
+    return True
+
+
+def _as_is(tree: dict, _src: str) -> dict:
+    return tree
+
+
+@dataclass(frozen=True)
+class Format:
+    """Everything about one on-disk format that code outside ``formats/`` may ask."""
+
+    name: str
+    layout: str
+    """``full``, ``sharded`` or ``local`` (SPEC's layouts)."""
+    title: str
+    """How messages name it ("a DCP checkpoint")."""
+    reader: type[Reader]
+    writer: type[Writer]
+    directory: bool
+    """Whether the format is a directory of files (staged as one) rather than one file."""
+    suffixes: tuple[str, ...] = ()
+    """File suffixes that name this format: a DST called so must be written in it."""
+    default_for: str | None = None
+    """The layout this format is written in when ``--format`` is not given."""
+    min_world_size: int = 1
+    """The fewest target ranks the format can describe (FSDP1 on one rank runs NO_SHARD)."""
+    needs_model: bool = False
+    """Whether reading and writing it needs ``--model``/``--wrap`` (FSDP1 flat parameters)."""
+    max_shard_size: bool = False
+    """Whether ``--max-shard-size`` applies."""
+    keys_as_str: bool = False
+    """Whether it hands every mapping key back as ``str`` (DCP): compare trees in that form."""
+    tells_whole: Callable[[Index], bool] = _never
+    """Whether a source in this format says which tensors every rank held whole."""
+    dst_tree: Callable[[dict, str], dict] = _as_is
+    """The part of a selected tree this format holds (``hf``: model tensors only)."""
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(
+            "dcp",
+            "sharded",
+            "DCP",
+            DcpReader,
+            DcpWriter,
+            directory=True,
+            default_for="sharded",
+            keys_as_str=True,
+            tells_whole=dcp_tells_whole,
+        ),
+        Format(
+            "torch",
+            "full",
+            "torch",
+            TorchReader,
+            TorchWriter,
+            False,
+            (".pt", ".pth", ".bin"),
+            "full",
+        ),
+        Format(
+            "safetensors",
+            "full",
+            "safetensors",
+            SafetensorsReader,
+            SafetensorsWriter,
+            False,
+            (".safetensors",),
+        ),
+        Format(
+            "hf",
+            "full",
+            "Hugging Face",
+            HfReader,
+            HfWriter,
+            directory=True,
+            max_shard_size=True,
+            dst_tree=model_tree,
+        ),
+        Format(
+            "fsdp2-ranks",
+            "local",
+            "FSDP2 per-rank",
+            Fsdp2RanksReader,
+            Fsdp2RanksWriter,
+            directory=True,
+            default_for="local",
+            tells_whole=_always,
+        ),
+        Format(
+            "fsdp1-sharded",
+            "local",
+            "FSDP1 sharded",
+            Fsdp1ShardedReader,
+            Fsdp1ShardedWriter,
+            directory=True,
+            min_world_size=2,
+            tells_whole=_always,
+        ),
+        Format(
+            "fsdp1-local",
+            "local",
+            "FSDP1 local",
+            Fsdp1LocalReader,
+            Fsdp1LocalWriter,
+            directory=True,
+            min_world_size=2,
+            needs_model=True,
+            tells_whole=_always,
+        ),
+    )
 }
-READERS: dict[str, type[Reader]] = {
-    "dcp": DcpReader,
-    "torch": TorchReader,
-    "safetensors": SafetensorsReader,
-    "hf": HfReader,
-    "fsdp2-ranks": Fsdp2RanksReader,
-    "fsdp1-sharded": Fsdp1ShardedReader,
-    "fsdp1-local": Fsdp1LocalReader,
-}
-FULL_WRITERS: dict[str, type[FullWriter]] = {
-    "torch": TorchWriter,
-    "safetensors": SafetensorsWriter,
-    "hf": HfWriter,
-}
-# File suffixes that name a format: a DST called so must be written in it.
-FILE_SUFFIXES = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".safetensors": "safetensors"}
-SHARDED_WRITERS = {"dcp"}
-LOCAL_WRITERS = {"fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
-# Outputs that are a directory of files (staged as a directory) rather than one file.
-DIRECTORY_FORMATS = {"dcp", "hf", "fsdp2-ranks", "fsdp1-sharded", "fsdp1-local"}
-SUPPORTED_READ = ", ".join(READERS)
+FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
+SUPPORTED_READ = ", ".join(FORMATS)
+
+
+def format_named(name: str) -> Format:
+    """Return the format called ``name``; refuse an unknown name."""
+    if name not in FORMATS:
+        raise UsageError(f"unknown format {name!r}", hint=f"use one of {SUPPORTED_READ}")
+    return FORMATS[name]
+
+
+def default_format(layout: str, dst: str | os.PathLike) -> str:
+    """Return the format SPEC writes a layout in when no ``--format`` is given (by DST's suffix for full)."""
+    named = FILE_SUFFIXES.get(Path(dst).suffix.lower())
+    if named is not None and FORMATS[named].layout == layout:
+        return named
+    return next(f.name for f in FORMATS.values() if f.default_for == layout)
 
 
 def detect(src: Path) -> str:
@@ -101,15 +212,6 @@ def detect(src: Path) -> str:
     )
 
 
-def open_full_writer(
-    fmt: str, path: Path, tree: dict, max_shard_size: int | None = None
-) -> FullWriter:
-    """Return the writer of full-layout format ``fmt`` for ``tree`` at ``path`` (rank 0 only)."""
-    if fmt == "hf" and max_shard_size is not None:
-        return HfWriter(path, tree, max_shard_size)
-    return FULL_WRITERS[fmt](path, tree)
-
-
 def open_reader(
     src: str | os.PathLike,
     fmt: str | None = None,
@@ -122,31 +224,20 @@ def open_reader(
     parameters hold; other formats do not need it.
     """
     path = Path(src)
-    fmt = fmt or detect(path)
-    if fmt not in LAYOUT_OF:
-        raise UsageError(f"unknown format {fmt!r}", hint=f"use one of {', '.join(LAYOUT_OF)}")
-    if fmt not in READERS:
-        raise UsageError(
-            f"reading format {fmt!r} is not supported yet",
-            path=path,
-            hint=f"shardckpt reads {SUPPORTED_READ} today",
-        )
-    if fmt == "fsdp1-local":
-        return Fsdp1LocalReader(path, trust_pickle, flat_model)
-    return READERS[fmt](path, trust_pickle)
+    form = format_named(fmt or detect(path))
+    if form.needs_model:
+        return form.reader(path, trust_pickle, flat_model)
+    return form.reader(path, trust_pickle)
 
 
 __all__ = [
-    "DIRECTORY_FORMATS",
     "FILE_SUFFIXES",
-    "FULL_WRITERS",
-    "LOCAL_WRITERS",
+    "FORMATS",
+    "Format",
     "Index",
-    "LAYOUT_OF",
-    "LOCAL_WRITERS",
-    "READERS",
-    "SHARDED_WRITERS",
+    "SUPPORTED_READ",
+    "default_format",
     "detect",
-    "open_full_writer",
+    "format_named",
     "open_reader",
 ]

@@ -3,8 +3,7 @@
 Call order for a conversion (see ``shardckpt/convert.py``):
   1) (all ranks) ``Reader(src, trust_pickle).index()``: metadata and plain values only.
   2) (all ranks) ``Reader.read(metas, rows, runtime)`` per batch: each rank its rows.
-  3) (rank 0, full layouts) ``FullWriter.write(meta, tensor)`` in tree order, then ``close()``;
-     (all ranks, sharded layouts) one ``formats.dcp_write.write_dcp(...)`` call.
+  3) (all ranks) ``Writer.frame``; the engine fills the regions; (coordinator) ``Writer.finish``.
 """
 
 from __future__ import annotations
@@ -12,12 +11,13 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from shardckpt.errors import BadInputError
+from shardckpt.regions import Piece, Record, Region
 from shardckpt.tree import TensorMeta, walk
 
 # Rows [start, stop) of dim 0, or None for the whole tensor.
@@ -66,24 +66,39 @@ class Reader(ABC):
         return None
 
 
-class FullWriter(ABC):
-    """Writes one file holding every tensor whole; only the coordinator makes one."""
+@dataclass
+class Frame:
+    """What framing left for one process to do: regions to fill, and the checksums it owes."""
 
-    def __init__(self, path: Path, tree: dict):
-        self.path = path
-        self.tree = tree
+    regions: list[Region] = field(default_factory=list)
+    """The regions this process fills (``shardckpt.regions``)."""
+    records: list[Record] = field(default_factory=list)
+    """The zip records this process framed, whose CRC-32 is patched once every rank wrote."""
+    pieces: list[Piece] = field(default_factory=list)
+    """Bytes framing already wrote into those records (a DTensor's mesh, for instance)."""
+
+
+class Writer(ABC):
+    """Writes one output format from a plan, in three steps the engine (``shardckpt/engine.py``) runs:
+
+    1) ``frame(runtime)`` (every process): lay the files out from the plan alone
+       (headers, ``torch.save`` skeletons) and return this process's ``Frame``;
+    2) the engine fills every process's regions with the source's bytes, and patches
+       the CRC-32 of every record;
+    3) ``finish()`` (coordinator): write what comes last (an index, DCP's ``.metadata``).
+    """
+
+    def __init__(self, root: Path, plan):
+        self.root = root
+        self.plan = plan
 
     @abstractmethod
-    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        """Write one whole tensor; calls come in the tree's tensor order."""
+    def frame(self, runtime) -> Frame:
+        """Create the files this process frames and return its ``Frame``; may run collectives."""
 
-    @abstractmethod
-    def close(self) -> None:
-        """Finish the file (headers, checksums) and close it."""
-
-    @abstractmethod
-    def abandon(self) -> None:
-        """Close whatever is open without finishing it, after a failure; never raises."""
+    def finish(self) -> None:
+        """Write what the format writes last, on the coordinator, once every byte is in."""
+        return None
 
 
 def contiguous_bytes(tensor: torch.Tensor) -> memoryview:

@@ -2,7 +2,7 @@
 
 Reading goes through DCP's own loader; a target of some rows is declared to DCP as one
 chunk at its row offset, so a process reads only the stored chunks that overlap those
-rows, whichever rank (real or virtual, see ``shardckpt.virtual``) it reads them for.
+rows, whichever rank (real or virtual, see ``shardckpt.target_ranks``) it reads them for.
 Writing is ``shardckpt.formats.dcp_write``. Two safety
 changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
 metadata classes, and non-tensor values are loaded with ``weights_only=True``.
@@ -414,3 +414,17 @@ def as_stored(tree: object) -> object:
 
 
 __all__ = ["DcpReader", "describe_chunks", "read_metadata"]
+
+
+def dcp_tells_whole(index) -> bool:
+    """Return whether a DCP checkpoint says which tensors every rank held whole.
+
+    One written by several ranks that stores some tensor in several chunks does: DCP
+    stores what every rank held whole (FSDP2's buffers) as one chunk covering the
+    tensor, and a sharded parameter as a chunk per rank, empty ones included. A DCP of
+    one rank, or one whose every tensor is one whole chunk (DDP; FSDP2 over a mesh whose
+    shard dimension has size 1), stores parameters and buffers alike.
+    """
+    return (index.world_size or 1) > 1 and any(
+        m.shape and m.layout != "full" for _, m in index.tensors()
+    )

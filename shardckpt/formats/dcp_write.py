@@ -2,16 +2,21 @@
 
 ``dcp.save`` writes one file per process of the launch. To write M files from N
 processes, each process runs DCP's per-rank steps once per target rank it acts for
-(``shardckpt.virtual``), and the object collectives DCP would run among M ranks run
+(``shardckpt.target_ranks``), and the object collectives DCP would run among M ranks run
 among the N real ones instead. Call order, as in torch's ``_save_state_dict``:
   1) (each target rank) ``planner.set_up_planner`` -> ``create_local_plan`` ->
      ``storage_writer.prepare_local_plan``; the plans are gathered to real rank 0.
   2) (coordinator, target rank 0) ``planner.create_global_plan`` (dedup of tensors
      every rank holds, metadata, validation) -> ``storage_writer.prepare_global_plan``
      (file ``__r_0.distcp`` for target rank r); the plans are broadcast back.
-  3) (each target rank) ``planner.finish_plan`` -> ``storage_writer.write_data``;
-     the write results are gathered to real rank 0.
-  4) (coordinator) ``storage_writer.finish(metadata, results)`` writes ``.metadata``.
+  3) (each target rank) ``planner.finish_plan``; instead of ``write_data``, its data file
+     is laid out as ``FileSystemWriter`` writes it (pickled values, then ``torch.save``
+     of each tensor item) with placeholders for the tensor bytes, which the engine
+     fills from the source afterwards (``shardckpt/engine.py``); the write results,
+     known from the layout, are gathered to real rank 0.
+  4) (coordinator, after the engine filled every region) ``storage_writer.finish
+     (metadata, results)`` writes ``.metadata``.
+No process holds more than the engine's batch of tensor data at any time.
 Every step runs under ``Runtime.agreed``, so a failure anywhere stops every process; a
 failed write (a full disk) is one line naming the file, exit 4.
 """
@@ -19,20 +24,31 @@ failed write (a full disk) is one line naming the file, exit 4.
 from __future__ import annotations
 
 import os
+import pickle
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._traverse import traverse_state_dict_v_2_3
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from shardckpt.dist import Runtime
 from shardckpt.errors import BadInputError
+from shardckpt.formats.base import Frame, Writer
 from shardckpt.formats.files import os_error, writing
-from shardckpt.tree import walk
+from shardckpt.formats.rank_file import Fills, fill_rows, fill_whole
+from shardckpt.formats.torch_file import storage_of
+from shardckpt.formats.zip_skeleton import fake_mode, pwrite_all, tensor_blob, write_blob
+from shardckpt.regions import Region, dim0_rows
+from shardckpt.target_ranks import create, merge_frames, shard_dtensor, virtual_mesh, virtual_ranks
+from shardckpt.tree import TensorMeta, map_leaves, walk
 
 _METADATA_TMP = ".metadata.tmp"  # what FileSystemWriter.finish writes, then renames
 
@@ -144,6 +160,16 @@ class _Writer(FileSystemWriter):
         # file, as it would in training.
         super().__init__(path, single_file_per_rank=True, thread_count=1)
         self.fs = _NamedFiles()
+        self.save_id: str | None = None
+
+    def storage_meta(self) -> StorageMeta:
+        """Return what ``.metadata`` records of this save: no path, a save id from the plan.
+
+        DCP records the path written to (ours is the staging path, renamed afterwards) and
+        a random id; both are informational. The id is derived from what is written, so
+        the same conversion gives the same bytes at any launch size.
+        """
+        return StorageMeta(checkpoint_id=None, save_id=self.save_id)
 
 
 def _in_target_order(per_rank: list[dict[int, object]], world_size: int) -> list:
@@ -152,46 +178,131 @@ def _in_target_order(per_rank: list[dict[int, object]], world_size: int) -> list
     return [merged[r] for r in range(world_size)]
 
 
-def write_dcp(path: Path, state_dicts: dict[int, dict], world_size: int, runtime: Runtime) -> None:
-    """Save ``state_dicts`` (target rank -> its state dict) as a DCP checkpoint of ``world_size`` ranks."""
-    writer = _Writer(path)
-    planners = {r: _SavePlanner() for r in state_dicts}
+class DcpWriter(Writer):
+    """``dcp`` at M target ranks: DCP's planning, then each target rank's data file laid out and filled.
 
-    def local_plans() -> dict[int, SavePlan]:
-        writer.set_up_storage_writer(runtime.coordinator, rank=runtime.rank, use_collectives=True)
-        plans = {}
-        for r, state_dict in state_dicts.items():
-            planner = planners[r]
-            planner.set_up_planner(
-                state_dict, storage_meta=writer.storage_meta(), is_coordinator=r == 0
+    The state dicts DCP plans hold placeholders, so no tensor data exists until the
+    engine fills the regions. ``.metadata`` is written by DCP's own ``finish`` from the
+    write results, which are known from the layout alone.
+    """
+
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        self._storage = _Writer(root)
+        described = repr((plan.world_size, [(p, m.shape, str(m.dtype)) for p, m in plan.tensors]))
+        self._storage.save_id = str(uuid.uuid5(uuid.NAMESPACE_OID, described))
+        self._finish: tuple | None = None
+
+    def frame(self, runtime: Runtime) -> Frame:
+        plan = self.plan
+        targets = virtual_ranks(plan.world_size, runtime.rank, runtime.world_size)
+        planners = {r: _SavePlanner() for r in targets}
+        fills: dict[int, Fills] = {r: {} for r in targets}
+
+        def local_plans() -> dict[int, SavePlan]:
+            self._storage.set_up_storage_writer(
+                runtime.coordinator, rank=runtime.rank, use_collectives=True
             )
-            plans[r] = writer.prepare_local_plan(planner.create_local_plan())
-        return plans
+            plans = {}
+            for r in targets:
+                planner = planners[r]
+                planner.set_up_planner(
+                    _placeholders(plan, r, fills[r]),
+                    storage_meta=self._storage.storage_meta(),
+                    is_coordinator=r == 0,
+                )
+                plans[r] = self._storage.prepare_local_plan(planner.create_local_plan())
+            return plans
 
-    gathered = runtime.gather(runtime.agreed(local_plans))
+        gathered = runtime.gather(runtime.agreed(local_plans))
 
-    def global_plan():
-        if not runtime.coordinator:
-            return None
-        plans, metadata = planners[0].create_global_plan(_in_target_order(gathered, world_size))
-        return writer.prepare_global_plan(plans), metadata
+        def global_plan():
+            if not runtime.coordinator:
+                return None
+            plans, metadata = planners[0].create_global_plan(
+                _in_target_order(gathered, plan.world_size)
+            )
+            return self._storage.prepare_global_plan(plans), metadata
 
-    central = runtime.agreed(global_plan)
-    plans = runtime.broadcast(central[0] if central is not None else None)
+        central = runtime.agreed(global_plan)
+        final = runtime.broadcast(central[0] if central is not None else None)
 
-    def write() -> dict[int, list]:
-        results = {}
-        for r, planner in planners.items():
-            future = writer.write_data(planner.finish_plan(plans[r]), planner)
-            future.wait()
-            results[r] = future.value()
-        return results
+        def lay_out() -> tuple[Frame, dict[int, list[WriteResult]]]:
+            frames, results = [], {}
+            for r in targets:
+                frame, results[r] = _lay_out_file(
+                    self.root, planners[r], planners[r].finish_plan(final[r]), fills[r]
+                )
+                frames.append(frame)
+            return merge_frames(frames), results
 
-    results = runtime.gather(runtime.agreed(write))
-    runtime.agreed(
-        lambda: (
-            writer.finish(central[1], _in_target_order(results, world_size))
-            if runtime.coordinator
-            else None
-        )
-    )
+        frame, results = runtime.agreed(lay_out)
+        everyone = runtime.gather(results)
+        if runtime.coordinator:
+            self._finish = (central[1], _in_target_order(everyone, plan.world_size))
+        return frame
+
+    def finish(self) -> None:
+        metadata, results = self._finish
+        # Results reach the coordinator pickled from other processes; its own, pickled the
+        # same way, so that .metadata's bytes (pickle shares repeated objects) do not
+        # depend on how many processes wrote.
+        self._storage.finish(metadata, pickle.loads(pickle.dumps(results)))
+
+
+def _placeholders(plan, rank: int, fills: Fills) -> dict:
+    """Return target rank ``rank``'s state dict with placeholder tensors, noting what fills them."""
+    mesh = virtual_mesh(plan.world_size, rank)
+
+    def place(_path, leaf):
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        if leaf.key in plan.whole:
+            return fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
+        rows = dim0_rows(leaf.shape, plan.world_size, rank)
+        local = torch.empty((rows[1] - rows[0], *leaf.shape[1:]), dtype=leaf.dtype)
+        return shard_dtensor(fill_rows(fills, local, leaf, rows), leaf, mesh)
+
+    with fake_mode():
+        return map_leaves(plan.tree, place)
+
+
+def _lay_out_file(
+    root: Path, planner: _SavePlanner, plan: SavePlan, fills: Fills
+) -> tuple[Frame, list[WriteResult]]:
+    """Write one target rank's data file without tensor bytes; return its regions and write results.
+
+    As DCP's ``FileSystemWriter`` lays it out (``__{r}_0.distcp``): the pickled plain
+    values, then each tensor item as ``torch.save`` of that tensor alone.
+    """
+    name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+    frame, results = Frame(), []
+    fd = create(root / name)
+    try:
+        offset = 0
+        values = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        for item in values:
+            data = planner.resolve_data(item).getbuffer()
+            with writing(root / name):
+                pwrite_all(fd, data, offset)
+            results.append(
+                WriteResult(item.index, len(data), _StorageInfo(name, offset, len(data)))
+            )
+            offset += len(data)
+        for item in tensors:
+            placeholder = planner.lookup_object(item.index)
+            chunk = item.tensor_data.chunk
+            blob = tensor_blob(tuple(chunk.sizes), placeholder.dtype)
+            with writing(root / name):
+                record = write_blob(fd, offset, blob, name)
+            for key, start, stop, _ in fills[storage_of(placeholder)]:
+                frame.regions.append(Region(key, start, stop, name, record.start, record))
+            frame.records.append(record)
+            results.append(
+                WriteResult(item.index, blob.size, _StorageInfo(name, offset, blob.size))
+            )
+            offset += blob.size
+    finally:
+        os.close(fd)
+    return frame, results

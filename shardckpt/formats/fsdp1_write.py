@@ -2,7 +2,7 @@
 
 Files are named by ``shardckpt.formats.rank_names.rank_file_name``.
 
-Each process writes the files of the target ranks it acts for (``shardckpt.virtual``),
+Each process writes the files of the target ranks it acts for (``shardckpt.target_ranks``),
 reading only those ranks' parts of the source:
   - ``fsdp1-sharded``: each tensor a ``ShardedTensor`` of its dim-0 chunk (``torch.chunk``
     over M, as FSDP1's ``SHARDED_STATE_DICT``); tensors that stay whole (``plan.whole``:
@@ -21,14 +21,16 @@ from pathlib import Path
 import torch
 
 from shardckpt.errors import UsageError
-from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
-from shardckpt.formats.base import Reader
-from shardckpt.formats.rank_file import own_bytes, save_rank_file
+from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, flat_layouts
+from shardckpt.formats.base import Frame
+from shardckpt.formats.rank_file import Fills, fill_rows, fill_whole, frame_rank_file
 from shardckpt.formats.rank_names import rank_file_name
 from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
-from shardckpt.plan import ConvertPlan, dim0_rows
+from shardckpt.formats.torch_file import storage_of
+from shardckpt.formats.zip_skeleton import fake_mode
+from shardckpt.regions import dim0_rows
+from shardckpt.target_ranks import TargetRanksWriter
 from shardckpt.tree import TensorMeta, find_optimizers, map_leaves, model_prefix, subtree
-from shardckpt.virtual import virtual_ranks
 
 
 def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]]:
@@ -40,92 +42,68 @@ def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]
     return shards
 
 
-FSDP1_FORMATS = ("fsdp1-sharded", "fsdp1-local")
+class Fsdp1ShardedWriter(TargetRanksWriter):
+    """``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT``: each split tensor a ShardedTensor of r's chunk."""
 
+    def frame_rank(self, rank: int) -> Frame:
+        plan, m = self.plan, self.plan.world_size
+        fills: Fills = {}
 
-def refuse_one_rank(fmt: str, world_size: int) -> None:
-    """Refuse an FSDP1 output for one rank: FSDP1 on one rank runs ``NO_SHARD``.
-
-    ``api.convert`` calls it with the other option checks, before DST is locked.
-
-    Its state dicts then hold whole tensors under the parameters' own names (no
-    ShardedTensor, no flat parameter), so a sharded layout of one rank would not load.
-    """
-    if world_size == 1:
-        raise UsageError(
-            f"--format {fmt} for --world-size 1: FSDP1 on one rank runs NO_SHARD, whose "
-            "state dicts hold whole tensors, not shards",
-            hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
-            "or pass --world-size 2 or more",
-        )
-
-
-def write_fsdp1_sharded(path: Path, plan: ConvertPlan, reader: Reader, runtime) -> None:
-    """Write ``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT`` for every target rank this process acts for."""
-    m = plan.world_size
-
-    def one(r: int) -> None:
         def place(_path, leaf):
             if not isinstance(leaf, TensorMeta):
                 return leaf
             if leaf.key in plan.whole:
-                return own_bytes(reader.read([leaf], [None], runtime)[0])
-            rows = dim0_rows(leaf.shape, m, r)
-            local = reader.read([leaf], [rows], runtime)[0] if rows[1] > rows[0] else None
-            return ShardedTensorRecord(local, leaf.shape, leaf.dtype, _dim0_shards(leaf, m), r, m)
+                return fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
+            rows = dim0_rows(leaf.shape, m, rank)
+            local = None
+            if rows[1] > rows[0]:
+                local = torch.empty((rows[1] - rows[0], *leaf.shape[1:]), dtype=leaf.dtype)
+                fill_rows(fills, local, leaf, rows)
+            return ShardedTensorRecord(
+                local, leaf.shape, leaf.dtype, _dim0_shards(leaf, m), rank, m
+            )
 
-        save_rank_file(map_leaves(plan.tree, place), path / rank_file_name(r))
-
-    # One agreed step for all of this process's target ranks: processes act for
-    # different numbers of them, and each agreed step is a collective.
-    targets = virtual_ranks(m, runtime.rank, runtime.world_size)
-    runtime.agreed(lambda: [one(r) for r in targets])
+        with fake_mode():
+            state_dict = map_leaves(plan.tree, place)
+        return frame_rank_file(self.root / rank_file_name(rank), state_dict, fills)
 
 
-def write_fsdp1_local(
-    path: Path,
-    plan: ConvertPlan,
-    reader: Reader,
-    flat_model: FlatModel | None,
-    use_orig_params: bool,
-    runtime,
-) -> None:
-    """Write ``rank_{r}.pt`` of FSDP1 ``LOCAL_STATE_DICT`` for every target rank this process acts for."""
-    m = plan.world_size
-    if flat_model is None:
-        raise UsageError(
-            "fsdp1-local output needs the model's flat-parameter layout",
-            hint="pass --model pkg.module:factory and the --wrap classes training wraps",
-        )
-    if find_optimizers(plan.tree):
-        raise UsageError(
-            "fsdp1-local holds model state only (FSDP1 has no LOCAL_STATE_DICT optimizer state)",
-            hint="pass --only model, or write the optimizer with --format fsdp1-sharded",
-        )
-    where = model_prefix(plan.tree)
-    model = subtree(plan.tree, where)
+class Fsdp1LocalWriter(TargetRanksWriter):
+    """``rank_{r}.pt`` of FSDP1 ``LOCAL_STATE_DICT``: per FSDP unit, rank r's flat shard."""
 
-    def one(r: int) -> None:
-        local = _local_model_state(
-            model, flat_layouts(flat_model, m, r, use_orig_params), reader, runtime, r, m
-        )
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        if plan.flat_model is None:
+            raise UsageError(
+                "fsdp1-local output needs the model's flat-parameter layout",
+                hint="pass --model pkg.module:factory and the --wrap classes training wraps",
+            )
+        if find_optimizers(plan.tree):
+            raise UsageError(
+                "fsdp1-local holds model state only (FSDP1 has no LOCAL_STATE_DICT optimizer state)",
+                hint="pass --only model, or write the optimizer with --format fsdp1-sharded",
+            )
+
+    def frame_rank(self, rank: int) -> Frame:
+        plan, m = self.plan, self.plan.world_size
+        where = model_prefix(plan.tree)
+        model = subtree(plan.tree, where)
+        layouts = flat_layouts(plan.flat_model, m, rank, plan.use_orig_params)
+        fills: Fills = {}
+        with fake_mode():
+            local = _local_model_state(model, layouts, fills, rank, m)
         out = dict(plan.tree)
         if where:
             out[where[0]] = local
         else:
             out = local
-        save_rank_file(out, path / rank_file_name(r))
-
-    # One agreed step for all of this process's target ranks: processes act for
-    # different numbers of them, and each agreed step is a collective.
-    targets = virtual_ranks(m, runtime.rank, runtime.world_size)
-    runtime.agreed(lambda: [one(r) for r in targets])
+        return frame_rank_file(self.root / rank_file_name(rank), out, fills)
 
 
 def _local_model_state(
-    model: dict, layouts: list[FlatLayout], reader: Reader, runtime, r: int, m: int
+    model: dict, layouts: list[FlatLayout], fills: Fills, r: int, m: int
 ) -> dict:
-    """Return rank ``r``'s ``LOCAL_STATE_DICT``: buffers whole, each unit's flat shard."""
+    """Return rank ``r``'s ``LOCAL_STATE_DICT`` of placeholders: buffers whole, each unit's flat shard."""
     in_units = set()
     for lay in layouts:
         in_units |= {lay.prefix + f for f in lay.fqns} | {lay.prefix + a for a, _ in lay.shared}
@@ -140,13 +118,14 @@ def _local_model_state(
         if key in in_units:
             continue
         out[key] = (
-            own_bytes(reader.read([leaf], [None], runtime)[0])
+            fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
             if isinstance(leaf, TensorMeta)
             else leaf
         )
     for lay in layouts:
-        shard = _flat_shard(model, lay, reader, runtime, r)
-        valid = lay.shard_numel - lay.shard_numel_padded
+        metas = [model[lay.prefix + f] for f in lay.fqns]
+        valid = max(lay.shard_numel - lay.shard_numel_padded, 0)
+        dtype = metas[0].dtype if metas else torch.float32
         shards = [
             (q, q * lay.shard_numel, n)
             for q in range(m)
@@ -154,7 +133,8 @@ def _local_model_state(
         ]
         # The file holds the valid part of the shard once, as FSDP1's own file does:
         # without the tail padding, and the parameter pieces viewing it.
-        flat = own_bytes(shard[: max(valid, 0)])
+        flat = torch.empty(valid, dtype=dtype)
+        fills[storage_of(flat)] = _flat_fills(metas, lay, r, valid)
         if lay.use_orig_params:
             # FSDP1 saves each parameter's piece of the shard, and a tied alias's too.
             piece_of = {}
@@ -166,16 +146,17 @@ def _local_model_state(
             for alias, primary in lay.shared:
                 out[lay.prefix + alias] = piece_of[primary]
         out[lay.prefix + FLAT_PARAM] = ShardedTensorRecord(
-            flat if valid > 0 else None, (lay.unpadded_numel,), shard.dtype, shards, r, m
+            flat if valid > 0 else None, (lay.unpadded_numel,), dtype, shards, r, m
         )
     return out
 
 
-def _flat_shard(model: dict, lay: FlatLayout, reader: Reader, runtime, r: int) -> torch.Tensor:
-    """Return rank ``r``'s padded flat shard: its parameters' elements, zeros for every padding."""
-    lo, hi = r * lay.shard_numel, (r + 1) * lay.shard_numel
-    metas = [model[lay.prefix + f] for f in lay.fqns]
-    shard = torch.zeros(lay.shard_numel, dtype=metas[0].dtype if metas else torch.float32)
+def _flat_fills(
+    metas: list[TensorMeta], lay: FlatLayout, r: int, valid: int
+) -> list[tuple[str, int, int, int]]:
+    """Return what fills rank ``r``'s flat shard: each parameter's elements in it (padding stays 0)."""
+    lo, hi = r * lay.shard_numel, r * lay.shard_numel + valid
+    out = []
     for meta, (fqn, start), shape in zip(metas, lay.starts().items(), lay.shapes):
         if tuple(meta.shape) != tuple(shape):
             raise UsageError(
@@ -183,13 +164,7 @@ def _flat_shard(model: dict, lay: FlatLayout, reader: Reader, runtime, r: int) -
                 f"but {list(shape)} in the model",
                 hint="check that --model builds the trained model",
             )
-        numel = prod(shape)
-        a, b = max(lo, start), min(hi, start + numel)
-        if a >= b:
-            continue
-        row = prod(shape[1:]) if shape else 1
-        first, last = (a - start) // row, -(-(b - start) // row)
-        rows = reader.read([meta], [(first, last) if shape else None], runtime)[0].reshape(-1)
-        skip = a - start - first * row
-        shard[a - lo : b - lo] = rows[skip : skip + (b - a)]
-    return shard
+        a, b = max(lo, start), min(hi, start + prod(shape))
+        if a < b:
+            out.append((meta.key, a - start, b - start, (a - lo) * meta.dtype.itemsize))
+    return out

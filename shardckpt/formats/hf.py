@@ -6,10 +6,10 @@ prefix. shardckpt reads it as ``{"model": {name: tensor}}``, the layout training
 save and load (``dcp.load({"model": msd, ...})``), so ``hf -> dcp`` gives a checkpoint
 FSDP2 training starts from, and ``dcp -> hf`` takes the ``model`` subtree back out.
 
-Writing streams like ``safetensors``: shards are planned from metadata alone (filled
+Writing works like ``safetensors``: shards are planned from metadata alone (filled
 in tree order up to ``--max-shard-size``; a bigger tensor gets a shard of its own, as
-``huggingface_hub.split_torch_state_dict_into_shards`` does), then each tensor's bytes
-go to its shard as they arrive, one open file at a time.
+``huggingface_hub.split_torch_state_dict_into_shards`` does), the coordinator writes
+each shard's header, every rank writes its rows into them, and the index comes last.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch
 from safetensors import safe_open
 
 from shardckpt.errors import BadInputError, UsageError
-from shardckpt.formats.base import FullWriter, Index, Reader, Rows
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.files import os_error, source_file, writing
-from shardckpt.formats.safetensors_file import SafetensorsFile, tensor_meta
+from shardckpt.formats.safetensors_file import layout, tensor_meta
+from shardckpt.regions import spread
 from shardckpt.tree import TensorMeta, dotted, model_leaves, model_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,46 +82,36 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-class HfWriter(FullWriter):
-    """Writes the shards one after another, then the index; ``path`` is a directory."""
+class HfWriter(Writer):
+    """Writes the shards' headers (coordinator), lets every rank fill them, then writes the index."""
 
-    def __init__(self, path: Path, tree: dict, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
-        super().__init__(path, tree)
-        named = list(tree["model"].items())
-        self._name = {meta.key: name for name, meta in named}
-        self._shards = plan_shards([meta for _, meta in named], max_shard_size)
-        n = len(self._shards)
-        self._files = [shard_name(i, n) for i in range(n)]
-        self._weight_map = {
-            self._name[m.key]: file for file, shard in zip(self._files, self._shards) for m in shard
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        named = list(plan.tree["model"].items())
+        max_size = plan.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        shards = plan_shards([meta for _, meta in named], max_size)
+        name = {meta.key: n for n, meta in named}
+        files = [shard_name(i, len(shards)) for i in range(len(shards))]
+        self._headers = {
+            file: layout([(name[m.key], m) for m in shard], {"format": "pt"}, file)
+            for file, shard in zip(files, shards)
         }
+        self._weight_map = {name[m.key]: file for file, shard in zip(files, shards) for m in shard}
         self._total = sum(meta.nbytes for _, meta in named)
-        self._current: SafetensorsFile | None = None
-        self._written = 0
 
-    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        if self._current is None:
-            i = self._written
-            entries = [(self._name[m.key], m) for m in self._shards[i]]
-            self._current = SafetensorsFile(self.path / self._files[i], entries, {"format": "pt"})
-        self._current.write(meta, tensor)
-        if self._current.complete:
-            self._current.close()
-            self._current = None
-            self._written += 1
+    def frame(self, runtime) -> Frame:
+        def create() -> None:
+            for file, header in self._headers.items():
+                header.write(self.root / file)
 
-    def abandon(self) -> None:
-        if self._current is not None:
-            self._current.abandon()
-            self._current = None
+        runtime.agreed(lambda: create() if runtime.coordinator else None)
+        regions = [r for header in self._headers.values() for r in header.regions]
+        return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))
 
-    def close(self) -> None:
-        if self._current is not None:
-            self._current.close()
-            raise RuntimeError(f"internal: shard {self._files[self._written]} is incomplete")
+    def finish(self) -> None:
         # Written last, so a directory with an index has all its shards.
         index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
-        with writing(self.path / INDEX_FILE), open(self.path / INDEX_FILE, "w") as f:
+        with writing(self.root / INDEX_FILE), open(self.root / INDEX_FILE, "w") as f:
             # transformers writes it this way (sorted keys, indent 2, newline).
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
             f.flush()

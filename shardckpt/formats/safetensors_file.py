@@ -6,27 +6,28 @@ and its plain values (optimizer hyper-parameters, step counters) ride in the hea
 lossless. A file without that entry (any other writer's) reads as a flat tree.
 
 Reading uses the ``safetensors`` library (``get_slice`` reads just a rank's rows).
-Writing streams: the header is known from metadata alone, so it is written first and
-each tensor's bytes follow as they arrive, in the layout the format specifies
-(8-byte little-endian header length, JSON header padded to 8 bytes, then data).
+Writing: the header is known from metadata alone, so the coordinator writes it and
+sizes the file; then every rank writes its rows of each tensor at their offsets, in
+the layout the format specifies (8-byte little-endian header length, JSON header
+padded to 8 bytes, then data).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from shardckpt.errors import BadInputError, UsageError
-from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes, too_deep
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.formats.files import os_error, source_file, writing
-from shardckpt.formats.values import UnencodableValue, decode_tree, encode_tree
+from shardckpt.formats.json_values import UnencodableValue, decode_tree, encode_tree
+from shardckpt.regions import Region, spread, whole
 from shardckpt.tree import TensorMeta, dotted, walk
 
 TREE_KEY = "shardckpt"
@@ -135,72 +136,55 @@ def tensor_names(tree: dict) -> dict[tuple, str]:
     return names
 
 
-class SafetensorsFile:
-    """One ``.safetensors`` file written by streaming: header from metadata, then tensor bytes."""
+@dataclass(frozen=True)
+class Header:
+    """A ``.safetensors`` file laid out from metadata: its header bytes and where each tensor goes."""
 
-    def __init__(self, path: Path, entries: Sequence[tuple[str, TensorMeta]], metadata: dict):
-        header: dict = {"__metadata__": metadata}
-        offset = 0
-        for name, meta in entries:
-            if meta.dtype not in DTYPE_NAMES:
-                raise UsageError(
-                    f"'{name}' has dtype {meta.dtype}, which safetensors cannot store",
-                    hint="write --format torch",
-                )
-            header[name] = {
-                "dtype": DTYPE_NAMES[meta.dtype],
-                "shape": list(meta.shape),
-                "data_offsets": [offset, offset + meta.nbytes],
-            }
-            offset += meta.nbytes
-        self._order = [meta.key for _, meta in entries]
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)
-        self.path = path
-        with writing(path):
-            self._file = open(path, "wb")
-            try:
-                self._file.write(struct.pack("<Q", len(raw)) + raw)
-            except BaseException:
-                self._file.close()
-                raise
-        self._next = 0
+    raw: bytes
+    """Header length (8 bytes, little-endian), then the JSON header padded to 8 bytes."""
+    regions: tuple[Region, ...]
+    """Each tensor's place in the file, in header order."""
+    size: int
+    """The file's final size."""
 
-    @property
-    def complete(self) -> bool:
-        """Return whether every tensor of the header has been written."""
-        return self._next == len(self._order)
+    def write(self, path: Path) -> None:
+        """Create ``path`` with this header, at its final size (the data area sparse until filled)."""
+        with writing(path), open(path, "wb") as f:
+            f.write(self.raw)
+            f.truncate(self.size)
 
-    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        """Append one tensor's bytes; calls come in header order."""
-        if self._order[self._next] != meta.key:
-            raise RuntimeError(
-                f"internal: expected tensor {self._order[self._next]}, got {meta.key}"
+
+def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str = "") -> Header:
+    """Return the layout of a file of ``entries`` (name, meta) in order; refuse what it cannot store."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, meta in entries:
+        if meta.dtype not in DTYPE_NAMES:
+            raise UsageError(
+                f"'{name}' has dtype {meta.dtype}, which safetensors cannot store",
+                hint="write --format torch",
             )
-        self._next += 1
-        with writing(self.path):
-            self._file.write(contiguous_bytes(tensor))
-
-    def close(self) -> None:
-        """Flush the file to disk and close it."""
-        with writing(self.path):
-            try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-            finally:
-                self._file.close()
-
-    def abandon(self) -> None:
-        """Close the file unfinished; never raises."""
-        with contextlib.suppress(OSError):
-            self._file.close()
+        header[name] = {
+            "dtype": DTYPE_NAMES[meta.dtype],
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + meta.nbytes],
+        }
+        offset += meta.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    regions = tuple(
+        whole(meta, file, start + header[name]["data_offsets"][0]) for name, meta in entries
+    )
+    return Header(struct.pack("<Q", len(raw)) + raw, regions, start + offset)
 
 
-class SafetensorsWriter(FullWriter):
+class SafetensorsWriter(Writer):
     """Writes one ``.safetensors`` file holding the whole tree, its structure in the header."""
 
-    def __init__(self, path: Path, tree: dict):
-        super().__init__(path, tree)
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        tree = plan.tree
         names = tensor_names(tree)
         try:
             encoded = json.dumps(encode_tree(tree, lambda p, _: names[p]), separators=(",", ":"))
@@ -209,13 +193,9 @@ class SafetensorsWriter(FullWriter):
                 str(exc), hint="write --format torch, or leave it out with --filter/--only"
             ) from None
         entries = [(names[p], leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
-        self._file = SafetensorsFile(path, entries, {"format": "pt", TREE_KEY: encoded})
+        self._header = layout(entries, {"format": "pt", TREE_KEY: encoded})
 
-    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        self._file.write(meta, tensor)
-
-    def close(self) -> None:
-        self._file.close()
-
-    def abandon(self) -> None:
-        self._file.abandon()
+    def frame(self, runtime) -> Frame:
+        runtime.agreed(lambda: self._header.write(self.root) if runtime.coordinator else None)
+        regions = self._header.regions
+        return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))

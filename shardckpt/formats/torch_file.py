@@ -1,32 +1,29 @@
 """``torch``: one ``torch.save`` file (``.pt``, ``.pth``, ``.bin``) holding every tensor whole.
 
 Reading memory-maps the file (``torch.load(mmap=True)``), so metadata costs no tensor
-reads and each rank touches only its rows. Writing streams: ``torch.save`` writes the
-file's skeleton under ``skip_data`` with fake tensors (the real pickle, real storage
-records, no bytes), then each tensor's bytes go straight to its record's offset as it
-arrives, and the zip checksums are patched at the end. No process ever holds the
-whole checkpoint, and the result is an ordinary ``torch.save`` file.
+reads and each rank touches only its rows. Writing: the coordinator writes the file's
+``torch.save`` skeleton (``zip_skeleton``: the real pickle, a record per tensor, no
+bytes), every rank writes its rows of each tensor at their record's offset, and the
+zip checksums are combined and patched at the end. No process ever holds the whole
+checkpoint, and the result is an ordinary ``torch.save`` file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-import struct
-import zipfile
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shardckpt.errors import BadInputError, IOFailure, UnsafePickleError
-from shardckpt.formats.base import FullWriter, Index, Reader, Rows, contiguous_bytes, too_deep
+from shardckpt.errors import BadInputError, UnsafePickleError
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.formats.files import os_error, source_file, source_stat, writing
 from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
-from shardckpt.tree import TensorMeta, map_leaves, walk
+from shardckpt.formats.zip_skeleton import fake_mode, write_skeleton
+from shardckpt.regions import Region, spread
+from shardckpt.tree import TensorMeta, map_leaves
 
 
 def load(
@@ -132,111 +129,63 @@ class TorchReader(Reader):
         return out
 
 
-class TorchWriter(FullWriter):
-    """Streams whole tensors into a ``torch.save`` file laid out by ``torch.save`` itself."""
+def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Return ``tree`` with each ``TensorMeta`` a fake tensor of its shape and dtype, and those by key."""
+    fakes: dict[str, torch.Tensor] = {}
 
-    def __init__(self, path: Path, tree: dict):
-        super().__init__(path, tree)
-        metas = [leaf for _, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
-        with FakeTensorMode():
-            skeleton = map_leaves(
-                tree,
-                lambda _, leaf: (
-                    torch.empty(leaf.shape, dtype=leaf.dtype)
-                    if isinstance(leaf, TensorMeta)
-                    else leaf
-                ),
-            )
-        # Through a stream, torch names the archive "archive" instead of after the (temporary)
-        # file name, so the bytes do not depend on where the file is staged.
-        with (
-            writing(path),
-            torch.serialization.skip_data(materialize_fake_tensors=True),
-            open(path, "wb") as stream,
-        ):
-            torch.save(skeleton, stream)
-        self._records = _locate_records(path, metas)
-        self._crc: dict[str, int] = {}
-        with writing(path):
-            self._fd = os.open(path, os.O_RDWR)
+    def fake(_path, leaf):
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        fakes[leaf.key] = torch.empty(leaf.shape, dtype=leaf.dtype)
+        return fakes[leaf.key]
 
-    def write(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        name, offset, size = self._records[meta.key]
-        data = contiguous_bytes(tensor)
-        if len(data) != size:
-            raise IOFailure(
-                f"internal: {meta.key} has {len(data)} bytes, its record {size}", path=self.path
-            )
-        written = 0
-        with writing(self.path):
-            while written < size:
-                written += os.pwrite(self._fd, data[written:], offset + written)
-        self._crc[name] = zlib.crc32(data)
-
-    def close(self) -> None:
-        with writing(self.path):
-            try:
-                _patch_crcs(self._fd, self.path, self._crc)
-                os.fsync(self._fd)
-            finally:
-                self.abandon()
-
-    def abandon(self) -> None:
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = -1
+    with fake_mode():
+        return map_leaves(tree, fake), fakes
 
 
-def _locate_records(path: Path, metas: list[TensorMeta]) -> dict[str, tuple[str, int, int]]:
-    """Map each tensor key to its storage record's (name, data offset, size).
+def skeleton_regions(
+    fd: int, offset: int, obj, fills: dict[int, list[tuple[str, int, int, int]]], file: str
+) -> Frame:
+    """Write ``obj``'s ``torch.save`` skeleton at ``offset`` of ``fd``; return what fills it.
 
-    ``torch.save`` numbers storages in the order its pickler meets them, which is the
-    tree order ``walk`` uses; the record sizes are checked so a mismatch cannot pass.
+    ``fills`` maps each fake storage (``_cdata``) to ``(key, start, stop, byte offset)``
+    entries: elements [start, stop) of source tensor ``key`` at that byte of the storage.
     """
-    with zipfile.ZipFile(path) as zf:
-        infos = zf.infolist()
-        prefix = infos[0].filename.split("/", 1)[0]
-        data = {i.filename: i for i in infos if i.filename.startswith(f"{prefix}/data/")}
-        if len(data) != len(metas):
-            raise IOFailure(
-                f"internal: torch.save wrote {len(data)} storages for {len(metas)} tensors",
-                path=path,
-            )
-        out = {}
-        with open(path, "rb") as f:
-            for k, meta in enumerate(metas):
-                info = data[f"{prefix}/data/{k}"]
-                if info.file_size != meta.nbytes:
-                    raise IOFailure(
-                        f"internal: storage {k} has {info.file_size} bytes, tensor {meta.key} {meta.nbytes}",
-                        path=path,
-                    )
-                f.seek(info.header_offset)
-                header = f.read(30)
-                name_len, extra_len = struct.unpack("<HH", header[26:30])
-                out[meta.key] = (
-                    info.filename,
-                    info.header_offset + 30 + name_len + extra_len,
-                    info.file_size,
-                )
-    return out
+    placeholders, records, pieces = write_skeleton(fd, offset, obj, file)
+    regions = [
+        Region(key, start, stop, file, placeholders[cdata].start + at, placeholders[cdata])
+        for cdata, entries in fills.items()
+        for key, start, stop, at in entries
+    ]
+    return Frame(regions, records, pieces)
 
 
-def _patch_crcs(fd: int, path: Path, crcs: dict[str, int]) -> None:
-    """Write each record's CRC-32 into its local header and its central-directory entry."""
-    with zipfile.ZipFile(path) as zf:
-        infos = {i.filename: i for i in zf.infolist()}
-        pos = zf.start_dir
-    for name, crc in crcs.items():
-        os.pwrite(fd, struct.pack("<I", crc), infos[name].header_offset + 14)
-    # Central-directory entries follow each other from start_dir: 46 fixed bytes + name/extra/comment.
-    for _ in range(len(infos)):
-        fixed = os.pread(fd, 46, pos)
-        if fixed[:4] != b"PK\x01\x02":
-            raise IOFailure("internal: unexpected zip central directory layout", path=path)
-        n, m, k = struct.unpack("<HHH", fixed[28:34])
-        name = os.pread(fd, n, pos + 46).decode("utf-8")
-        if name in crcs:
-            os.pwrite(fd, struct.pack("<I", crcs[name]), pos + 16)
-        pos += 46 + n + m + k
+def storage_of(tensor: torch.Tensor) -> int:
+    """Return the identity ``torch.save`` gives ``tensor``'s storage."""
+    return tensor.untyped_storage()._cdata
+
+
+class TorchWriter(Writer):
+    """Writes a ``torch.save`` file laid out by ``torch.save`` itself; every rank fills its rows."""
+
+    def frame(self, runtime) -> Frame:
+        def create() -> Frame:
+            skeleton, fakes = placeholders(self.plan.tree)
+            fills = {
+                storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in self.plan.tensors
+            }
+            # Through a stream, torch names the archive "archive" instead of after the
+            # (temporary) file name, so the bytes do not depend on where it is staged.
+            with writing(self.root):
+                fd = os.open(self.root, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    return skeleton_regions(fd, 0, skeleton, fills, "")
+                finally:
+                    os.close(fd)
+
+        frame = runtime.agreed(lambda: create() if runtime.coordinator else None)
+        regions = runtime.broadcast(frame.regions if frame is not None else None)
+        mine = spread(regions, self.plan.metas, runtime.rank, runtime.world_size)
+        if frame is None:
+            return Frame(mine)
+        return Frame(mine, frame.records, frame.pieces)

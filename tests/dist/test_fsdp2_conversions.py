@@ -18,7 +18,7 @@ from reference import assert_trees_equal, dcp_to_torch_save_reference, load_dcp_
 from shardckpt import api
 from shardckpt.cli import run
 from shardckpt.formats.safetensors_file import TREE_KEY
-from shardckpt.formats.values import decode_tree
+from shardckpt.formats.json_values import decode_tree
 
 
 @pytest.fixture(scope="module")

@@ -260,16 +260,16 @@ def test_a_dst_suffix_that_contradicts_the_format_is_a_usage_error(capsys, small
 
 
 def test_a_failed_verify_leaves_no_dst_and_says_where(capsys, small, monkeypatch):
-    from shardckpt.formats import safetensors_file
+    from shardckpt import engine
 
-    real = safetensors_file.contiguous_bytes
+    real = engine.contiguous_bytes
 
     def corrupted(tensor):
         data = bytearray(real(tensor))
         data[0] ^= 0xFF
         return memoryview(bytes(data))
 
-    monkeypatch.setattr(safetensors_file, "contiguous_bytes", corrupted)
+    monkeypatch.setattr(engine, "contiguous_bytes", corrupted)
     code, err = lines_of(
         capsys,
         ["convert", small / "small.pt", small / "o.safetensors", "--to", "full", "--verify"],

@@ -9,10 +9,14 @@ import torch
 from reference import assert_trees_equal
 from safetensors.torch import load_file, save_file
 
-from shardckpt import api
+from shardckpt import api, engine
+from shardckpt.dist import Runtime
 from shardckpt.formats import detect, open_reader
+from shardckpt.formats.base import Reader
 from shardckpt.formats.safetensors_file import SafetensorsWriter
 from shardckpt.formats.torch_file import TorchWriter
+from shardckpt.plan import ConvertPlan
+from shardckpt.progress import Progress
 from shardckpt.tree import TensorMeta, map_leaves, walk
 
 
@@ -41,21 +45,40 @@ def odd_tree() -> dict:
     }
 
 
+class _InMemory(Reader):
+    """The tensors of a tree held in memory, read as any source is (rows on demand)."""
+
+    format = "torch"
+
+    def __init__(self, tensors: dict):
+        super().__init__("memory")
+        self._tensors = tensors
+
+    def index(self):
+        raise NotImplementedError
+
+    def read(self, metas, rows, runtime):
+        return [
+            self._tensors[m.key] if r is None else self._tensors[m.key][r[0] : r[1]]
+            for m, r in zip(metas, rows)
+        ]
+
+
 def write_streaming(writer_cls, path, tree):
-    metas = {}
+    """Write ``tree`` with ``writer_cls`` through the engine, as a conversion does."""
+    tensors = {}
 
     def describe(p, leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        metas[p] = TensorMeta(str(len(metas)), tuple(leaf.shape), leaf.dtype)
-        return metas[p]
+        key = str(len(tensors))
+        tensors[key] = leaf
+        return TensorMeta(key, tuple(leaf.shape), leaf.dtype)
 
     meta_tree = map_leaves(tree, describe)
-    writer = writer_cls(path, meta_tree)
-    for p, leaf in walk(tree):
-        if isinstance(leaf, torch.Tensor):
-            writer.write(metas[p], leaf)
-    writer.close()
+    metas = [(p, m) for p, m in walk(meta_tree) if isinstance(m, TensorMeta)]
+    plan = ConvertPlan("full", "test", 1, meta_tree, tuple(metas), {m.key: m for _, m in metas})
+    engine.run(_InMemory(tensors), plan, writer_cls(path, plan), Runtime(), Progress())
 
 
 def test_torch_writer_output_loads_with_torch_load_and_is_a_valid_zip(tmp_path):

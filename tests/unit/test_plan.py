@@ -18,8 +18,8 @@ from shardckpt.plan import (
     select,
     stays_whole,
 )
+from shardckpt.target_ranks import virtual_ranks
 from shardckpt.tree import Chunk, TensorMeta
-from shardckpt.virtual import virtual_ranks
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 7, 97])
@@ -65,13 +65,13 @@ def test_select_cleans_fqns_then_filters():
 
 
 def test_only_optim_keeps_the_optimizer():
-    plan = make_plan(_index(), Selection(only="optim"), "full", "torch", 1)
+    plan = make_plan(_index(), Selection(only="optim"), "torch", 1)
     assert list(plan.tree) == ["optim"] and len(plan.tensors) == 1 and plan.num_values == 2
 
 
 def test_selecting_nothing_is_a_usage_error():
     with pytest.raises(UsageError, match="nothing is selected"):
-        make_plan(_index(), Selection(filters=("nope*",)), "full", "torch", 1)
+        make_plan(_index(), Selection(filters=("nope*",)), "torch", 1)
 
 
 def test_cleaning_collision_names_both_keys():
@@ -106,7 +106,8 @@ def _tree(buffer: TensorMeta, param: TensorMeta) -> dict:
 
 
 def _whole(index: Index, layout: str = "local", model: ModelParams | None = None) -> set[str]:
-    plan = make_plan(index, Selection(model=model), layout, "fsdp2-ranks", 2)
+    fmt = {"sharded": "dcp", "local": "fsdp2-ranks"}[layout]
+    plan = make_plan(index, Selection(model=model), fmt, 2)
     return set(plan.whole)
 
 
@@ -150,7 +151,7 @@ def test_a_local_output_of_a_source_that_stores_everything_whole_needs_the_model
 
 def test_optimizer_state_alone_is_split_without_the_model():
     index = Index("torch", "ckpt", 1, _tree(BUFFER, WHOLE_PARAM))
-    plan = make_plan(index, Selection(only="optim"), "local", "fsdp2-ranks", 2)
+    plan = make_plan(index, Selection(only="optim"), "fsdp2-ranks", 2)
     assert set(plan.whole) == {"step"}
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shardckpt.formats.values import (
+from shardckpt.formats.json_values import (
     UnencodableValue,
     decode_tree,
     decode_value,

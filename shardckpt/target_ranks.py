@@ -1,4 +1,4 @@
-"""Virtual ranks: the target ranks of a world size M that one real process acts for.
+"""Target ranks: the ranks of a world size M that one real process acts for, and their writer.
 
 A launch of N processes writes a checkpoint for M ranks by letting real rank k act for
 target ranks k, k + N, k + 2N, ... Each target rank's shards are real DTensors, placed
@@ -8,10 +8,16 @@ rank it is, so DCP plans them exactly as it plans FSDP2's own state dict at M.
 
 from __future__ import annotations
 
+import os
+from abc import abstractmethod
+from pathlib import Path
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardckpt.formats.base import Frame, Writer
+from shardckpt.formats.files import writing
 from shardckpt.tree import TensorMeta
 
 
@@ -58,3 +64,35 @@ def shard_dtensor(local: torch.Tensor, meta: TensorMeta, mesh: DeviceMesh) -> DT
         shape=torch.Size(meta.shape),
         stride=stride,
     )
+
+
+class TargetRanksWriter(Writer):
+    """A DST of one or more files per target rank: each process frames and fills its target ranks'.
+
+    A format says, for target rank r, which rows of which tensors go where in r's files
+    (``frame_rank``); the engine fills them, batch by batch, like any other output.
+    """
+
+    def frame(self, runtime) -> Frame:
+        targets = virtual_ranks(self.plan.world_size, runtime.rank, runtime.world_size)
+        return runtime.agreed(lambda: merge_frames(self.frame_rank(r) for r in targets))
+
+    @abstractmethod
+    def frame_rank(self, rank: int) -> Frame:
+        """Create target rank ``rank``'s files and return the regions that fill them."""
+
+
+def merge_frames(frames) -> Frame:
+    """Return one ``Frame`` holding the work of ``frames``."""
+    out = Frame()
+    for frame in frames:
+        out.regions += frame.regions
+        out.records += frame.records
+        out.pieces += frame.pieces
+    return out
+
+
+def create(path: Path) -> int:
+    """Create (or empty) file ``path`` for writing and return its descriptor."""
+    with writing(path):
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)

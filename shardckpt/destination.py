@@ -60,7 +60,7 @@ def _source_paths(src: Path) -> list[Path]:
     return paths
 
 
-class Staging:
+class Destination:
     """A DST path, the partial path beside it that becomes DST on commit, and the lock on both."""
 
     def __init__(
