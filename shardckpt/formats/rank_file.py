@@ -1,6 +1,8 @@
-"""Saving one rank's file of a local format: only that rank's bytes, and a failed write in one line.
+"""One rank's file of a local format, laid out before its data: each tensor only its own bytes.
 
-Every local writer (``fsdp2_ranks_write``, ``fsdp1_write``) ends in ``save_rank_file``.
+Every local writer (``fsdp2_ranks_write``, ``fsdp1_write``) frames its files here
+(``frame_rank_file``), saying what fills each placeholder storage (``fill_whole``,
+``fill_rows``).
 ``torch.save`` writes a tensor's whole storage, not the part the tensor views, so a
 rank's rows read from a memory-mapped source (a view into the source file's storage)
 would carry the rows of every other rank too, and DTensor's pickling of a view that
@@ -16,7 +18,6 @@ from pathlib import Path
 import torch
 
 from shardckpt.formats.base import Frame
-from shardckpt.formats.files import writing
 from shardckpt.formats.torch_file import skeleton_regions, storage_of
 from shardckpt.regions import row_elements
 from shardckpt.target_ranks import create
@@ -33,16 +34,6 @@ def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
     ):
         return t
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def save_rank_file(state_dict: dict, path: Path) -> Path:
-    """``torch.save`` one rank's state dict at ``path``; return ``path``, or raise a one-line error."""
-    # Our own file object, closed on any exit: after a failed write, torch's zip writer
-    # lives on in the exception's frames, and a descriptor it opened itself would keep
-    # the (deleted) partial file, and its filesystem, busy until then.
-    with writing(path), open(path, "wb") as stream:
-        torch.save(state_dict, stream)
-    return path
 
 
 Fills = dict[int, list[tuple[str, int, int, int]]]
