@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._traverse import traverse_state_dict_v_2_3
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -43,12 +42,12 @@ from shardckpt.dist import Runtime
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Frame, Writer
 from shardckpt.formats.files import os_error, writing
-from shardckpt.formats.rank_file import Fills, fill_rows, fill_whole
+from shardckpt.formats.rank_file import Fills, dtensor_placeholders
 from shardckpt.formats.torch_file import storage_of
-from shardckpt.formats.zip_skeleton import fake_mode, pwrite_all, tensor_blob, write_blob
-from shardckpt.regions import Region, dim0_rows
-from shardckpt.target_ranks import create, merge_frames, shard_dtensor, virtual_mesh, virtual_ranks
-from shardckpt.tree import TensorMeta, map_leaves, walk
+from shardckpt.formats.zip_skeleton import pwrite_all, tensor_blob, write_blob
+from shardckpt.regions import Region
+from shardckpt.target_ranks import create, merge_frames, virtual_mesh, virtual_ranks
+from shardckpt.tree import walk
 
 _METADATA_TMP = ".metadata.tmp"  # what FileSystemWriter.finish writes, then renames
 
@@ -207,7 +206,7 @@ class DcpWriter(Writer):
             for r in targets:
                 planner = planners[r]
                 planner.set_up_planner(
-                    _placeholders(plan, r, fills[r]),
+                    dtensor_placeholders(plan, r, virtual_mesh(plan.world_size, r), fills[r]),
                     storage_meta=self._storage.storage_meta(),
                     is_coordinator=r == 0,
                 )
@@ -248,23 +247,6 @@ class DcpWriter(Writer):
         # same way, so that .metadata's bytes (pickle shares repeated objects) do not
         # depend on how many processes wrote.
         self._storage.finish(metadata, pickle.loads(pickle.dumps(results)))
-
-
-def _placeholders(plan, rank: int, fills: Fills) -> dict:
-    """Return target rank ``rank``'s state dict with placeholder tensors, noting what fills them."""
-    mesh = virtual_mesh(plan.world_size, rank)
-
-    def place(_path, leaf):
-        if not isinstance(leaf, TensorMeta):
-            return leaf
-        if leaf.key in plan.whole:
-            return fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
-        rows = dim0_rows(leaf.shape, plan.world_size, rank)
-        local = torch.empty((rows[1] - rows[0], *leaf.shape[1:]), dtype=leaf.dtype)
-        return shard_dtensor(fill_rows(fills, local, leaf, rows), leaf, mesh)
-
-    with fake_mode():
-        return map_leaves(plan.tree, place)
 
 
 def _lay_out_file(

@@ -23,7 +23,12 @@ import torch
 from shardckpt.errors import UsageError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, flat_layouts
 from shardckpt.formats.base import Frame
-from shardckpt.formats.rank_file import Fills, fill_rows, fill_whole, frame_rank_file
+from shardckpt.formats.rank_file import (
+    Fills,
+    frame_rank_file,
+    placeholder_rows,
+    placeholder_whole,
+)
 from shardckpt.formats.rank_names import rank_file_name
 from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
 from shardckpt.formats.torch_file import storage_of
@@ -53,14 +58,15 @@ class Fsdp1ShardedWriter(TargetRanksWriter):
             if not isinstance(leaf, TensorMeta):
                 return leaf
             if leaf.key in plan.whole:
-                return fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
-            rows = dim0_rows(leaf.shape, m, rank)
-            local = None
-            if rows[1] > rows[0]:
-                local = torch.empty((rows[1] - rows[0], *leaf.shape[1:]), dtype=leaf.dtype)
-                fill_rows(fills, local, leaf, rows)
+                return placeholder_whole(fills, leaf)
+            local = placeholder_rows(fills, leaf, m, rank)
             return ShardedTensorRecord(
-                local, leaf.shape, leaf.dtype, _dim0_shards(leaf, m), rank, m
+                local if local.shape[0] else None,
+                leaf.shape,
+                leaf.dtype,
+                _dim0_shards(leaf, m),
+                rank,
+                m,
             )
 
         with fake_mode():
@@ -117,11 +123,7 @@ def _local_model_state(
     for key, leaf in model.items():
         if key in in_units:
             continue
-        out[key] = (
-            fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
-            if isinstance(leaf, TensorMeta)
-            else leaf
-        )
+        out[key] = placeholder_whole(fills, leaf) if isinstance(leaf, TensorMeta) else leaf
     for lay in layouts:
         metas = [model[lay.prefix + f] for f in lay.fqns]
         valid = max(lay.shard_numel - lay.shard_numel_padded, 0)

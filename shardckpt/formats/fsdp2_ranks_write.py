@@ -11,34 +11,17 @@ file gets DTensors on a mesh that uses its own world process group.
 
 from __future__ import annotations
 
-import torch
-
 from shardckpt.formats.base import Frame
-from shardckpt.formats.rank_file import Fills, fill_rows, fill_whole, frame_rank_file
+from shardckpt.formats.rank_file import Fills, dtensor_placeholders, frame_rank_file
 from shardckpt.formats.rank_names import rank_file_name
-from shardckpt.formats.zip_skeleton import fake_mode
-from shardckpt.regions import dim0_rows
-from shardckpt.target_ranks import TargetRanksWriter, job_mesh, shard_dtensor
-from shardckpt.tree import TensorMeta, map_leaves
+from shardckpt.target_ranks import TargetRanksWriter, job_mesh
 
 
 class Fsdp2RanksWriter(TargetRanksWriter):
     """``rank_{r}.pt`` of DTensors, for each target rank r a process acts for."""
 
     def frame_rank(self, rank: int) -> Frame:
-        plan = self.plan
-        mesh = job_mesh(plan.world_size, rank)
         fills: Fills = {}
-
-        def place(_path, leaf):
-            if not isinstance(leaf, TensorMeta):
-                return leaf
-            if leaf.key in plan.whole:
-                return fill_whole(fills, torch.empty(leaf.shape, dtype=leaf.dtype), leaf)
-            rows = dim0_rows(leaf.shape, plan.world_size, rank)
-            local = torch.empty((rows[1] - rows[0], *leaf.shape[1:]), dtype=leaf.dtype)
-            return shard_dtensor(fill_rows(fills, local, leaf, rows), leaf, mesh)
-
-        with fake_mode():
-            state_dict = map_leaves(plan.tree, place)
+        mesh = job_mesh(self.plan.world_size, rank)
+        state_dict = dtensor_placeholders(self.plan, rank, mesh, fills)
         return frame_rank_file(self.root / rank_file_name(rank), state_dict, fills)

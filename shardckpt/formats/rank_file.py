@@ -1,8 +1,8 @@
 """One rank's file of a local format, laid out before its data: each tensor only its own bytes.
 
 Every local writer (``fsdp2_ranks_write``, ``fsdp1_write``) frames its files here
-(``frame_rank_file``), saying what fills each placeholder storage (``fill_whole``,
-``fill_rows``).
+(``frame_rank_file``), saying what fills each placeholder storage (``placeholder_whole``,
+``placeholder_rows``, ``dtensor_placeholders``).
 ``torch.save`` writes a tensor's whole storage, not the part the tensor views, so a
 rank's rows read from a memory-mapped source (a view into the source file's storage)
 would carry the rows of every other rank too, and DTensor's pickling of a view that
@@ -19,9 +19,10 @@ import torch
 
 from shardckpt.formats.base import Frame
 from shardckpt.formats.torch_file import skeleton_regions, storage_of
-from shardckpt.regions import row_elements
-from shardckpt.target_ranks import create
-from shardckpt.tree import TensorMeta
+from shardckpt.formats.zip_skeleton import fake_mode
+from shardckpt.regions import dim0_rows, row_elements
+from shardckpt.target_ranks import create, shard_dtensor
+from shardckpt.tree import TensorMeta, map_leaves
 
 
 def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,18 +55,35 @@ def frame_rank_file(path: Path, state_dict: dict, fills: Fills) -> Frame:
         os.close(fd)
 
 
-def fill_whole(fills: Fills, placeholder: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
-    """Note that ``placeholder`` holds all of ``meta``; return it."""
+def placeholder_whole(fills: Fills, meta: TensorMeta) -> torch.Tensor:
+    """Return a placeholder for all of ``meta``, noted in ``fills`` (inside ``fake_mode``)."""
+    placeholder = torch.empty(meta.shape, dtype=meta.dtype)
     fills.setdefault(storage_of(placeholder), []).append((meta.key, 0, meta.numel, 0))
     return placeholder
 
 
-def fill_rows(
-    fills: Fills, placeholder: torch.Tensor, meta: TensorMeta, rows: tuple[int, int]
-) -> torch.Tensor:
-    """Note that ``placeholder`` holds rows [a, b) of ``meta``; return it."""
+def placeholder_rows(fills: Fills, meta: TensorMeta, world_size: int, rank: int) -> torch.Tensor:
+    """Return a placeholder for ``rank``'s ``Shard(0)`` rows of ``meta`` at ``world_size``, noted in ``fills``."""
+    rows = dim0_rows(meta.shape, world_size, rank)
+    local = torch.empty((rows[1] - rows[0], *meta.shape[1:]), dtype=meta.dtype)
     row = row_elements(meta)
-    fills.setdefault(storage_of(placeholder), []).append(
-        (meta.key, rows[0] * row, rows[1] * row, 0)
-    )
-    return placeholder
+    fills.setdefault(storage_of(local), []).append((meta.key, rows[0] * row, rows[1] * row, 0))
+    return local
+
+
+def dtensor_placeholders(plan, rank: int, mesh, fills: Fills) -> dict:
+    """Return target rank ``rank``'s state dict of ``plan.tree``, as FSDP2 holds it, in placeholders.
+
+    Tensors in ``plan.whole`` are plain tensors; every other tensor is a ``Shard(0)``
+    DTensor of ``rank``'s rows on ``mesh``; plain values are themselves.
+    """
+
+    def place(_path, leaf):
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        if leaf.key in plan.whole:
+            return placeholder_whole(fills, leaf)
+        return shard_dtensor(placeholder_rows(fills, leaf, plan.world_size, rank), leaf, mesh)
+
+    with fake_mode():
+        return map_leaves(plan.tree, place)

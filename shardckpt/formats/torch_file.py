@@ -156,6 +156,8 @@ def skeleton_regions(
         Region(key, start, stop, file, placeholders[cdata].start + at, placeholders[cdata])
         for cdata, entries in fills.items()
         for key, start, stop, at in entries
+        # An empty placeholder has no bytes to fill, and may not be saved at all.
+        if stop > start
     ]
     return Frame(regions, records, pieces)
 

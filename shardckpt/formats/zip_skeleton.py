@@ -107,6 +107,12 @@ class _Entry:
     length: int
     crc_at: tuple[int, int]
 
+    def placed(self, offset: int, file: str) -> Record:
+        """Return this record as it lies in ``file`` with the zip starting at ``offset``."""
+        return Record(
+            file, offset + self.start, self.length, tuple(offset + at for at in self.crc_at)
+        )
+
 
 def _data_records(fd: int, start: int, end: int) -> list[_Entry]:
     """Return the ``data/K`` records of the zip at bytes [start, end) of ``fd``, by K."""
@@ -160,12 +166,7 @@ def write_skeleton(
     records: list[Record] = []
     pieces: list[Piece] = []
     for entry, (storage, fake) in zip(entries, storages):
-        record = Record(
-            file,
-            offset + entry.start,
-            entry.length,
-            tuple(offset + at for at in entry.crc_at),
-        )
+        record = entry.placed(offset, file)
         records.append(record)
         if fake:
             placeholders[storage._cdata] = record
@@ -182,15 +183,14 @@ class TensorBlob:
 
     head: bytes
     """Everything before the data (local headers, pickle), with the data's local header last."""
-    data_length: int
+    data: _Entry
+    """The data record, from the blob's first byte."""
     tail: bytes
     """Everything after the data (other records, central directory)."""
-    crc_at: tuple[int, int]
-    """Where the data record's CRC-32 sits, from the blob's first byte."""
 
     @property
     def size(self) -> int:
-        return len(self.head) + self.data_length + len(self.tail)
+        return len(self.head) + self.data.length + len(self.tail)
 
 
 @lru_cache(maxsize=4096)
@@ -205,19 +205,14 @@ def tensor_blob(shape: tuple[int, ...], dtype: torch.dtype) -> TensorBlob:
         (entry,) = _data_records(fd, 0, end)
         head = os.pread(fd, entry.start, 0)
         tail = os.pread(fd, end - entry.start - entry.length, entry.start + entry.length)
-    return TensorBlob(head, entry.length, tail, entry.crc_at)
+    return TensorBlob(head, entry, tail)
 
 
 def write_blob(fd: int, offset: int, blob: TensorBlob, file: str) -> Record:
     """Write ``blob`` at ``offset`` of ``fd`` without its data; return the data's record."""
     pwrite_all(fd, memoryview(blob.head), offset)
-    pwrite_all(fd, memoryview(blob.tail), offset + len(blob.head) + blob.data_length)
-    return Record(
-        file,
-        offset + len(blob.head),
-        blob.data_length,
-        tuple(offset + at for at in blob.crc_at),
-    )
+    pwrite_all(fd, memoryview(blob.tail), offset + blob.data.start + blob.data.length)
+    return blob.data.placed(offset, file)
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
