@@ -15,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,36 +72,61 @@ def run_unprivileged(argv: list, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
 
 
-@contextmanager
-def memory_capped(limit_bytes: int) -> Iterator[list[str]]:
-    """Yield a command prefix that runs a command (and its children) under a memory cap.
+@dataclass(frozen=True)
+class MemoryCap:
+    """Memory cgroups, one per process of a run: ``prefix`` puts a command in its own."""
 
-    The cap is a fresh cgroup: v1's memory controller, or v2's ``memory.max``; swap is
+    groups: tuple[Path, ...]
+
+    @property
+    def prefix(self) -> list[str]:
+        """A command prefix that runs the command in group ``$LOCAL_RANK`` (0 standalone).
+
+        Under ``torchrun --no-python`` each rank runs the prefix itself, so each rank gets
+        a cap of its own (the promise is per process), and torchrun's agent none. (bash's
+        ``$BASHPID``, not ``$$``: torchrun rewrites ``$$`` in its arguments to ``$``.)
+        """
+        base = str(self.groups[0])[: -len("-0")]
+        script = f'echo $BASHPID > {base}-"${{LOCAL_RANK:-0}}"/cgroup.procs && exec "$@"'
+        return ["bash", "-c", script, "capped"]
+
+
+@contextmanager
+def memory_capped(limit_bytes: int, processes: int = 1) -> Iterator[MemoryCap]:
+    """Yield cgroups that cap each of ``processes`` processes (and its children) at ``limit_bytes``.
+
+    Each cap is a fresh cgroup: v1's memory controller, or v2's ``memory.max``; swap is
     capped too where the controller offers it, so going over means the OOM killer.
-    Skip with the reason where neither can be made (not root, no memory controller).
+    Skip with the reason where none can be made (not root, no memory controller).
     """
     v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
-    name = f"shardckpt-test-{os.getpid()}-{next(_caps)}"
+    base = f"shardckpt-test-{os.getpid()}-{next(_caps)}"
     if (v1 / "memory.limit_in_bytes").exists():
-        group, limits = v1 / name, ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+        root, limits = v1, ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
     elif "memory" in _read(v2 / "cgroup.controllers").split():
-        group, limits = v2 / name, ["memory.max", "memory.swap.max"]
+        root, limits = v2, ["memory.max", "memory.swap.max"]
     else:
         pytest.skip("no cgroup memory controller on this machine to cap memory with")
+    groups = tuple(root / f"{base}-{i}" for i in range(processes))
+    made: list[Path] = []
     try:
-        group.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup ({exc.strerror}; needs root)")
-    try:
-        for i, limit in enumerate(limits):
-            if (group / limit).exists():
-                (group / limit).write_text("0" if limit == "memory.swap.max" else str(limit_bytes))
-            elif i == 0:
-                pytest.skip(f"{group / limit} is missing")
-        yield ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "capped"]
+        for group in groups:
+            try:
+                group.mkdir()
+            except OSError as exc:
+                pytest.skip(f"cannot make a memory cgroup ({exc.strerror}; needs root)")
+            made.append(group)
+            for i, limit in enumerate(limits):
+                if (group / limit).exists():
+                    value = "0" if limit == "memory.swap.max" else str(limit_bytes)
+                    (group / limit).write_text(value)
+                elif i == 0:
+                    pytest.skip(f"{group / limit} is missing")
+        yield MemoryCap(groups)
     finally:
-        with contextlib.suppress(OSError):
-            group.rmdir()
+        for group in made:
+            with contextlib.suppress(OSError):
+                group.rmdir()
 
 
 _caps = itertools.count()

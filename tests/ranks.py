@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reference  # noqa: F401  (makes examples/make_checkpoint.py importable for --model)
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

@@ -1,9 +1,10 @@
 """``dcp``: a torch.distributed.checkpoint directory (``.metadata`` + ``*.distcp``).
 
-Reading goes through DCP's own loader; a target of some rows is declared to DCP as one
-chunk at its row offset, so a process reads only the stored chunks that overlap those
-rows, whichever rank (real or virtual, see ``shardckpt.target_ranks``) it reads them for.
-Writing is ``shardckpt.formats.dcp_write``. Two safety
+Tensor rows are read from the bytes of the stored chunks that overlap them
+(``shardckpt.formats.dcp_rows``), whichever rank (real or virtual, see
+``shardckpt.target_ranks``) they are read for. Non-tensor values, and a chunk that
+cannot be read that way, go through DCP's own loader: a target of some rows is
+declared to it as one chunk at its row offset. Writing is ``shardckpt.formats.dcp_write``. Two safety
 changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
 metadata classes, and non-tensor values are loaded with ``weights_only=True``.
 """
@@ -45,6 +46,7 @@ from torch.futures import Future
 from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp_check import check_metadata
+from shardckpt.formats.dcp_rows import StoredRows
 from shardckpt.formats.files import os_error, os_error_in
 from shardckpt.formats.pickle_scan import (
     TRUST_HINT,
@@ -295,13 +297,18 @@ def _dim0_chunks(n: int, world_size: int) -> list[tuple[int, int]]:
 
 
 class DcpReader(Reader):
-    """Reads a DCP directory: metadata from ``.metadata``, rows through ``dcp.load``."""
+    """Reads a DCP directory: metadata from ``.metadata``, rows from the chunks' bytes.
+
+    Rows are read with ``dcp_rows.StoredRows``; a chunk it cannot place goes through
+    ``dcp.load``.
+    """
 
     format = "dcp"
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         self.metadata = read_metadata(self.src, trust_pickle)
+        self._rows = StoredRows(self.src, self.metadata)
         self._checked = False
 
     def _check(self) -> None:
@@ -365,8 +372,13 @@ class DcpReader(Reader):
             targets[meta.key] = torch.empty(shape, dtype=meta.dtype)
             if r is not None and r != (0, meta.shape[0]):
                 row_starts[meta.key] = r[0]
-        # An empty target has nothing to read (an empty shard, a zero-size tensor).
-        wanted = {k: t for k, t in targets.items() if t.numel()}
+        # An empty target has nothing to read (an empty shard, a zero-size tensor); a
+        # chunk StoredRows cannot place is read by DCP's loader.
+        wanted = {
+            k: t
+            for k, t in targets.items()
+            if t.numel() and not self._rows.read_into(k, t, row_starts.get(k, 0))
+        }
         if wanted:
             starts = {k: v for k, v in row_starts.items() if k in wanted}
             self._load(wanted, _SafeLoadPlanner(self.trust_pickle, self.src, starts))

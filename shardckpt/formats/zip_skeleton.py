@@ -70,7 +70,7 @@ def storages_in_order(obj) -> list[tuple[torch.UntypedStorage, bool]]:
     return list(seen.values())
 
 
-class _Slice(io.RawIOBase):
+class FileSlice(io.RawIOBase):
     """Bytes [start, end) of a file, seekable, as a file of their own (a zip inside a DCP file)."""
 
     def __init__(self, fd: int, start: int, end: int):
@@ -116,7 +116,7 @@ class _Entry:
 
 def _data_records(fd: int, start: int, end: int) -> list[_Entry]:
     """Return the ``data/K`` records of the zip at bytes [start, end) of ``fd``, by K."""
-    with zipfile.ZipFile(io.BufferedReader(_Slice(fd, start, end))) as zf:
+    with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, start, end))) as zf:
         infos = zf.infolist()
         central = zf.start_dir
     out: dict[int, _Entry] = {}

@@ -1,140 +1,174 @@
 """Every output layout streams: a checkpoint 3x the memory cap converts under the cap, bit-exact.
 
-The cap is real: each conversion runs as ``python -m shardckpt`` inside a fresh memory
-cgroup (``conditions.memory_capped``), and the kernel kills it if it goes over. An idle
-``python -m shardckpt convert`` process with torch imported holds about 285 MiB; the
-cap of 512 MiB leaves 227 MiB for the work, with ``--buffer-size 32MiB``. The source,
-a DCP checkpoint of 1.5 GiB (96 tensors of 16 MiB, saved by ``dcp.save``), is three
-times the cap, so any layout that held the checkpoint, one target rank's shards of it,
-or even a sixth of it at once, is killed.
+The cap is real and per process: each conversion runs as ``python -m shardckpt`` in a
+fresh memory cgroup (``conditions.memory_capped``), under ``torchrun --no-python`` one
+cgroup per rank, and the kernel kills a process that goes over. The cgroup charges
+what a process makes resident: its own memory, and the page cache of what it reads and
+writes, which is reclaimed when the cap is reached; so only memory a process holds on
+to can get it killed. An idle ``python -m shardckpt`` with torch imported is charged
+about 200 MiB; ``CAP`` leaves the rest for the work, with ``--buffer-size 32MiB``.
 
-Values are checked against torch's own reading of the source (``dcp_to_torch_save``)
-with torch's and safetensors' own readers of each output; the FSDP1 rank files, which
-need a job of M to unpickle, are read back through shardckpt (their loading into real
-FSDP1 jobs is tested in tests/dist/test_fsdp1.py).
+The source (``stream_jobs``: 1.25 GiB, saved by ``dcp.save``) is over three times the
+cap, and its 256 MiB embedding is one stored chunk: a process that held the
+checkpoint, a target rank's part of it, or a whole chunk to read a batch of its rows,
+is killed.
+
+Values are checked against what was given to ``dcp.save`` (``stream_jobs.value``),
+through torch's and safetensors' own readers of each output: ``torch.chunk`` for what
+FSDP2's ``Shard(0)`` holds, torch's unpickling of the ``fsdp1-sharded`` ShardedTensors
+at 2 ranks, and real FSDP1 at 2 ranks loading the ``fsdp1-local`` files (FSDP1 loading
+every layout is tests/dist/test_fsdp1.py's, on a smaller model).
+Each output is removed once checked: a CI disk need hold only the source and one output.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import stream_jobs
 import torch
 import torch.distributed.checkpoint as dcp
 from conditions import memory_capped
+from harness import run_ranks
 from safetensors import safe_open
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor, Shard
 
-from shardckpt import api
+pytestmark = pytest.mark.timeout(300)
 
-CAP = 512 * 2**20
-TENSORS, SIDE = 96, 2048  # 96 x 16 MiB = 1.5 GiB: three times the cap
-
-MODEL = f"""
-import torch
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear({SIDE}, {SIDE}, bias=False)
-
-
-def build():
-    return torch.nn.Sequential(*[Block() for _ in range({TENSORS})])
-"""
-
-pytestmark = pytest.mark.timeout(600)
+MiB = 2**20
+CAP = 416 * MiB
+BUFFER = "32MiB"
+TESTS_DIR = Path(__file__).resolve().parents[1]
+MODEL = ["--model", "stream_jobs:build", "--wrap", "stream_jobs:Block"]
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """Return (directory, environment, torch's full state) of a 1.5 GiB DCP checkpoint."""
+def source(tmp_path_factory):
+    """Return the directory of the 1.25 GiB DCP checkpoint; removed after the module."""
+    with memory_capped(CAP):
+        pass  # skip at once where no cap can be made, before 1.25 GiB is written
     root = tmp_path_factory.mktemp("streaming")
-    (root / "stream_model.py").write_text(MODEL)
-    g = torch.Generator().manual_seed(0)
-    state = {
-        "model": {f"{i}.proj.weight": torch.randn(SIDE, SIDE, generator=g) for i in range(TENSORS)},
-        "step": 7,
-    }
+    need = 2 * stream_jobs.source_bytes() + 256 * MiB
+    if shutil.disk_usage(root).free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free under {root} for the source and one output")
+    state = {"model": {k: stream_jobs.value(k) for k in stream_jobs.names()}, "step": 7}
     dcp.save(state, checkpoint_id=root / "src", no_dist=True)
     del state
-    dcp_to_torch_save(root / "src", root / "ref.pt")
-    ref = torch.load(root / "ref.pt", mmap=True, weights_only=True)
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return root, env, ref
+    assert stream_jobs.source_bytes() >= 3 * CAP
+    yield root / "src"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT="120")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _expect(got: dict[str, torch.Tensor], rows: slice | None = None) -> None:
+    assert sorted(got) == sorted(stream_jobs.names())
+    for fqn in stream_jobs.names():
+        want = stream_jobs.value(fqn)
+        assert torch.equal(got[fqn], want if rows is None else want[rows]), fqn
+
+
+def _check_torch(out: Path) -> None:
+    _expect(torch.load(out, mmap=True, weights_only=True)["model"])
+
+
+def _check_safetensors(out: Path) -> None:
+    with safe_open(out, "pt") as f:
+        _expect({k.removeprefix("model."): f.get_tensor(k) for k in f.keys()})
+
+
+def _check_hf(out: Path) -> None:
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1, "--max-shard-size 300MB must split the model into shards"
+    got: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            got.update({k: f.get_tensor(k) for k in f.keys()})
+    _expect(got)
+
+
+def _check_dcp(out: Path) -> None:
+    assert sorted(p.name for p in out.iterdir()) == [".metadata"] + [
+        f"__{r}_0.distcp" for r in range(3)
+    ]
+    # DCP's own load, into memory rather than into another 1.25 GiB file.
+    state = {"model": {k: torch.empty_like(stream_jobs.value(k)) for k in stream_jobs.names()}}
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    _expect(state["model"])
+
+
+def _check_fsdp2_ranks(out: Path) -> None:
+    world_size = 3
+    assert sorted(p.name for p in out.iterdir()) == [f"rank_{r}.pt" for r in range(world_size)]
+    for rank in range(world_size):
+        model = torch.load(out / f"rank_{rank}.pt", mmap=True, weights_only=False)["model"]
+        assert sorted(model) == sorted(stream_jobs.names())
+        for fqn, leaf in model.items():
+            assert isinstance(leaf, DTensor) and leaf.placements == (Shard(0),), (rank, fqn)
+            # FSDP2's Shard(0) holds torch.chunk's pieces.
+            want = torch.chunk(stream_jobs.value(fqn), world_size)[rank]
+            assert torch.equal(leaf._local_tensor, want), (rank, fqn)
+
+
+def _check_fsdp1(job):
+    def check(out: Path) -> None:
+        assert sorted(p.name for p in out.iterdir()) == ["rank_0.pt", "rank_1.pt"]
+        assert run_ranks(job, 2, str(out), timeout=240) == [[], []]
+
+    return check
 
 
 CASES = {
-    "torch": ["o.pt", "--to", "full"],
-    "safetensors": ["o.safetensors", "--to", "full"],
-    "hf": ["o-hf", "--to", "full", "--format", "hf", "--max-shard-size", "200MB"],
-    "dcp": ["o-dcp", "--to", "sharded", "--world-size", "3"],
-    "fsdp2-ranks": [
-        "o-ranks",
-        "--to",
-        "local",
-        "--world-size",
-        "3",
-        "--model",
-        "stream_model:build",
-    ],
-    "fsdp1-sharded": [
-        *("o-fsdp1s", "--to", "local", "--format", "fsdp1-sharded", "--world-size", "2"),
-        *("--model", "stream_model:build", "--wrap", "stream_model:Block"),
-    ],
-    "fsdp1-local": [
-        *("o-fsdp1l", "--to", "local", "--format", "fsdp1-local", "--world-size", "2"),
-        *("--model", "stream_model:build", "--wrap", "stream_model:Block"),
-    ],
+    "torch": (["o.pt", "--to", "full"], _check_torch),
+    "safetensors": (["o.safetensors", "--to", "full"], _check_safetensors),
+    "hf": (["o-hf", "--to", "full", "--format", "hf", "--max-shard-size", "300MB"], _check_hf),
+    "dcp": (["o-dcp", "--to", "sharded", "--world-size", "3"], _check_dcp),
+    "fsdp2-ranks": (["o-ranks", "--to", "local", "--world-size", "3", *MODEL], _check_fsdp2_ranks),
+    "fsdp1-sharded": (
+        ["o-fsdp1s", "--to", "local", "--format", "fsdp1-sharded", "--world-size", "2", *MODEL],
+        _check_fsdp1(stream_jobs.check_sharded_tensors),
+    ),
+    "fsdp1-local": (
+        ["o-fsdp1l", "--to", "local", "--format", "fsdp1-local", "--world-size", "2", *MODEL],
+        _check_fsdp1(stream_jobs.check_fsdp1_local),
+    ),
 }
+# Every layout standalone; one also on 2 ranks, each rank under a cap of its own.
+RUNS = [(fmt, 1) for fmt in CASES] + [("dcp", 2)]
 
 
-def _tensors_of(fmt: str, out: Path, root: Path) -> dict[str, torch.Tensor]:
-    """Return the model tensors of output ``out`` by FQN, read by torch's or safetensors' own code."""
-    if fmt == "torch":
-        return torch.load(out, mmap=True, weights_only=True)["model"]
-    if fmt == "safetensors":
-        with safe_open(out, "pt") as f:
-            return {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}
-    if fmt == "hf":
-        got = {}
-        for shard in sorted(out.glob("*.safetensors")):
-            with safe_open(shard, "pt") as f:
-                got.update({k: f.get_tensor(k) for k in f.keys()})
-        return got
-    if fmt == "dcp":
-        dcp_to_torch_save(out, root / f"back-{fmt}.pt")
-        return torch.load(root / f"back-{fmt}.pt", mmap=True, weights_only=True)["model"]
-    if fmt == "fsdp2-ranks":
-        files = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(3)]
-        return {
-            k: torch.cat([f["model"][k]._local_tensor for f in files]) for k in files[0]["model"]
-        }
-    # FSDP1's ShardedTensors unpickle only in a job of M: read back through shardckpt.
-    back = root / f"back-{fmt}.pt"
-    api.convert(out, back, to="full", model="stream_model:build", wraps=["stream_model:Block"])
-    return torch.load(back, mmap=True, weights_only=True)["model"]
-
-
-@pytest.mark.parametrize("fmt", list(CASES))
-def test_every_layout_converts_three_times_its_memory_cap_bit_exact(big, fmt, monkeypatch):
-    root, env, ref = big
-    out = root / CASES[fmt][0]
-    argv = [sys.executable, "-m", "shardckpt", "convert", str(root / "src"), str(out)]
-    argv += [*CASES[fmt][1:], "--buffer-size", "32MiB", "--quiet"]
-    with memory_capped(CAP) as prefix:
-        proc = subprocess.run([*prefix, *argv], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, (
-            f"killed under the {CAP >> 20} MiB cap (rc {proc.returncode})"
-            if proc.returncode in (-9, 137)
-            else proc.stderr
-        )
-    monkeypatch.syspath_prepend(str(root))
-    got = _tensors_of(fmt, out, root)
-    assert sorted(got) == sorted(ref["model"])
-    for name, tensor in ref["model"].items():
-        assert torch.equal(got[name], tensor), name
+@pytest.mark.parametrize("fmt, nproc", RUNS, ids=[f"{f}-N{n}" for f, n in RUNS])
+def test_every_layout_converts_a_checkpoint_three_times_its_memory_cap_bit_exact(
+    source, tmp_path, fmt, nproc
+):
+    (name, *options), check = CASES[fmt]
+    out = tmp_path / name
+    argv = [sys.executable, "-m", "shardckpt", "convert", str(source), str(out), *options]
+    argv += ["--buffer-size", BUFFER, "--quiet"]
+    try:
+        with memory_capped(CAP, processes=nproc) as cap:
+            if nproc > 1:
+                torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+                argv = [*torchrun, f"--nproc-per-node={nproc}", "--no-python", *cap.prefix, *argv]
+            else:
+                argv = [*cap.prefix, *argv]
+            proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=240)
+            assert proc.returncode == 0, (
+                f"killed under the {CAP // MiB} MiB cap (rc {proc.returncode}): {proc.stderr[-2000:]}"
+                if proc.returncode in (-9, 137, 1)
+                else proc.stderr
+            )
+        check(out)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)

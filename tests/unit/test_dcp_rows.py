@@ -1,0 +1,89 @@
+"""Rows of a DCP source are read from the chunks' own bytes, bit-exact with DCP's loader.
+
+``shardckpt.formats.dcp_rows`` reads a batch of rows with ``preadv`` from where torch's
+loader says a chunk's storage lies; a chunk it cannot place (not stored row after row)
+goes through ``dcp.load``. Both are checked against ``dcp_to_torch_save``, torch's own
+reading of the same directory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from reference import assert_trees_equal
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from shardckpt import api
+from shardckpt.formats import dcp as dcp_format
+from shardckpt.formats.dcp import DcpReader
+
+
+def _source(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "model": {
+            "w": torch.randn(37, 5, generator=g),
+            "half": torch.randn(11, 3, generator=g).to(torch.bfloat16),
+            "ids": torch.randint(-(2**40), 2**40, (9,), generator=g),
+            "mask": torch.rand(6, 2, generator=g) > 0.5,
+            "scale": torch.tensor(0.25, dtype=torch.float64),
+            # Stored with the strides of its transpose: not row after row.
+            "t": torch.randn(4, 6, generator=g).t(),
+            "empty": torch.zeros(0, 4),
+        },
+        "step": 3,
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "src", no_dist=True)
+    dcp_to_torch_save(tmp_path / "src", tmp_path / "ref.pt")
+    return tmp_path / "src", torch.load(tmp_path / "ref.pt", weights_only=True)
+
+
+def _loads(monkeypatch) -> list[list[str]]:
+    """Record the keys of every ``dcp.load`` the reader runs."""
+    calls: list[list[str]] = []
+    original = DcpReader._load
+
+    def spy(self, state_dict, planner):
+        calls.append(sorted(state_dict))
+        return original(self, state_dict, planner)
+
+    monkeypatch.setattr(DcpReader, "_load", spy)
+    return calls
+
+
+def test_batches_of_a_few_rows_are_bit_exact_and_only_the_strided_chunk_goes_through_dcp_load(
+    tmp_path, monkeypatch
+):
+    src, ref = _source(tmp_path)
+    calls = _loads(monkeypatch)
+    # 64 bytes a batch: 'w' (37 rows of 20 bytes) is read 3 rows at a time.
+    api.convert(src, tmp_path / "out.pt", to="full", buffer_bytes=64)
+    assert_trees_equal(torch.load(tmp_path / "out.pt", weights_only=True), ref)
+    # The value 'step' while indexing, then only the transposed tensor, batch by batch.
+    assert calls[0] == ["step"]
+    assert calls[1:] and all(keys == ["model.t"] for keys in calls[1:])
+
+
+def test_rows_that_start_inside_a_chunk_are_read_from_their_offset(tmp_path):
+    src, ref = _source(tmp_path)
+    reader = DcpReader(src)
+    metas = {m.key: m for _, m in reader.index().tensors()}
+    got = reader.read([metas["model.w"], metas["model.half"]], [(13, 29), (10, 11)], None)
+    assert torch.equal(got[0], ref["model"]["w"][13:29])
+    assert torch.equal(got[1].view(torch.int16), ref["model"]["half"][10:11].view(torch.int16))
+
+
+def test_a_chunk_is_located_once_however_many_batches_read_it(tmp_path, monkeypatch):
+    src, _ = _source(tmp_path)
+    located = []
+    original = dcp_format.StoredRows._place
+
+    def count(self, key, offsets, sizes, dtype):
+        if (key, offsets) not in self._placed:
+            located.append(key)
+        return original(self, key, offsets, sizes, dtype)
+
+    monkeypatch.setattr(dcp_format.StoredRows, "_place", count)
+    api.convert(src, tmp_path / "out.safetensors", to="full", buffer_bytes=64)
+    assert sorted(located) == sorted(set(located))
+    assert "model.w" in located
