@@ -10,10 +10,11 @@ dcp_to_torch_save and `cp -r`, uncapped), then `shardckpt convert` into each lay
 each launch size N (N=1 standalone, N>1 under torchrun). One markdown table on stdout
 (or one JSON document with --json); progress and failures on stderr.
 
-- Memory cap: with --mem-cap, each shardckpt case runs in a memory cgroup of its own
+- Memory cap: with --mem-cap, each converting process (the standalone process, or
+  each torchrun rank; never torchrun's agent) runs in a memory cgroup of its own
   (v1 `memory.limit_in_bytes` + `memory.memsw.limit_in_bytes`, or v2 `memory.max` +
-  `memory.swap.max`), created under this process's own cgroup and removed after the
-  case. A case the OOM killer hit reads "OOM". Without root or a writable memory
+  `memory.swap.max`), made under this process's own cgroup and removed after the
+  case: the promise is memory per process. A case the OOM killer hit reads "OOM". Without root or a writable memory
   controller the cases run uncapped and the header says why.
 - Peak RSS: VmHWM (the kernel's high-water mark of resident memory) of every process of
   the case, read from /proc every 50 ms; the table shows the largest worker's (N>1) or
@@ -125,7 +126,9 @@ class Case:
     layout: str
     """A key of LAYOUTS, or "copy" for `cp -r`."""
     argv: list[str]
-    """The command, run from the repository root."""
+    """The command, run from the repository root (each rank's, under ``launcher``)."""
+    launcher: list[str] = field(default_factory=list)
+    """torchrun, which runs ``argv`` on each rank; empty for a standalone command."""
     dst: Path
     """What the command writes; removed before the case and after its check."""
     world_size: int | None = None
@@ -187,7 +190,10 @@ def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> C
         name="torchrun -m shardckpt",
         nproc=nproc,
         layout=layout,
-        argv=[*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "shardckpt", *convert],
+        # --no-python: each rank runs argv as given, so that under --mem-cap it first
+        # moves itself into a cgroup of its own.
+        launcher=[*TORCHRUN, f"--nproc-per-node={nproc}", "--no-python"],
+        argv=[sys.executable, "-m", "shardckpt", *convert],
         dst=dst,
         world_size=world_size,
         env=TORCHRUN_ENV,
@@ -198,53 +204,63 @@ def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> C
 # ----------------------------------------------------------------------- memory cap
 
 
+# Run by each converting process: join cgroup slot $LOCAL_RANK (0 standalone) under
+# the case's cgroup ($0), then exec the command, which is charged from its first byte.
+# bash's $BASHPID, not $$: torchrun rewrites "$$" in its arguments to "$".
+ENTER_SLOT = 'echo $BASHPID > "$0/slot${LOCAL_RANK:-0}/cgroup.procs" && exec "$@"'
+
+
 @dataclass(kw_only=True, slots=True)
 class Cgroup:
-    """A memory cgroup made for one case; remove() it when the case is over."""
+    """A case's memory cgroup: one capped slot per converting process; remove() it after."""
 
     path: Path
     version: int
     """1 (the legacy memory controller) or 2 (the unified hierarchy)."""
+    slots: int
 
     def wrap(self, argv: list[str]) -> list[str]:
-        """Return argv run by a shell that first moves itself into this cgroup."""
-        # The shell joins the cgroup and then execs the command, so the command and
-        # everything it starts are charged to the cgroup from their first byte.
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *argv]
+        """Return argv run by a shell that first moves itself into its process's slot."""
+        return ["bash", "-c", ENTER_SLOT, str(self.path), *argv]
+
+    def _slots(self) -> list[Path]:
+        return [self.path / f"slot{i}" for i in range(self.slots)]
 
     def oom_kills(self) -> int:
-        """Return how many processes the OOM killer has killed in this cgroup."""
+        """Return how many processes the OOM killer has killed in this case's slots."""
         name = "memory.oom_control" if self.version == 1 else "memory.events"
-        return read_keyed(self.path / name).get("oom_kill", 0)
+        return sum(read_keyed(slot / name).get("oom_kill", 0) for slot in self._slots())
 
     def peak_bytes(self) -> int | None:
-        """Return the cgroup's peak charge (page cache included), if the kernel keeps one."""
+        """Return the largest slot's peak charge (page cache included), if the kernel keeps one."""
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
         try:
-            return int((self.path / name).read_text())
+            return max(int((slot / name).read_text()) for slot in self._slots())
         except (OSError, ValueError):
             return None
 
     def remove(self) -> None:
-        """Kill what is left in the cgroup (an orphaned worker) and delete it."""
-        for _ in range(100):
-            pids = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
-        # The kernel may still be uncharging the last exited process: EBUSY for a moment.
-        for _ in range(100):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
+        """Kill what is left in the slots (an orphaned worker) and delete them."""
+        for group in [*self._slots(), self.path]:
+            for _ in range(100):
+                pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 time.sleep(0.05)
-        log(f"could not remove cgroup {self.path}; remove it with rmdir")
+            # The kernel may still be uncharging the last exited process: EBUSY for a moment.
+            for _ in range(100):
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            else:
+                log(f"could not remove cgroup {group}; remove it with rmdir")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -270,10 +286,20 @@ class MemoryCap:
             return "no"
         return "yes" if self.applies else "unavailable"
 
-    def create(self, name: str) -> Cgroup:
-        """Return a new cgroup under parent limited to limit bytes, with no swap."""
+    def create(self, name: str, slots: int) -> Cgroup:
+        """Return a new cgroup under parent with ``slots`` children, each capped, with no swap."""
         assert self.parent is not None and self.limit is not None
-        path = self.parent / name
+        top = self.parent / name
+        top.mkdir()
+        if self.version == 2:
+            enable_memory_controller(top)
+        for i in range(slots):
+            self._limited(top / f"slot{i}")
+        return Cgroup(path=top, version=self.version, slots=slots)
+
+    def _limited(self, path: Path) -> None:
+        """Make cgroup ``path`` limited to limit bytes, with no swap."""
+        assert self.limit is not None
         path.mkdir()
         try:
             if self.version == 1:
@@ -290,16 +316,17 @@ class MemoryCap:
         except OSError:
             path.rmdir()
             raise
-        return Cgroup(path=path, version=self.version)
 
     def describe(self) -> str:
         """Return the cap line of the report header."""
         if self.limit is None:
             return "none (no --mem-cap)"
-        size = f"{self.limit / 2**30:.2f} GiB per case"
+        size = f"{self.limit / 2**30:.2f} GiB per converting process"
         if not self.applies:
             return f"{size} asked, cap unavailable: {self.unavailable}; cases ran uncapped"
-        return f"{size}, no swap (cgroup v{self.version}, one cgroup per case under {self.parent})"
+        return (
+            f"{size}, no swap (cgroup v{self.version}, one cgroup per process under {self.parent})"
+        )
 
 
 def probe_cap(limit: int | None) -> MemoryCap:
@@ -544,8 +571,12 @@ def measure(case: Case, src_bytes: int, cap: MemoryCap) -> Result:
     remove(case.dst)
     # Dirty pages of earlier cases are written back now, not during this one.
     os.sync()
-    cgroup = cap.create(f"shardckpt-bench-{os.getpid()}") if cap.status(case) == "yes" else None
-    argv = cgroup.wrap(case.argv) if cgroup else case.argv
+    cgroup = (
+        cap.create(f"shardckpt-bench-{os.getpid()}", case.nproc)
+        if cap.status(case) == "yes"
+        else None
+    )
+    argv = [*case.launcher, *(cgroup.wrap(case.argv) if cgroup else case.argv)]
     try:
         with tempfile.TemporaryFile() as stderr:
             start = time.perf_counter()
