@@ -343,7 +343,7 @@ def probe_cap(limit: int | None) -> MemoryCap:
         try:
             if version == 2:
                 enable_memory_controller(parent)
-            trial.create(f"shardckpt-bench-probe-{os.getpid()}").remove()
+            trial.create(f"shardckpt-bench-probe-{os.getpid()}", 1).remove()
         except OSError as e:
             reasons.append(f"{parent}: {e.strerror or e}")
             continue
