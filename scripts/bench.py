@@ -148,7 +148,7 @@ def shardckpt_argv() -> list[str]:
 
 
 def reference_cases(src: Path, workdir: Path) -> list[Case]:
-    """Return dcp_to_torch_save (whose output is the exactness reference) and `cp -r`."""
+    """Return dcp_to_torch_save (whose output is the exactness reference), `cp -r` and `cp -r && sync`."""
     return [
         Case(
             name="dcp_to_torch_save",
@@ -162,6 +162,15 @@ def reference_cases(src: Path, workdir: Path) -> list[Case]:
             nproc=1,
             layout="copy",
             argv=["cp", "-r", str(src), str(workdir / "copy")],
+            dst=workdir / "copy",
+        ),
+        # shardckpt fsyncs what it wrote before it renames it into place; `cp -r` leaves
+        # its bytes in the page cache. This row is the copy that is on disk at the end.
+        Case(
+            name="cp -r && sync",
+            nproc=1,
+            layout="copy",
+            argv=["sh", "-c", 'cp -r "$0" "$1" && sync', str(src), str(workdir / "copy")],
             dst=workdir / "copy",
         ),
     ]
@@ -551,6 +560,8 @@ class Result:
     vs_dcp_to_torch_save: float | None = None
     """wall_s over dcp_to_torch_save's (None if either failed)."""
     vs_copy: float | None = None
+    vs_copy_synced: float | None = None
+    """wall_s over `cp -r && sync`'s (None if either failed)."""
     """wall_s over `cp -r`'s (None if either failed)."""
 
     @property
@@ -684,11 +695,13 @@ def add_ratios(results: list[Result]) -> None:
     """Fill in each result's wall time relative to dcp_to_torch_save and to cp -r."""
     walls = {r.case: r.wall_s for r in results if r.ok}
     torch_wall, copy_wall = walls.get("dcp_to_torch_save"), walls.get("cp -r")
+    synced_wall = walls.get("cp -r && sync")
     for r in results:
         if not r.ok:
             continue
         r.vs_dcp_to_torch_save = r.wall_s / torch_wall if torch_wall else None
         r.vs_copy = r.wall_s / copy_wall if copy_wall else None
+        r.vs_copy_synced = r.wall_s / synced_wall if synced_wall else None
 
 
 # ----------------------------------------------------------------------- exactness
@@ -976,16 +989,17 @@ def table(results: list[Result]) -> str:
         return "–" if value is None else f"{value:.2f}x"
 
     lines = [
-        "| case | N | layout | wall s | GB/s | × cp -r | × dcp_to_torch_save "
+        "| case | N | layout | wall s | GB/s | × cp -r | × cp -r && sync | × dcp_to_torch_save "
         "| peak RSS/process GiB | capped | result | exact |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         layout = r.layout if r.world_size is None else f"{r.layout} (M={r.world_size})"
         speed = f"{r.gb_per_s:.2f}" if r.ok else "–"
         lines.append(
             f"| {r.case} | {r.nproc} | {layout} | {r.wall_s:.2f} | {speed} "
-            f"| {ratio(r.vs_copy)} | {ratio(r.vs_dcp_to_torch_save)} | {r.peak_rss_gib:.2f} "
+            f"| {ratio(r.vs_copy)} | {ratio(r.vs_copy_synced)} | {ratio(r.vs_dcp_to_torch_save)} "
+            f"| {r.peak_rss_gib:.2f} "
             f"| {r.capped} | {r.outcome} | {r.exact} |"
         )
     return "\n".join(lines)
@@ -1086,7 +1100,7 @@ def main() -> int:
     largest_path, largest_bytes = largest_tensor(src)
     log(f"source: {src} ({src_bytes / 1e9:.3f} GB, largest tensor {largest_bytes} B)")
 
-    ref_case, copy_case = reference_cases(src, workdir)
+    ref_case, *copy_cases = reference_cases(src, workdir)
     convert_cases = [
         shardckpt_case(src, workdir, n, layout, args) for n in args.nproc for layout in args.layouts
     ]
@@ -1100,13 +1114,14 @@ def main() -> int:
         else:
             log("dcp_to_torch_save failed: outputs cannot be checked (exact: –)")
             check = None
-        results.append(run_case(copy_case, args, src_bytes, cap, check=None))
-        remove(copy_case.dst)
+        for copy_case in copy_cases:
+            results.append(run_case(copy_case, args, src_bytes, cap, check=None))
+            remove(copy_case.dst)
         for case in convert_cases:
             results.append(run_case(case, args, src_bytes, cap, check=check))
             remove(case.dst)
     finally:
-        outputs = [ref_case.dst, copy_case.dst, *(c.dst for c in convert_cases)]
+        outputs = [ref_case.dst, *(c.dst for c in [*copy_cases, *convert_cases])]
         sources = [] if args.keep else [src, src.with_name(src.name + ".partial")]
         cleanup([*outputs, *sources], workdir)
     add_ratios(results)
