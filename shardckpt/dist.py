@@ -1,8 +1,9 @@
 """The launch runtime: the only module that creates or destroys process groups.
 
 Standalone runs (no ``torchrun`` environment) get a world of one and no process group.
-Under ``torchrun`` the process group comes from the environment: ``gloo`` on CPU, or
-``nccl`` for CUDA tensors when every rank has a GPU (``--device`` overrides).
+Under ``torchrun`` the process group comes from the environment, ``gloo`` on every rank;
+when every rank has a GPU of its own (``--device`` overrides), CUDA tensors go over an
+``nccl`` group made beside it, once the ranks agreed on that over gloo.
 
 Protocol, per command:
   1) (all ranks) ``launch(device)`` enters; every rank validates its inputs identically.
@@ -34,6 +35,7 @@ from shardckpt.errors import (
     RemoteRankError,
     ShardckptError,
     UsageError,
+    notice,
 )
 
 T = TypeVar("T")
@@ -156,13 +158,15 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
     """Yield the runtime for this process, tearing the process group down on every exit path."""
     if device not in (None, "cpu", "cuda"):
         raise UsageError(f"unknown --device {device!r}", hint="use --device cpu or --device cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            "--device cuda was given but this machine has no CUDA GPU", hint="use --device cpu"
-        )
     if not under_torchrun():
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UsageError(
+                "--device cuda was given but this machine has no CUDA GPU", hint="use --device cpu"
+            )
         yield Runtime(device=torch.device(device or "cpu"))
         return
+    # Under torchrun no rank decides alone, not even to fail: a rank that left before the
+    # process group exists would leave the others waiting in it (see device_for).
 
     rank, world_size = env_rank(), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -170,12 +174,11 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > local_rank
     )
     timeout = timedelta(seconds=float(os.environ.get("SHARDCKPT_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    # One process group serves both: object and CPU collectives go to gloo, CUDA ones to nccl.
-    backend = "cpu:gloo,cuda:nccl" if has_gpu else "gloo"
     try:
-        if has_gpu:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        # Every rank asks for the same backend, whatever GPUs it sees: a rank asking for
+        # gloo+nccl and another for gloo alone wait for each other forever. Which ranks
+        # have a GPU is agreed over this group, before any CUDA work.
+        dist.init_process_group(backend="gloo", timeout=timeout)
     except Exception as exc:
         raise IOFailure(
             f"could not join the process group: {_one_line(exc)}",
@@ -184,18 +187,15 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
     in_step = False  # whether every rank is known to reach the teardown together
     runtime = Runtime(rank=rank, world_size=world_size, timeout_s=timeout.total_seconds())
     try:
-        all_have_gpu = not _any_rank(runtime, not has_gpu)
-        if device == "cuda" and not all_have_gpu:
-            raise UsageError(
-                "--device cuda was given but not every rank has a GPU",
-                hint="use --device cpu, or one process per GPU",
+        with_gpu = _count_ranks(runtime, has_gpu)
+        dev_type = device_for(device, with_gpu, world_size)
+        if device is None and 0 < with_gpu < world_size and runtime.coordinator:
+            notice(
+                f"running on CPU: {with_gpu} of the {world_size} ranks have a GPU of their own "
+                "(pass --device cpu to say so and silence this note)"
             )
-        use_cuda = all_have_gpu and device != "cpu"
-        dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-        from torch.distributed.device_mesh import init_device_mesh
-
         with runtime.collective():
-            mesh = init_device_mesh(dev.type, (world_size,))
+            dev, mesh = _join_device(dev_type, local_rank, world_size)
         yield dataclasses.replace(runtime, device=dev, mesh=mesh)
         in_step = True
     except BaseException as exc:
@@ -213,11 +213,45 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             dist.destroy_process_group()
 
 
-def _any_rank(runtime: Runtime, flag: bool) -> bool:
+def device_for(requested: str | None, with_gpu: int, world_size: int) -> str:
+    """Return the device type every rank runs on, from ``--device`` and how many ranks have a GPU.
+
+    The same on every rank (its inputs are agreed). ``--device cuda`` needs a GPU on
+    every rank; with no ``--device``, CUDA is used only when every rank has one.
+    """
+    if requested == "cpu":
+        return "cpu"
+    if with_gpu == world_size:
+        return "cuda"
+    if requested == "cuda":
+        raise UsageError(
+            f"--device cuda was given but only {with_gpu} of the {world_size} ranks have a GPU "
+            "of their own",
+            hint="use --device cpu, or launch one process per GPU",
+        )
+    return "cpu"
+
+
+def _count_ranks(runtime: Runtime, flag: bool) -> int:
+    """Return on how many ranks ``flag`` is true (over the gloo group)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     with runtime.collective():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
+def _join_device(dev_type: str, local_rank: int, world_size: int) -> tuple[torch.device, object]:
+    """Return this rank's device and the 1-D mesh over every rank on that device type.
+
+    On CUDA, collectives of CUDA tensors go over an NCCL group made beside the gloo one.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if dev_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        group = dist.new_group(backend="nccl")
+        return torch.device("cuda", local_rank), DeviceMesh.from_group(group, "cuda")
+    return torch.device("cpu"), init_device_mesh("cpu", (world_size,))
 
 
 def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> CollectiveFailure:

@@ -57,7 +57,8 @@ DeviceOpt = Annotated[
     Device | None,
     typer.Option(
         "--device",
-        help="Under torchrun: cpu (gloo) or cuda (nccl); default: cuda when every rank has a GPU.",
+        help="Under torchrun: cpu, or cuda (every rank needs a GPU of its own); "
+        "default: cuda when every rank has one, else cpu.",
     ),
 ]
 CleanFqns = Annotated[
