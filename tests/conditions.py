@@ -74,9 +74,14 @@ def run_unprivileged(argv: list, cwd: Path) -> subprocess.CompletedProcess:
 
 @dataclass(frozen=True)
 class MemoryCap:
-    """Memory cgroups, one per process of a run: ``prefix`` puts a command in its own."""
+    """Memory cgroups ``{base}-{i}``, one per process of a run: ``prefix`` puts a command in its own."""
 
-    groups: tuple[Path, ...]
+    base: Path
+    processes: int
+
+    @property
+    def groups(self) -> list[Path]:
+        return [self.base.with_name(f"{self.base.name}-{i}") for i in range(self.processes)]
 
     @property
     def prefix(self) -> list[str]:
@@ -86,8 +91,7 @@ class MemoryCap:
         a cap of its own (the promise is per process), and torchrun's agent none. (bash's
         ``$BASHPID``, not ``$$``: torchrun rewrites ``$$`` in its arguments to ``$``.)
         """
-        base = str(self.groups[0])[: -len("-0")]
-        script = f'echo $BASHPID > {base}-"${{LOCAL_RANK:-0}}"/cgroup.procs && exec "$@"'
+        script = f'echo $BASHPID > {self.base}-"${{LOCAL_RANK:-0}}"/cgroup.procs && exec "$@"'
         return ["bash", "-c", script, "capped"]
 
 
@@ -107,10 +111,10 @@ def memory_capped(limit_bytes: int, processes: int = 1) -> Iterator[MemoryCap]:
         root, limits = v2, ["memory.max", "memory.swap.max"]
     else:
         pytest.skip("no cgroup memory controller on this machine to cap memory with")
-    groups = tuple(root / f"{base}-{i}" for i in range(processes))
+    cap = MemoryCap(root / base, processes)
     made: list[Path] = []
     try:
-        for group in groups:
+        for group in cap.groups:
             try:
                 group.mkdir()
             except OSError as exc:
@@ -122,7 +126,7 @@ def memory_capped(limit_bytes: int, processes: int = 1) -> Iterator[MemoryCap]:
                     (group / limit).write_text(value)
                 elif i == 0:
                     pytest.skip(f"{group / limit} is missing")
-        yield MemoryCap(groups)
+        yield cap
     finally:
         for group in made:
             with contextlib.suppress(OSError):

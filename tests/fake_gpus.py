@@ -19,23 +19,21 @@ import torch
 from shardckpt import dist as shardckpt_dist
 from shardckpt.cli import run
 
+_real_join = shardckpt_dist._join_device
+
 
 def _fake_cuda(count: int) -> list[str]:
     """Make this process see ``count`` CUDA devices; return the list the chosen device types go to."""
     torch.cuda.is_available = lambda: count > 0
     torch.cuda.device_count = lambda: count
     chosen: list[str] = []
-    join = _real_join
 
     def record(dev_type: str, local_rank: int, world_size: int):
         chosen.append(dev_type)
-        return join("cpu", local_rank, world_size)
+        return _real_join("cpu", local_rank, world_size)
 
     shardckpt_dist._join_device = record
     return chosen
-
-
-_real_join = shardckpt_dist._join_device
 
 
 def run_cases(rank: int, world_size: int, cases: list, results) -> None:

@@ -373,12 +373,11 @@ class DcpReader(Reader):
             if r is not None and r != (0, meta.shape[0]):
                 row_starts[meta.key] = r[0]
         # An empty target has nothing to read (an empty shard, a zero-size tensor); a
-        # chunk StoredRows cannot place is read by DCP's loader.
-        wanted = {
-            k: t
-            for k, t in targets.items()
-            if t.numel() and not self._rows.read_into(k, t, row_starts.get(k, 0))
-        }
+        # target with a chunk StoredRows cannot place is read by DCP's loader.
+        wanted = {}
+        for key, target in targets.items():
+            if target.numel() and not self._rows.read_into(key, target, row_starts.get(key, 0)):
+                wanted[key] = target
         if wanted:
             starts = {k: v for k, v in row_starts.items() if k in wanted}
             self._load(wanted, _SafeLoadPlanner(self.trust_pickle, self.src, starts))
