@@ -36,6 +36,7 @@ from shardckpt.regions import (
     batches,
     combine_crc,
     crc32,
+    nbytes,
     row_elements,
     rows_of,
 )
@@ -82,14 +83,14 @@ def run(reader: Reader, plan, writer: Writer, runtime, progress) -> None:
     regions = sorted(frame.regions, key=lambda r: (order[r.key], r.start))
     work = batches(regions, metas, plan.buffer_bytes)
     steps = _most(runtime, len(work))
-    progress.begin(sum(_nbytes(r, metas) for r in frame.regions) * runtime.world_size)
+    progress.begin(sum(nbytes(r, metas) for r in frame.regions) * runtime.world_size)
     files = _Files(writer.root)
     pieces: list[Piece] = list(frame.pieces)
     try:
         for i in range(steps):
             batch = work[i] if i < len(work) else []
             pieces += runtime.agreed(lambda b=batch: _fill(reader, b, metas, files, runtime))
-            progress(sum(_nbytes(r, metas) for r in batch) * runtime.world_size)
+            progress(sum(nbytes(r, metas) for r in batch) * runtime.world_size)
         runtime.agreed(files.sync)
     finally:
         files.close()
@@ -105,10 +106,6 @@ def _most(runtime, count: int) -> int:
     return int(t.item())
 
 
-def _nbytes(region: Region, metas) -> int:
-    return (region.stop - region.start) * metas[region.key].dtype.itemsize
-
-
 def _fill(reader: Reader, batch: list[Region], metas, files: _Files, runtime) -> list[Piece]:
     """Read the rows that hold ``batch``'s regions and write each region at its offset."""
     batch = [r for r in batch if r.stop > r.start]
@@ -119,10 +116,10 @@ def _fill(reader: Reader, batch: list[Region], metas, files: _Files, runtime) ->
         first, tensor = read(region)
         flat = tensor.reshape(-1)[region.start - first : region.stop - first]
         data = contiguous_bytes(flat)
-        if len(data) != _nbytes(region, metas):
+        if len(data) != nbytes(region, metas):
             raise RuntimeError(
                 f"internal: read {len(data)} bytes of '{meta.key}' for a region of "
-                f"{_nbytes(region, metas)}"
+                f"{nbytes(region, metas)}"
             )
         fd = files.fd(region.file)
         with writing(files.path(region.file)):

@@ -70,6 +70,11 @@ def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, 
     return (int(offset), int(offset) + int(size))
 
 
+def nbytes(region: Region, metas: dict[str, TensorMeta]) -> int:
+    """Return the bytes ``region`` covers."""
+    return (region.stop - region.start) * metas[region.key].dtype.itemsize
+
+
 def whole(meta: TensorMeta, file: str, offset: int, record: Record | None = None) -> Region:
     """Return the region that puts all of ``meta`` at ``offset`` of ``file``."""
     return Region(meta.key, 0, meta.numel, file, offset, record)
@@ -95,7 +100,7 @@ def spread(
 ) -> list[Region]:
     """Return the part of ``regions`` process ``rank`` of ``world_size`` fills: its rows of each.
 
-    Rows are split as ``Shard(0)`` splits them (``plan.dim0_rows``), so each process
+    Rows are split as ``Shard(0)`` splits them (``dim0_rows``), so each process
     reads what it would hold in training; a 0-dim tensor goes to one process, in turn.
     """
     out = []
@@ -133,12 +138,12 @@ def batches(
     out: list[list[Region]] = []
     size = limit
     for part in _split(regions, metas, limit):
-        nbytes = (part.stop - part.start) * metas[part.key].dtype.itemsize
-        if size + nbytes > limit or not out:
+        part_bytes = nbytes(part, metas)
+        if size + part_bytes > limit or not out:
             out.append([])
             size = 0
         out[-1].append(part)
-        size += nbytes
+        size += part_bytes
     return out
 
 
@@ -148,7 +153,7 @@ def _split(regions: Sequence[Region], metas: dict[str, TensorMeta], limit: int) 
         step = max(1, limit // max(1, row_elements(meta) * meta.dtype.itemsize)) * row_elements(
             meta
         )
-        if (region.stop - region.start) * meta.dtype.itemsize <= limit or not meta.shape:
+        if nbytes(region, metas) <= limit or not meta.shape:
             yield region
             continue
         # Cut at row boundaries of the tensor, so each part reads whole rows.
