@@ -94,6 +94,15 @@ class MemoryCap:
         script = f'echo $BASHPID > {self.base}-"${{LOCAL_RANK:-0}}"/cgroup.procs && exec "$@"'
         return ["bash", "-c", script, "capped"]
 
+    def peak(self, process: int = 0) -> int:
+        """Return the most memory group ``process`` was charged so far (v1 or v2's counter)."""
+        group = self.groups[process]
+        for name in ("memory.max_usage_in_bytes", "memory.peak"):
+            text = _read(group / name)
+            if text:
+                return int(text)
+        pytest.skip(f"{group} keeps no peak of its memory use")
+
 
 @contextmanager
 def memory_capped(limit_bytes: int, processes: int = 1) -> Iterator[MemoryCap]:
@@ -134,6 +143,18 @@ def memory_capped(limit_bytes: int, processes: int = 1) -> Iterator[MemoryCap]:
 
 
 _caps = itertools.count()
+
+
+def idle_charge(argv: list[str]) -> int:
+    """Return the memory a cgroup is charged for running ``argv`` uncapped (its peak).
+
+    What importing torch costs depends on the build: about 270 MiB for the CPU wheel,
+    560 MiB for a CUDA one, whose libraries are mapped even where no GPU is. A cap
+    meant to leave a budget for the work is that floor plus the budget.
+    """
+    with memory_capped(1 << 50) as cap:
+        subprocess.run([*cap.prefix, *argv], check=True, capture_output=True, timeout=120)
+        return cap.peak()
 
 
 def _read(path: Path) -> str:

@@ -34,7 +34,7 @@ from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
 
 @contextlib.contextmanager
-def _quiet_mesh_unpickling() -> Iterator[None]:
+def quiet_mesh_unpickling() -> Iterator[None]:
     """Silence DeviceMesh's warning that a pickled mesh's process groups do not exist here.
 
     The conversion never runs a collective on a source's mesh, so the missing groups
@@ -83,7 +83,7 @@ class Fsdp2RanksReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         self.parts = present_rank_files(self.src)
-        with _quiet_mesh_unpickling():
+        with quiet_mesh_unpickling():
             self.objects = {
                 part: {r: load_dict(p, self.trust_pickle) for r, p in files.items()}
                 for part, files in self.parts.items()
@@ -235,4 +235,4 @@ def _mesh_rank(mesh) -> int | None:
     return None if rank is None else int(rank)
 
 
-__all__ = ["Fsdp2RanksReader", "describe_placements"]
+__all__ = ["Fsdp2RanksReader", "describe_placements", "quiet_mesh_unpickling"]

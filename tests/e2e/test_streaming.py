@@ -5,13 +5,14 @@ fresh memory cgroup (``conditions.memory_capped``), under ``torchrun --no-python
 cgroup per rank, and the kernel kills a process that goes over. The cgroup charges
 what a process makes resident: its own memory, and the page cache of what it reads and
 writes, which is reclaimed when the cap is reached; so only memory a process holds on
-to can get it killed. An idle ``python -m shardckpt`` with torch imported is charged
-about 200 MiB; ``CAP`` leaves the rest for the work, with ``--buffer-size 32MiB``.
+to can get it killed. The cap is what a process that only imports shardckpt and torch
+is charged (``conditions.idle_charge``: about 200 MiB with torch's CPU wheel, 560 MiB
+with a CUDA build) plus ``WORK``, 216 MiB, for the work with ``--buffer-size 32MiB``.
 
-The source (``stream_jobs``: 1.25 GiB, saved by ``dcp.save``) is over three times the
-cap, and its 256 MiB embedding is one stored chunk: a process that held the
-checkpoint, a target rank's part of it, or a whole chunk to read a batch of its rows,
-is killed.
+The source (``stream_jobs``: 1.25 GiB, saved by ``dcp.save``) is over five times
+``WORK`` (three times the whole cap on the CPU wheel), and its 256 MiB embedding is one
+stored chunk, bigger than ``WORK``: a process that held the checkpoint, a target
+rank's part of it, or a whole chunk to read a batch of its rows, is killed.
 
 Values are checked against what was given to ``dcp.save`` (``stream_jobs.value``),
 through torch's and safetensors' own readers of each output: ``torch.chunk`` for what
@@ -33,7 +34,7 @@ import pytest
 import stream_jobs
 import torch
 import torch.distributed.checkpoint as dcp
-from conditions import memory_capped
+from conditions import idle_charge, memory_capped
 from harness import run_ranks
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
@@ -41,17 +42,22 @@ from torch.distributed.tensor import DTensor, Shard
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 2**20
-CAP = 416 * MiB
+WORK = 216 * MiB
 BUFFER = "32MiB"
 TESTS_DIR = Path(__file__).resolve().parents[1]
 MODEL = ["--model", "stream_jobs:build", "--wrap", "stream_jobs:Block"]
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def cap() -> int:
+    """Return the cap per process: an idle shardckpt process's charge plus ``WORK``."""
+    imports = "import shardckpt.api, shardckpt.cli, torch.distributed.checkpoint"
+    return idle_charge([sys.executable, "-c", imports]) + WORK
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, cap):
     """Return the directory of the 1.25 GiB DCP checkpoint; removed after the module."""
-    with memory_capped(CAP):
-        pass  # skip at once where no cap can be made, before 1.25 GiB is written
     root = tmp_path_factory.mktemp("streaming")
     need = 2 * stream_jobs.source_bytes() + 256 * MiB
     if shutil.disk_usage(root).free < need:
@@ -59,7 +65,8 @@ def source(tmp_path_factory):
     state = {"model": {k: stream_jobs.value(k) for k in stream_jobs.names()}, "step": 7}
     dcp.save(state, checkpoint_id=root / "src", no_dist=True)
     del state
-    assert stream_jobs.source_bytes() >= 3 * CAP
+    assert stream_jobs.source_bytes() >= 5 * WORK
+    assert stream_jobs.VOCAB * stream_jobs.DIM * 4 > WORK  # the embedding, one fp32 chunk
     yield root / "src"
     shutil.rmtree(root, ignore_errors=True)
 
@@ -150,22 +157,28 @@ RUNS = [(fmt, 1) for fmt in CASES] + [("dcp", 2)]
 
 @pytest.mark.parametrize("fmt, nproc", RUNS, ids=[f"{f}-N{n}" for f, n in RUNS])
 def test_every_layout_converts_a_checkpoint_three_times_its_memory_cap_bit_exact(
-    source, tmp_path, fmt, nproc
+    source, cap, tmp_path, fmt, nproc
 ):
     (name, *options), check = CASES[fmt]
     out = tmp_path / name
     argv = [sys.executable, "-m", "shardckpt", "convert", str(source), str(out), *options]
     argv += ["--buffer-size", BUFFER, "--quiet"]
     try:
-        with memory_capped(CAP, processes=nproc) as cap:
+        with memory_capped(cap, processes=nproc) as groups:
             if nproc > 1:
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-                argv = [*torchrun, f"--nproc-per-node={nproc}", "--no-python", *cap.prefix, *argv]
+                argv = [
+                    *torchrun,
+                    f"--nproc-per-node={nproc}",
+                    "--no-python",
+                    *groups.prefix,
+                    *argv,
+                ]
             else:
-                argv = [*cap.prefix, *argv]
+                argv = [*groups.prefix, *argv]
             proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=240)
             assert proc.returncode == 0, (
-                f"killed under the {CAP // MiB} MiB cap (rc {proc.returncode}): {proc.stderr[-2000:]}"
+                f"killed under the {cap // MiB} MiB cap (rc {proc.returncode}): {proc.stderr[-2000:]}"
                 if proc.returncode in (-9, 137, 1)
                 else proc.stderr
             )
