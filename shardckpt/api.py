@@ -20,7 +20,8 @@ from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.destination import Destination
 from shardckpt.dist import Runtime
-from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError
+from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError, notice
+from shardckpt.exchange import SharedReader
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
     FILE_SUFFIXES,
@@ -42,6 +43,7 @@ from shardckpt.plan import (
     select,
 )
 from shardckpt.progress import Progress
+from shardckpt.sight import look
 from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
 
 LAYOUTS = ("full", "sharded", "local")
@@ -230,6 +232,7 @@ def convert(
     verify: bool = False,
     trust_pickle: bool = False,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    src_local: bool = False,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
@@ -240,6 +243,8 @@ def convert(
     ``shardckpt.model``), built on the meta device for the order of param IDs; with
     ``wraps`` (FSDP1 ``ModuleWrapPolicy`` classes) it also gives FSDP1 flat-parameter layouts.
     DST appears only complete: written beside it, checked with ``verify``, then renamed.
+    Under ``torchrun`` each rank reads only the files of SRC it sees (``shardckpt.sight``);
+    ``src_local`` says SRC is on the nodes' own disks, so that is no news worth a notice.
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
@@ -258,6 +263,11 @@ def convert(
         _check_dst_name(dst, form)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
+        if src_local and not runtime.distributed:
+            raise UsageError(
+                "--src-local applies under torchrun, where ranks on several nodes read SRC",
+                hint="drop --src-local, or launch with torchrun",
+            )
         cast_to = _check_cast(dtype, cast_optim)
         _check_shard_size(form, max_shard_size)
         selection = Selection(
@@ -271,7 +281,15 @@ def convert(
         if not dry_run:
             destination.check()
         flat_model = FlatModel(model, tuple(wraps)) if model else None
-        reader = open_reader(src, src_format, trust_pickle, flat_model)
+        sight = look(src, runtime) if runtime.distributed else None
+        partial = sight if sight is not None and not sight.complete else None
+        if partial is not None and not src_local and runtime.coordinator:
+            notice(
+                "the ranks see different files of SRC: each file is read where it is seen "
+                "and its rows sent over the collective (pass --src-local to say so and "
+                "silence this note)"
+            )
+        reader = open_reader(src, src_format, trust_pickle, flat_model, sight)
         source = format_named(reader.format)
         if source.needs_model and flat_model is None:
             raise UsageError(
@@ -295,7 +313,11 @@ def convert(
         reader.check_selected(plan.tree)
         writer = form.writer(destination.tmp, plan)
         # Reading through the cast also makes --verify compare DST with the cast source.
-        return (CastReader(reader, plan.read_as) if plan.read_as else reader), plan, writer
+        if plan.read_as:
+            reader = CastReader(reader, plan.read_as)
+        if partial is not None:
+            reader = SharedReader(reader, partial, plan.metas, plan.buffer_bytes)
+        return reader, plan, writer
 
     reader, plan, writer = runtime.agreed(prepare)
     verified = None

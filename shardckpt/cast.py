@@ -71,6 +71,9 @@ class CastReader(Reader):
     def index(self) -> Index:
         return self.inner.index()
 
+    def files_for(self, meta: TensorMeta, rows: Rows) -> list[tuple[Rows, frozenset[str]]]:
+        return self.inner.files_for(meta, rows)
+
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:

@@ -126,8 +126,10 @@ def _compare_rows(
     mine = [(ma, mb, r) for (_, ma, mb), r in zip(chunk, wanted) if r != SKIP]
 
     def read_both():
-        xs = a.read([m for m, _, _ in mine], [r for _, _, r in mine], runtime) if mine else []
-        ys = b.read([m for _, m, _ in mine], [r for _, _, r in mine], runtime) if mine else []
+        # Called on every rank even with nothing to read: a reader whose reads are
+        # collectives (exchange.SharedReader) needs every rank in each.
+        xs = a.read([m for m, _, _ in mine], [r for _, _, r in mine], runtime)
+        ys = b.read([m for _, m, _ in mine], [r for _, _, r in mine], runtime)
         return xs, ys
 
     xs, ys = runtime.agreed(read_both)

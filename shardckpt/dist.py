@@ -122,14 +122,40 @@ class Runtime:
             dist.gather_object(obj, out, dst=0)
         return out
 
-    def broadcast(self, obj: T) -> T:
-        """Return the coordinator's picklable ``obj`` on every rank."""
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Return rank ``src``'s picklable ``obj`` on every rank (the coordinator's by default)."""
         if not self.distributed:
             return obj
         box = [obj]
         with self.collective():
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Return every rank's picklable ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        with self.collective():
+            dist.all_gather_object(out, obj)
+        return out
+
+    def all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
+    ) -> torch.Tensor:
+        """Send ``send_sizes[r]`` bytes of ``send`` (in rank order) to each rank r; return what came.
+
+        The bytes travel on this runtime's device: over NCCL between GPUs, gloo on CPU.
+        """
+        if not self.distributed:
+            return send.clone()
+        # CUDA tensors go over the mesh's NCCL group; the default group is gloo's.
+        group = self.mesh.get_group() if self.device.type == "cuda" else None  # type: ignore[attr-defined]
+        send = send.to(self.device)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        with self.collective():
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        return recv.cpu()
 
     def gather_into(self, tensor: torch.Tensor, blocks: list[torch.Tensor] | None) -> None:
         """Gather every rank's same-shape ``tensor`` into the coordinator's ``blocks`` (rank order)."""

@@ -14,7 +14,9 @@ a failure on one rank into the same error on all of them before the next collect
      gathered to the coordinator, which patches each record's CRC-32.
   4) (coordinator) ``writer.finish()``.
 No rank ever holds more than one batch of tensor data, and no data passes between ranks:
-each rank reads what it writes.
+each rank reads what it writes; where SRC is not on one filesystem every rank sees,
+the reader is an ``exchange.SharedReader``, whose reads bring rows from the ranks that
+see their files.
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ def _read_rows(reader: Reader, batch: list[Region], metas, runtime):
     """Read the rows ``batch``'s regions lie in; return a lookup: region -> (first element, rows).
 
     Regions of one tensor whose rows touch or overlap are read once; rows of one tensor
-    that lie apart (two target ranks' shards) are read in separate reader calls, since
-    a reader takes each tensor once per call.
+    that lie apart (two target ranks' shards) are separate requests. One ``read_spans``
+    call per step, on every rank, even with nothing to read: a reader whose reads are
+    collectives (``exchange.SharedReader``) needs every rank in each.
     """
     spans: dict[str, list[list[int] | None]] = {}
     for region in batch:
@@ -154,12 +157,11 @@ def _read_rows(reader: Reader, batch: list[Region], metas, runtime):
                 break
         else:
             known.append(list(rows))
-    got: dict[tuple[str, int], torch.Tensor] = {}
-    for k in range(max((len(v) for v in spans.values()), default=0)):
-        keys = [key for key, v in spans.items() if k < len(v)]
-        rows = [None if spans[key][k] is None else tuple(spans[key][k]) for key in keys]
-        tensors = reader.read([metas[key] for key in keys], rows, runtime)
-        got.update(((key, k), t) for key, t in zip(keys, tensors))
+    asked = [(key, k) for key, v in spans.items() for k in range(len(v))]
+    requests = [
+        (metas[key], None if spans[key][k] is None else tuple(spans[key][k])) for key, k in asked
+    ]
+    got = dict(zip(asked, reader.read_spans(requests, runtime)))
 
     def lookup(region: Region) -> tuple[int, torch.Tensor]:
         meta = metas[region.key]

@@ -27,6 +27,11 @@ def convert(src: str, dst: str, to: str, kwargs: dict) -> dict:
     return {"tensors": result.tensors, "world_size": result.world_size, "verified": result.verified}
 
 
+def convert_own(srcs: list[str], dst: str, to: str, kwargs: dict) -> dict:
+    """Run ``api.convert`` from ``srcs[rank]``: each rank its own copy of SRC, as on a node's disk."""
+    return convert(srcs[dist.get_rank()], dst, to, kwargs)
+
+
 def diff(a: str, b: str) -> list:
     """Run ``api.diff`` on this rank; return the differing paths."""
     return [(d.path, d.reason) for d in api.diff(a, b, runtime=world_runtime()).differences]

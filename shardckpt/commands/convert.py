@@ -33,6 +33,7 @@ EPILOG = (
     "Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
     "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
     "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
+    "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local\n\n"
     "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     "\n\n"
@@ -181,6 +182,14 @@ def convert(
             help="Most tensor bytes a process holds at a time (default 256MiB; e.g. 64MiB).",
         ),
     ] = "256MiB",
+    src_local: Annotated[
+        bool,
+        typer.Option(
+            "--src-local",
+            help="SRC is on each node's own disk (under torchrun): each rank reads the files it "
+            "sees and rows move over the collective. Detected anyway; this says it is expected.",
+        ),
+    ] = False,
     json_out: JsonOut = False,
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
@@ -215,6 +224,7 @@ def convert(
             verify=verify,
             trust_pickle=trust_pickle,
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
+            src_local=src_local,
             runtime=runtime,
             progress=Progress(
                 enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

@@ -24,6 +24,7 @@ from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
+from shardckpt.sight import Sight
 
 
 def _never(_index: Index) -> bool:
@@ -67,6 +68,8 @@ class Format:
     """Whether a source in this format says which tensors every rank held whole."""
     dst_tree: Callable[[dict, str], dict] = _as_is
     """The part of a selected tree this format holds (``hf``: model tensors only)."""
+    src_local: bool = False
+    """Whether a source can be read from files spread over the ranks' own disks (``sight``)."""
 
 
 FORMATS: dict[str, Format] = {
@@ -82,6 +85,7 @@ FORMATS: dict[str, Format] = {
             default_for="sharded",
             keys_as_str=True,
             tells_whole=dcp_tells_whole,
+            src_local=True,
         ),
         Format(
             "torch",
@@ -217,16 +221,38 @@ def open_reader(
     fmt: str | None = None,
     trust_pickle: bool = False,
     flat_model: FlatModel | None = None,
+    sight: Sight | None = None,
 ) -> Reader:
     """Return a reader for ``src``, detecting its format unless ``fmt`` names one.
 
     ``flat_model`` (``--model``/``--wrap``) lets ``fsdp1-local`` name what its flat
-    parameters hold; other formats do not need it.
+    parameters hold; other formats do not need it. ``sight`` (who sees which of SRC's
+    files, under ``torchrun``) makes a reader read only files its rank sees; where not
+    every rank sees every file, only a format that can (``Format.src_local``) is read.
     """
     path = Path(src)
-    form = format_named(fmt or detect(path))
+    if sight is None:
+        form = format_named(fmt or detect(path))
+    else:
+        # Detected where the most of SRC is seen (the coordinator's node, which holds
+        # DCP's .metadata, in a job that saved to node-local disks).
+        form = format_named(
+            fmt or sight.shared(sight.files_of(sight.most_seeing()), lambda: detect(path))
+        )
+        if sight.complete:
+            sight = None
+        elif not form.src_local:
+            raise BadInputError(
+                f"not every rank sees every file of this {form.title} checkpoint, and such a "
+                "source is read from one filesystem every rank sees",
+                path=path,
+                hint="copy SRC where every rank sees it (only DCP sources are read from "
+                "node-local disks)",
+            )
     if form.needs_model:
         return form.reader(path, trust_pickle, flat_model)
+    if sight is not None:
+        return form.reader(path, trust_pickle, sight)  # type: ignore[call-arg]
     return form.reader(path, trust_pickle)
 
 

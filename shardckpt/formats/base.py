@@ -57,6 +57,25 @@ class Reader(ABC):
     ) -> list[torch.Tensor]:
         """Return, for each meta, the requested rows (or all of it) as a CPU or device tensor."""
 
+    def read_spans(
+        self, requests: Sequence[tuple[TensorMeta, Rows]], runtime
+    ) -> list[torch.Tensor]:
+        """Return the rows of each request; one tensor may be asked for more than once.
+
+        The engine calls it once per step on every rank; a reader whose reads are
+        collectives (``exchange.SharedReader``) relies on that.
+        """
+        return read_grouped(self, requests, runtime)
+
+    def files_for(self, meta: TensorMeta, rows: Rows) -> list[tuple[Rows, frozenset[str]]]:
+        """Return ``rows`` of ``meta`` cut where the files holding them change, with those files.
+
+        File names are relative to SRC (``""`` is a one-file SRC itself), as
+        ``shardckpt.sight`` lists them. Only a format that can be read from files
+        spread over the ranks' own disks says (``Format.src_local``).
+        """
+        raise NotImplementedError(f"{self.format} sources are read from one shared filesystem")
+
     def check_selected(self, tree: dict) -> None:
         """Raise when this source cannot give what ``tree`` (the part of its index to be read) holds.
 
@@ -99,6 +118,30 @@ class Writer(ABC):
     def finish(self) -> None:
         """Write what the format writes last, on the coordinator, once every byte is in."""
         return None
+
+
+def read_grouped(
+    reader: Reader, requests: Sequence[tuple[TensorMeta, Rows]], runtime
+) -> list[torch.Tensor]:
+    """Return ``reader.read`` of every request, calling it once per round of distinct tensors.
+
+    A reader takes each tensor once per call, so rows of one tensor that lie apart
+    (two target ranks' shards) go in separate calls.
+    """
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    left = list(range(len(requests)))
+    while left:
+        seen: set[str] = set()
+        now, later = [], []
+        for i in left:
+            key = requests[i][0].key
+            (later if key in seen else now).append(i)
+            seen.add(key)
+        tensors = reader.read([requests[i][0] for i in now], [requests[i][1] for i in now], runtime)
+        for i, t in zip(now, tensors):
+            out[i] = t
+        left = later
+    return out  # type: ignore[return-value]
 
 
 def contiguous_bytes(tensor: torch.Tensor) -> memoryview:

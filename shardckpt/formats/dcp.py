@@ -54,6 +54,7 @@ from shardckpt.formats.pickle_scan import (
     judge_failed_load,
     quiet_protocol_warning,
 )
+from shardckpt.sight import Sight
 from shardckpt.tree import Chunk, TensorMeta, build
 
 METADATA_FILE = ".metadata"
@@ -305,17 +306,52 @@ class DcpReader(Reader):
 
     format = "dcp"
 
-    def __init__(self, src, trust_pickle: bool = False):
+    def __init__(self, src, trust_pickle: bool = False, sight: Sight | None = None):
         super().__init__(src, trust_pickle)
-        self.metadata = read_metadata(self.src, trust_pickle)
+        self.sight = sight
+        if sight is None:
+            self.metadata = read_metadata(self.src, trust_pickle)
+        else:
+            # Where ranks see different files (node-local disks), the coordinator's node
+            # usually holds .metadata: one rank that sees it reads it for all.
+            self.metadata = sight.shared(
+                [METADATA_FILE], lambda: read_metadata(self.src, trust_pickle)
+            )
         self._rows = StoredRows(self.src, self.metadata)
         self._checked = False
 
     def _check(self) -> None:
         """Refuse a ``.metadata`` that does not describe SRC's files, before any data moves."""
         if not self._checked:
-            check_metadata(self.metadata, self.src)
+            check_metadata(self.metadata, self.src, self.sight.sizes if self.sight else {})
             self._checked = True
+
+    def files_for(self, meta: TensorMeta, rows: Rows) -> list[tuple[Rows, frozenset[str]]]:
+        """Return ``rows`` cut at the stored chunks' row boundaries, with the files of the chunks each part overlaps."""
+        md = self.metadata
+        entry = md.state_dict_metadata[meta.key]
+        stored = [
+            (tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks if 0 not in tuple(c.sizes)
+        ]
+
+        def file_of(offsets) -> str:
+            return md.storage_data[MetadataIndex(meta.key, offsets)].relative_path
+
+        if not meta.shape:
+            return [(rows, frozenset(file_of(o) for o, _ in stored))]
+        start, stop = rows if rows is not None else (0, meta.shape[0])
+        cuts = {start, stop}
+        for offsets, sizes in stored:
+            cuts.update(c for c in (offsets[0], offsets[0] + sizes[0]) if start < c < stop)
+        edges = sorted(cuts)
+        parts: list[tuple[Rows, frozenset[str]]] = []
+        for lo, hi in zip(edges, edges[1:]):
+            files = frozenset(file_of(o) for o, z in stored if o[0] < hi and lo < o[0] + z[0])
+            if parts and parts[-1][1] == files:
+                parts[-1] = ((parts[-1][0][0], hi), files)  # type: ignore[index]
+            else:
+                parts.append(((lo, hi), files))
+        return parts or [(rows, frozenset())]
 
     def index(self) -> Index:
         self._check()
@@ -355,6 +391,19 @@ class DcpReader(Reader):
         return Index(self.format, str(self.src), world_size, build(items))
 
     def _read_values(self, keys: list[str]) -> dict[str, object]:
+        if not keys or self.sight is None:
+            return self._read_values_here(keys)
+        # Each value is read by a rank that sees the file DCP stored it in.
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            info = self.metadata.storage_data[MetadataIndex(key)]
+            by_file.setdefault(info.relative_path, []).append(key)
+        values: dict[str, object] = {}
+        for name, here in sorted(by_file.items()):
+            values.update(self.sight.shared([name], lambda here=here: self._read_values_here(here)))
+        return values
+
+    def _read_values_here(self, keys: list[str]) -> dict[str, object]:
         if not keys:
             return {}
         planner = _SafeLoadPlanner(self.trust_pickle, self.src)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -46,8 +46,12 @@ _LIST_SLACK = 1 << 16
 Ints = tuple[int, ...]
 
 
-def check_metadata(md: Metadata, src: Path) -> None:
-    """Raise ``BadInputError`` unless ``md`` describes the data files in ``src`` exactly."""
+def check_metadata(md: Metadata, src: Path, elsewhere: Mapping[str, int] | None = None) -> None:
+    """Raise ``BadInputError`` unless ``md`` describes the data files in ``src`` exactly.
+
+    ``elsewhere`` holds the sizes of data files other ranks see (``shardckpt.sight``):
+    one this process does not see is checked against that size instead of refused as missing.
+    """
     where = src / METADATA_FILE
     entries = _entries(md, where)
     _check_paths(md, entries, where)
@@ -55,7 +59,7 @@ def check_metadata(md: Metadata, src: Path) -> None:
     for key, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):
             boxes[key] = _check_tensor(key, entry, where)
-    _check_storage(md, entries, boxes, src, where)
+    _check_storage(md, entries, boxes, src, where, elsewhere or {})
 
 
 def _bad(message: str, path: str | os.PathLike, hint: str = _DAMAGED) -> BadInputError:
@@ -264,7 +268,9 @@ def _first_overlap(boxes: list[tuple[Ints, Ints]]) -> tuple | None:
 # ---------------------------------------------------------------- storage
 
 
-def _check_storage(md: Metadata, entries: dict, boxes: dict, src: Path, where: Path) -> None:
+def _check_storage(
+    md: Metadata, entries: dict, boxes: dict, src: Path, where: Path, elsewhere: Mapping[str, int]
+) -> None:
     """Refuse storage that is missing, outside SRC, past a file's end, or shared by two keys."""
     stored = _storage_index(md, where)
     # relative path -> [(offset, end, key)] of every entry with bytes.
@@ -296,7 +302,7 @@ def _check_storage(md: Metadata, entries: dict, boxes: dict, src: Path, where: P
     for (key, _), info in stored.items():
         name = info.relative_path
         if name not in sizes:
-            sizes[name] = _data_file_size(src, name, key, where)
+            sizes[name] = _data_file_size(src, name, key, where, elsewhere)
         end = info.offset + info.length
         if end > sizes[name]:
             raise _bad(
@@ -346,8 +352,14 @@ def _is_str_list(value: object) -> bool:
     )
 
 
-def _data_file_size(src: Path, name: str, key: str, where: Path) -> int:
-    """Return the size of data file ``name``, once it is a regular file inside ``src``."""
+def _data_file_size(
+    src: Path, name: str, key: str, where: Path, elsewhere: Mapping[str, int]
+) -> int:
+    """Return the size of data file ``name``, once it is a regular file inside ``src``.
+
+    A file only other ranks see has the size they listed (a listing holds only regular
+    files inside SRC: ``sight.listing``).
+    """
     parts = PurePosixPath(name).parts
     if not name or "\0" in name or PurePosixPath(name).is_absolute() or ".." in parts:
         raise _bad(
@@ -356,6 +368,8 @@ def _data_file_size(src: Path, name: str, key: str, where: Path) -> int:
             "refusing to read it; re-copy the checkpoint from where it was written",
         )
     path = src / name
+    if not os.path.lexists(path) and name in elsewhere:
+        return elsewhere[name]
     if not os.path.lexists(path):
         raise _bad(
             f"missing data file '{name}' named by .metadata",

@@ -125,11 +125,15 @@ def test_only_model_and_only_optim_split_the_checkpoint(fsdp2_ckpt, ref, tmp_pat
 
 
 def test_a_rank_that_fails_makes_every_rank_fail_with_its_error(fsdp2_ckpt, tmp_path):
-    missing = str(tmp_path / "missing")
-    results = run_ranks(ranks.convert_expecting_failure, 2, [str(fsdp2_ckpt.dcp), missing],
+    # Rank 1 reads its own copy, whose last data file is zeroed (same size, so the ranks
+    # see the same listing): only rank 1 meets the damage.
+    copy = shutil.copytree(fsdp2_ckpt.dcp, tmp_path / "copy")
+    damaged = copy / "__3_0.distcp"
+    damaged.write_bytes(bytes(damaged.stat().st_size))
+    results = run_ranks(ranks.convert_expecting_failure, 2, [str(fsdp2_ckpt.dcp), str(copy)],
                         str(tmp_path / "out.pt"), "full")
-    line = f"'{missing}': no such file or directory: check the path of the checkpoint"
-    assert results[1] == ("BadInputError", 3, line)
+    kind, code, line = results[1]
+    assert (kind, code) == ("BadInputError", 3) and str(damaged) in line, results[1]
     assert results[0] == ("RemoteRankError", 3, f"rank 1 failed: {line}")
     assert not (tmp_path / "out.pt").exists()
 
