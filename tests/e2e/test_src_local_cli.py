@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from reference import assert_trees_equal
 
 # node.sh NODES SRC CMD...: run CMD where SRC shows NODES/node$LOCAL_RANK.
