@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,6 @@ def test_a_listing_holds_regular_files_inside_src_only(tmp_path):
     (tmp_path / "outside").write_bytes(b"xx")
     (src / "link-out").symlink_to(tmp_path / "outside")
     (src / "link-in").symlink_to(src / "a.distcp")
-    import os
 
     os.mkfifo(src / "fifo")
     assert listing(src) == {"a.distcp": 5, "link-in": 5, "sub/b": 1}
