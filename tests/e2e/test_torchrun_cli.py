@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,13 @@ def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
         *map(str, argv),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT="60")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    if proc.returncode == 0:
+        # torch's own warnings (glog-style "W1123 ..." lines, Python warnings) say nothing
+        # to our users; a successful run prints none.
+        noise = [ln for ln in proc.stderr.splitlines() if re.match(r"[WE]\d{4} |.*Warning: ", ln)]
+        assert not noise, noise
+    return proc
 
 
 def test_torchrun_two_ranks_converts_to_the_same_bytes_and_prints_once(fsdp2_ckpt, tmp_path):
