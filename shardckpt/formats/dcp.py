@@ -42,7 +42,12 @@ from torch.distributed.tensor import Shard
 from torch.futures import Future
 
 from shardckpt import torch_internals
-from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
+from shardckpt.errors import (
+    BadInputError,
+    ShardckptError,
+    UnsafePickleError,
+    UnsupportedTorchError,
+)
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp_check import check_metadata
 from shardckpt.formats.dcp_rows import StoredRows
@@ -124,8 +129,8 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
     try:
         with open(file, "rb") as f:
             md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
-    except UnsafePickleError as exc:
-        raise UnsafePickleError(exc.message, path=file, hint=exc.hint) from None
+    except (UnsafePickleError, UnsupportedTorchError) as exc:
+        raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
         raise BadInputError(
             f"cannot read DCP metadata ({first_line(exc)})",
