@@ -22,6 +22,7 @@ from torch import nn
 from shardckpt.errors import UsageError
 from shardckpt.model import load_factory
 from shardckpt.torch_internals import (
+    FSDP1_LAYOUTS,
     fake_process_group,
     fake_tensor_mode,
     flat_param_info,
@@ -115,7 +116,7 @@ def flat_layouts(
 
     factory = load_factory(model.spec)
     classes = _wrap_classes(model.wraps)
-    with warnings.catch_warnings(), fake_tensor_mode():
+    with warnings.catch_warnings(), fake_tensor_mode(FSDP1_LAYOUTS):
         warnings.simplefilter("ignore")
         try:
             built = factory()

@@ -62,9 +62,9 @@ def private(module: str, name: str, need: str) -> Any:
     return found
 
 
-def fake_tensor_mode() -> Any:
+def fake_tensor_mode(need: str = WRITE_TORCH_FILES) -> Any:
     """Return a new ``FakeTensorMode``: tensors under it have a shape and dtype but no memory."""
-    return private("torch._subclasses.fake_tensor", "FakeTensorMode", WRITE_TORCH_FILES)()
+    return private("torch._subclasses.fake_tensor", "FakeTensorMode", need)()
 
 
 # --- torch.save's storage bookkeeping, mirrored by zip_skeleton --------------------------
