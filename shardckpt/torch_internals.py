@@ -117,8 +117,8 @@ def strided_shard() -> type | None:
 def missing_safe_globals() -> list[type]:
     """Return torch's own DTensor classes a rank file may name that this torch's allow-list lacks.
 
-    torch 2.13 put ``_StridedShard`` on ``weights_only``'s allow-list beside ``Shard``;
-    2.11 and 2.12 refuse every FSDP+TP rank file without it. Like ``Shard`` it is a
+    torch 2.12 put ``_StridedShard`` on ``weights_only``'s allow-list beside ``Shard``;
+    2.11 refuses every FSDP+TP rank file without it. Like ``Shard`` it is a
     placement holding two ints (``dim``, ``split_factor``), built by setting them.
     """
     import torch.distributed.tensor  # noqa: F401 - puts DTensor's classes on the allow-list

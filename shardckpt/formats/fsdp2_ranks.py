@@ -8,7 +8,7 @@ tensors, plain values as they are. Files are named by rank (``shardckpt.formats.
 
 Reading unpickles every file's pickle with ``weights_only=True`` (DTensor, DeviceMesh and
 the placements are on torch's own allow-list; ``_StridedShard`` is on ours where torch's
-lacks it, before 2.13: ``torch_internals.missing_safe_globals``) and memory-maps the
+lacks it, before 2.12: ``torch_internals.missing_safe_globals``) and memory-maps the
 tensor data, so the index costs no tensor reads but the plain tensors compared to check
 that the files are one save of one job (``rank_set``), and a rank touches only the bytes
 of the rows it reads.

@@ -101,7 +101,7 @@ def test_every_private_name_is_found_on_the_torch_under_test():
 
 
 def test_a_strided_shard_unpickles_weights_only_on_every_tested_torch(tmp_path):
-    # torch 2.11 and 2.12 leave _StridedShard (FSDP+TP's placement) off their allow-list.
+    # torch 2.11 leaves _StridedShard (FSDP+TP's placement) off its allow-list.
     placement = placement_types._StridedShard(0, split_factor=2)
     torch.save({"p": placement, "w": torch.ones(2)}, tmp_path / "rank0.pt")
     assert load(tmp_path / "rank0.pt", trust_pickle=False)["p"] == placement
