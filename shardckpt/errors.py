@@ -36,6 +36,12 @@ class UsageError(ShardckptError):
     exit_code = EXIT_USAGE
 
 
+class UnsupportedTorchError(ShardckptError):
+    """The installed torch lacks an internal a conversion needs (exit 2): another release is the fix."""
+
+    exit_code = EXIT_USAGE
+
+
 class BadInputError(ShardckptError):
     """Missing, truncated, inconsistent or unknown input (exit 3)."""
 

@@ -4,10 +4,9 @@ The user's model is built under ``FakeTensorMode`` (no memory), wrapped in FSDP1
 training did (``ModuleWrapPolicy`` of the ``--wrap`` classes, ``use_orig_params``)
 against a ``FakeProcessGroup`` of the target size and rank (a process group that only
 knows its rank and size), and each unit's ``FlatParameter`` metadata is read back:
-which parameters it holds and in what order (``_fqns``, ``_shapes``), the alignment
-padding between them (``_numels_with_padding``, ``_is_padding_mask``), tied aliases
-(``_shared_param_infos``) and this rank's shard (``numel()``, ``_shard_numel_padded``,
-``_shard_param_infos``). Nothing of FSDP's flattening is re-implemented here.
+which parameters it holds and in what order, the alignment padding between them, tied
+aliases and this rank's shard (``torch_internals.flat_param_info``: FSDP1 keeps these
+in private fields). Nothing of FSDP's flattening is re-implemented here.
 """
 
 from __future__ import annotations
@@ -19,11 +18,16 @@ from math import prod
 
 import torch
 from torch import nn
-from torch._C._distributed_c10d import FakeProcessGroup
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardckpt.errors import UsageError
 from shardckpt.model import load_factory
+from shardckpt.torch_internals import (
+    FSDP1_LAYOUTS,
+    fake_process_group,
+    fake_tensor_mode,
+    flat_param_info,
+    flat_param_of,
+)
 from shardckpt.tree import clean_fqn
 
 FLAT_PARAM = "_flat_param"
@@ -112,7 +116,7 @@ def flat_layouts(
 
     factory = load_factory(model.spec)
     classes = _wrap_classes(model.wraps)
-    with warnings.catch_warnings(), FakeTensorMode():
+    with warnings.catch_warnings(), fake_tensor_mode(FSDP1_LAYOUTS):
         warnings.simplefilter("ignore")
         try:
             built = factory()
@@ -129,37 +133,37 @@ def flat_layouts(
             )
         wrapped = FSDP(
             module,
-            process_group=FakeProcessGroup._create_internal(rank, world_size),
+            process_group=fake_process_group(rank, world_size),
             auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
             use_orig_params=use_orig_params,
             device_id=torch.device("cpu"),
         )
     out = []
     for name, sub in wrapped.named_modules():
-        handle = getattr(sub, "_handle", None) if isinstance(sub, FSDP) else None
-        if handle is None:
+        fp = flat_param_of(sub) if isinstance(sub, FSDP) else None
+        if fp is None:
             continue
-        fp = handle.flat_param
+        info = flat_param_info(fp)
         prefix = clean_fqn(f"{name}.") if name else ""
         out.append(
             FlatLayout(
                 prefix=prefix,
-                fqns=tuple(fp._fqns),
-                shapes=tuple(tuple(s) for s in fp._shapes),
-                numels_with_padding=tuple(int(n) for n in fp._numels_with_padding),
-                is_padding=tuple(bool(p) for p in fp._is_padding_mask),
+                fqns=info.fqns,
+                shapes=info.shapes,
+                numels_with_padding=info.numels_with_padding,
+                is_padding=info.is_padding,
                 shard_numel=int(fp.numel()),
-                shard_numel_padded=int(fp._shard_numel_padded),
+                shard_numel_padded=info.shard_numel_padded,
                 pieces=tuple(
                     ShardPiece(i.in_shard, i.offset_in_shard or 0, i.numel_in_shard or 0)
-                    for i in fp._shard_param_infos
+                    for i in info.shard_param_infos
                 ),
                 shared=tuple(
                     (
                         _join(s.module_name, s.param_name),
                         _join(s.prim_module_name, s.prim_param_name),
                     )
-                    for s in fp._shared_param_infos
+                    for s in info.shared_param_infos
                 ),
                 use_orig_params=use_orig_params,
             )

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardckpt.formats.base import Frame, Writer
 from shardckpt.formats.files import writing
+from shardckpt.torch_internals import mesh_without_group, name_groups
 from shardckpt.tree import TensorMeta
 
 
@@ -30,10 +31,9 @@ def virtual_mesh(world_size: int, rank: int) -> DeviceMesh:
     """Return a 1-D CPU mesh of ``world_size`` ranks, as seen from ``rank``, with no process group.
 
     DTensor's checkpoint planning only asks the mesh for its shape and this rank's
-    coordinate; ``_rank`` and ``_init_backend=False`` (DeviceMesh's own knobs for this)
-    supply both without joining ``world_size`` processes.
+    coordinate, which such a mesh gives without joining ``world_size`` processes.
     """
-    return DeviceMesh("cpu", list(range(world_size)), _init_backend=False, _rank=rank)
+    return mesh_without_group(world_size, rank)
 
 
 # The name of the world process group in every job: the default group is created first.
@@ -49,7 +49,7 @@ def job_mesh(world_size: int, rank: int) -> DeviceMesh:
     a saved DTensor usable (``full_tensor``, redistribution) in the job that loads it.
     """
     mesh = virtual_mesh(world_size, rank)
-    mesh._dim_group_names = [WORLD_GROUP_NAME]
+    name_groups(mesh, [WORLD_GROUP_NAME])
     return mesh
 
 

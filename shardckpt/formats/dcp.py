@@ -27,9 +27,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     create_default_local_load_plan,
 )
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -43,7 +41,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import Shard
 from torch.futures import Future
 
-from shardckpt.errors import BadInputError, ShardckptError, UnsafePickleError
+from shardckpt import torch_internals
+from shardckpt.errors import (
+    BadInputError,
+    ShardckptError,
+    UnsafePickleError,
+    UnsupportedTorchError,
+)
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp_check import check_metadata
 from shardckpt.formats.dcp_rows import StoredRows
@@ -75,12 +79,10 @@ def _metadata_vocabulary() -> dict[tuple[str, str], object]:
         BytesStorageMetadata,
         ChunkStorageMetadata,
         TensorProperties,
-        _MEM_FORMAT_ENCODING,
-        _StorageInfo,
     )
     vocabulary: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
+    vocabulary.update(torch_internals.dcp_metadata_globals())
     vocabulary[("torch", "Size")] = torch.Size
-    vocabulary[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     vocabulary[("collections", "OrderedDict")] = OrderedDict
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype):
@@ -128,8 +130,8 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
     try:
         with open(file, "rb") as f:
             md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
-    except UnsafePickleError as exc:
-        raise UnsafePickleError(exc.message, path=file, hint=exc.hint) from None
+    except (UnsafePickleError, UnsupportedTorchError) as exc:
+        raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
         raise BadInputError(
             f"cannot read DCP metadata ({first_line(exc)})",

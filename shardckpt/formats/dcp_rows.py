@@ -5,13 +5,13 @@
 ``torch.load``s a chunk's whole zip whatever part of it is wanted, so a batch of rows
 of a big chunk would cost the whole chunk in memory, and reading it again for every
 batch. Here torch's loader itself, with ``map_location="meta"``, tells where the
-chunk's storage lies in the zip (``_checkpoint_offset``) and the stored tensor's
+chunk's storage lies in the zip (``torch_internals.stored_offset``) and the stored tensor's
 shape, dtype and strides, without reading its data; the wanted rows are then read
 into the target with ``preadv``, and nothing else is read.
 
 A chunk this cannot place (an extension transformed its bytes, or the stored tensor is
-not laid out row after row, or in the other byte order) is left to DCP's loader
-(``DcpReader``).
+not laid out row after row, or in the other byte order, or torch's loader does not say
+where it lies) is left to DCP's loader (``DcpReader``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from shardckpt.errors import BadInputError
 from shardckpt.formats.files import os_error
 from shardckpt.formats.pickle_scan import first_line
 from shardckpt.formats.zip_skeleton import FileSlice
+from shardckpt.torch_internals import stored_offset
 
 _RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
 
@@ -124,7 +125,8 @@ def _locate(
 ) -> _Placed | None:
     """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
 
-    None when it is not laid out row after row in this machine's byte order.
+    None when it is not laid out row after row in this machine's byte order, or when
+    torch's loader does not say where its storage lies.
     """
     file, offset, length = info.relative_path, info.offset, info.length
     path = src / file
@@ -159,12 +161,10 @@ def _locate(
             path=path,
             hint=_RECOPY,
         )
-    if order != sys.byteorder or not stored.is_contiguous():
+    at = stored_offset(stored.untyped_storage())
+    if order != sys.byteorder or not stored.is_contiguous() or at is None:
         return None
-    start = (
-        stored.untyped_storage()._checkpoint_offset
-        + stored.storage_offset() * stored.element_size()
-    )
+    start = at + stored.storage_offset() * stored.element_size()
     if start + stored.numel() * stored.element_size() > length:
         raise BadInputError(
             f"the chunk at {list(offsets)} of {key!r} runs past its {length} stored bytes",

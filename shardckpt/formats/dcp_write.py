@@ -31,9 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._traverse import traverse_state_dict_v_2_3
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -47,6 +46,7 @@ from shardckpt.formats.torch_file import storage_of
 from shardckpt.formats.zip_skeleton import pwrite_all, tensor_blob, write_blob
 from shardckpt.regions import Region
 from shardckpt.target_ranks import create, merge_frames, virtual_mesh, virtual_ranks
+from shardckpt.torch_internals import dcp_storage_info, dcp_v2_3_paths
 from shardckpt.tree import walk
 
 _METADATA_TMP = ".metadata.tmp"  # what FileSystemWriter.finish writes, then renames
@@ -78,8 +78,7 @@ class _SavePlanner(DefaultSavePlanner):
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
         except ValueError as exc:  # flatten_state_dict: "duplicated flatten key ..."
             raise _cannot_flatten(str(exc)) from None
-        legacy: set[str] = set()
-        traverse_state_dict_v_2_3(state_dict, lambda path, _: legacy.add(_flat_key(path)))
+        legacy: set[str] | None = None  # traversed at the first {}: only a {} needs it
         # Rebuilt in tree order, so that each {} keeps its place among its siblings.
         flat, mappings = {}, {}
         for path, leaf in _dcp_leaves(state_dict):
@@ -88,6 +87,8 @@ class _SavePlanner(DefaultSavePlanner):
                 if key in self.mappings or key in mappings:
                     raise _cannot_flatten(f"duplicated flatten key {key}")
                 mappings[key] = path
+                if legacy is None:
+                    legacy = {_flat_key(p) for p in dcp_v2_3_paths(state_dict)}
                 if key not in legacy:
                     flat[key] = {}
             elif key in self.state_dict:
@@ -258,6 +259,7 @@ def _lay_out_file(
     values, then each tensor item as ``torch.save`` of that tensor alone.
     """
     name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+    storage_info = dcp_storage_info()
     frame, results = Frame(), []
     fd = create(root / name)
     try:
@@ -269,7 +271,7 @@ def _lay_out_file(
             with writing(root / name):
                 pwrite_all(fd, data, offset)
             results.append(
-                WriteResult(item.index, len(data), _StorageInfo(name, offset, len(data)))
+                WriteResult(item.index, len(data), storage_info(name, offset, len(data)))
             )
             offset += len(data)
         for item in tensors:
@@ -282,7 +284,7 @@ def _lay_out_file(
                 frame.regions.append(Region(key, start, stop, name, record.start, record))
             frame.records.append(record)
             results.append(
-                WriteResult(item.index, blob.size, _StorageInfo(name, offset, blob.size))
+                WriteResult(item.index, blob.size, storage_info(name, offset, blob.size))
             )
             offset += blob.size
     finally:

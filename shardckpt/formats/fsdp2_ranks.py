@@ -7,9 +7,11 @@ the placements and the job's device mesh), buffers and 0-dim ``step`` tensors as
 tensors, plain values as they are. Files are named by rank (``shardckpt.formats.rank_names``).
 
 Reading unpickles every file's pickle with ``weights_only=True`` (DTensor, DeviceMesh and
-the placements are on torch's own allow-list) and memory-maps the tensor data, so the
-index costs no tensor reads but the plain tensors compared to check that the files are
-one save of one job (``rank_set``), and a rank touches only the bytes of the rows it reads.
+the placements are on torch's own allow-list; ``_StridedShard`` is on ours where torch's
+lacks it, before 2.12: ``torch_internals.missing_safe_globals``) and memory-maps the
+tensor data, so the index costs no tensor reads but the plain tensors compared to check
+that the files are one save of one job (``rank_set``), and a rank touches only the bytes
+of the rows it reads.
 Writing is ``shardckpt.formats.fsdp2_ranks_write``.
 """
 
@@ -22,14 +24,13 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.rank_names import present_rank_files
 from shardckpt.formats.rank_set import check_one_save, job_world_size
 from shardckpt.formats.torch_file import load_dict
+from shardckpt.torch_internals import local_chunk, mesh_rank, mesh_world_size, strided_shard
 from shardckpt.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
 
@@ -56,7 +57,8 @@ def describe_placements(placements: Sequence, mesh_shape: Sequence[int]) -> str:
 
 
 def _placement_name(p) -> str:
-    if isinstance(p, _StridedShard):
+    strided = strided_shard()
+    if strided is not None and isinstance(p, strided):
         return f"_StridedShard({p.dim}, sf={p.split_factor})"
     if isinstance(p, Shard):
         return f"Shard({p.dim})"
@@ -104,8 +106,11 @@ class Fsdp2RanksReader(Reader):
                 if not dtensors:
                     continue
                 mesh = dtensors[0].device_mesh
-                sizes[(part, rank)] = _job_world_size(mesh)
-                held = _mesh_rank(mesh)
+                # A pickled mesh has no process group to ask (``mesh.mesh`` and
+                # ``get_rank()`` of a slice, FSDP+TP's ``mesh["dp"]``, would): its saved
+                # state tells the job's size and the saving rank.
+                sizes[(part, rank)] = mesh_world_size(mesh)
+                held = mesh_rank(mesh)
                 if held is not None and held != rank:
                     raise BadInputError(
                         f"holds rank {held}'s shards, not rank {rank}'s",
@@ -173,8 +178,8 @@ class Fsdp2RanksReader(Reader):
                 path=file,
                 hint="save it after redistributing to Shard or Replicate placements",
             )
-        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return Chunk(rank, tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+        sizes, offsets = local_chunk(t)
+        return Chunk(rank, offsets, sizes)
 
     def index(self) -> Index:
         return Index(self.format, str(self.src), self.world_size, self._tree)
@@ -217,22 +222,6 @@ class Fsdp2RanksReader(Reader):
             )
             out[dst] = self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]]
         return out
-
-
-# A pickled mesh in a process without the job's process groups answers only from its
-# saved state: ``mesh.mesh`` and ``get_rank()`` of a sliced mesh (FSDP+TP's ``mesh["dp"]``)
-# ask the process group, so the job's ranks and the saving rank are read from that state.
-
-
-def _job_world_size(mesh) -> int:
-    """Return the number of ranks of the job whose mesh (or a slice of it) ``mesh`` is."""
-    return int(mesh._rank_map.numel())
-
-
-def _mesh_rank(mesh) -> int | None:
-    """Return the global rank a pickled mesh was saved on, or None when it does not say."""
-    rank = getattr(mesh, "_rank", None)
-    return None if rank is None else int(rank)
 
 
 __all__ = ["Fsdp2RanksReader", "describe_placements", "quiet_mesh_unpickling"]

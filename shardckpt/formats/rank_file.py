@@ -38,7 +38,7 @@ def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 Fills = dict[int, list[tuple[str, int, int, int]]]
-"""For each placeholder storage (``_cdata``): ``(key, start, stop, byte)`` entries, elements
+"""For each placeholder storage (``storage_key``): ``(key, start, stop, byte)`` entries, elements
 [start, stop) of source tensor ``key`` at that byte of the storage."""
 
 

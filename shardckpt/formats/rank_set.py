@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.rank_names import check_complete
 from shardckpt.formats.sharded_tensor_load import StoredShardedTensor
+from shardckpt.torch_internals import local_chunk
 from shardckpt.tree import Path as TreePath
 from shardckpt.tree import dotted, subtree, walk
 
@@ -225,11 +225,9 @@ def _check_local_shard(file: Path, path: TreePath, leaf: object, rank: int) -> N
     size would give wrong rows or fail deep inside a copy.
     """
     if isinstance(leaf, DTensor):
-        sizes, _ = compute_local_shape_and_global_offset(
-            leaf.shape, leaf.device_mesh, leaf.placements
-        )
+        sizes, _ = local_chunk(leaf)
         local = tuple(leaf.to_local().shape)
-        if local != tuple(sizes):
+        if local != sizes:
             raise BadInputError(
                 f"'{dotted(path)}' holds a local shard of {list(local)}, but its DTensor "
                 f"gives this rank {list(sizes)}",

@@ -14,17 +14,9 @@ import pickle
 from pathlib import Path
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import (
-    MEM_FORMAT_ENCODING,
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
-from torch.distributed.remote_device import _remote_device
 
 from shardckpt.formats.torch_file import load_dict
+from shardckpt.torch_internals import sharded_tensor
 
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
@@ -51,7 +43,7 @@ class StoredShardedTensor(torch.Tensor):
         self.local_shards, self.st_metadata, self.pg_state, self.spec, _ = state
 
     @property
-    def shards_metadata(self) -> list[ShardMetadata]:
+    def shards_metadata(self) -> list:
         """Return the metadata of every rank's shard (the whole tensor's layout)."""
         return list(self.st_metadata.shards_metadata)
 
@@ -77,21 +69,26 @@ def _process_group_state(owner: object, name: object) -> type:
     )
 
 
-# The allow-list: ShardedTensor's own metadata classes, and stand-ins under the names the
-# pickle uses. Each callable here is harmless whatever arguments a pickle passes it.
-_SAFE = [
-    (StoredShardedTensor, SHARDED_TENSOR),
-    # Named so that NEWOBJ may build it; the pickle reaches it through getattr, below.
-    (_ProcessGroupState, f"{SHARDED_TENSOR}.ProcessGroupState"),
-    (_process_group_state, "builtins.getattr"),
-    ShardMetadata,
-    Shard,
-    ChunkShardingSpec,
-    _remote_device,
-    ShardedTensorMetadata,
-    TensorProperties,
-    MEM_FORMAT_ENCODING,
-]
+def safe_globals() -> list:
+    """Return the allow-list of a rank file: ShardedTensor's metadata classes, and stand-ins.
+
+    The stand-ins go under the names the pickle uses. Each callable here is harmless
+    whatever arguments a pickle passes it.
+    """
+    api = sharded_tensor()
+    return [
+        (StoredShardedTensor, SHARDED_TENSOR),
+        # Named so that NEWOBJ may build it; the pickle reaches it through getattr, below.
+        (_ProcessGroupState, f"{SHARDED_TENSOR}.ProcessGroupState"),
+        (_process_group_state, "builtins.getattr"),
+        api.ShardMetadata,
+        api.Shard,
+        api.ChunkShardingSpec,
+        api.remote_device,
+        api.ShardedTensorMetadata,
+        api.TensorProperties,
+        api.MEM_FORMAT_ENCODING,
+    ]
 
 
 class _TrustedUnpickler(pickle.Unpickler):
@@ -112,4 +109,5 @@ class _TrustedPickle:
 
 def load_rank_file(path: Path, trust_pickle: bool) -> dict:
     """Return the state dict in one rank's file, memory-mapped, ShardedTensors as ``StoredShardedTensor``."""
-    return load_dict(path, trust_pickle, safe_globals=_SAFE, trusted_pickle=_TrustedPickle)
+    allowed = safe_globals()
+    return load_dict(path, trust_pickle, safe_globals=allowed, trusted_pickle=_TrustedPickle)

@@ -14,13 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
 
 from shardckpt.formats.rank_file import own_bytes
+from shardckpt.torch_internals import sharded_tensor
 
 
 class ShardedTensorRecord:
@@ -40,30 +36,34 @@ class ShardedTensorRecord:
         ``local`` is saved with only its own bytes (``rank_file.own_bytes``), never the
         rest of a source storage it may view.
         """
+        self.api = sharded_tensor()
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.rank = rank
         self.world_size = world_size
         rest = list(self.shape[1:])
         self.shards_metadata = [
-            ShardMetadata([first] + [0] * len(rest), [rows] + rest, f"rank:{q}/cpu")
+            self.api.ShardMetadata([first] + [0] * len(rest), [rows] + rest, f"rank:{q}/cpu")
             for q, first, rows in dim0_shards
         ]
         mine = [m for (q, _, _), m in zip(dim0_shards, self.shards_metadata) if q == rank]
-        self.local_shards = [Shard(own_bytes(local), mine[0])] if mine and local is not None else []
+        self.local_shards = (
+            [self.api.Shard(own_bytes(local), mine[0])] if mine and local is not None else []
+        )
 
     def __reduce_ex__(self, protocol):
-        properties = TensorProperties(
+        api = self.api
+        properties = api.TensorProperties(
             self.dtype, torch.strided, False, torch.contiguous_format, False
         )
-        metadata = ShardedTensorMetadata(self.shards_metadata, self.shape, properties)
-        pg_state = ShardedTensor.ProcessGroupState(
+        metadata = api.ShardedTensorMetadata(self.shards_metadata, self.shape, properties)
+        pg_state = api.ShardedTensor.ProcessGroupState(
             self.rank, self.rank, self.world_size, self.world_size
         )
-        spec = ChunkShardingSpec(dim=0, placements=[m.placement for m in self.shards_metadata])
+        spec = api.ChunkShardingSpec(dim=0, placements=[m.placement for m in self.shards_metadata])
         stride = torch.empty(self.shape, device="meta").stride()
         args = (
-            ShardedTensor,
+            api.ShardedTensor,
             self.dtype,
             tuple(self.shape),
             stride,
@@ -73,5 +73,5 @@ class ShardedTensorRecord:
             False,
         )
         state = (self.local_shards, metadata, pg_state, spec, False)
-        rebuild = (torch._utils._rebuild_wrapper_subclass, ShardedTensor, args, state)
-        return (torch._tensor._rebuild_from_type_v2, rebuild)
+        rebuild = (api.rebuild_wrapper_subclass, api.ShardedTensor, args, state)
+        return (api.rebuild_from_type_v2, rebuild)

@@ -23,6 +23,7 @@ from shardckpt.formats.files import os_error, source_file, source_stat, writing
 from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
 from shardckpt.formats.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.regions import Region, spread
+from shardckpt.torch_internals import missing_safe_globals, storage_key
 from shardckpt.tree import TensorMeta, map_leaves
 
 
@@ -31,7 +32,8 @@ def load(
 ) -> object:
     """Return the object in a ``torch.save`` file, memory-mapped, refusing code execution.
 
-    ``safe_globals`` widens torch's ``weights_only`` allow-list for one format;
+    ``safe_globals`` widens torch's ``weights_only`` allow-list for one format (every
+    load allows the DTensor classes newer torch releases allow, ``missing_safe_globals``);
     ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
     A failure is told as unsafe (only then is ``--trust-pickle`` suggested), damaged or
     unreadable (``pickle_scan.judge_failed_load``).
@@ -44,10 +46,11 @@ def load(
         )
     source_file(path)
     options: dict = {"weights_only": not trust_pickle}
+    allowed = [*missing_safe_globals(), *safe_globals]
     if trust_pickle and trusted_pickle is not None:
         options["pickle_module"] = trusted_pickle
     try:
-        with torch.serialization.safe_globals(list(safe_globals)), quiet_protocol_warning():
+        with torch.serialization.safe_globals(allowed), quiet_protocol_warning():
             try:
                 return torch.load(path, map_location="cpu", mmap=True, **options)
             except RuntimeError as exc:
@@ -148,7 +151,7 @@ def skeleton_regions(
 ) -> Frame:
     """Write ``obj``'s ``torch.save`` skeleton at ``offset`` of ``fd``; return what fills it.
 
-    ``fills`` maps each fake storage (``_cdata``) to ``(key, start, stop, byte offset)``
+    ``fills`` maps each fake storage (``storage_key``) to ``(key, start, stop, byte offset)``
     entries: elements [start, stop) of source tensor ``key`` at that byte of the storage.
     """
     placeholders, records, pieces = write_skeleton(fd, offset, obj, file)
@@ -164,7 +167,7 @@ def skeleton_regions(
 
 def storage_of(tensor: torch.Tensor) -> int:
     """Return the identity ``torch.save`` gives ``tensor``'s storage."""
-    return tensor.untyped_storage()._cdata
+    return storage_key(tensor.untyped_storage())
 
 
 class TorchWriter(Writer):

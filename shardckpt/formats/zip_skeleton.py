@@ -25,19 +25,24 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardckpt.formats.base import contiguous_bytes
 from shardckpt.regions import Piece, Record, crc32
+from shardckpt.torch_internals import (
+    fake_tensor_mode,
+    is_placeholder,
+    storage_key,
+    untyped_storage,
+)
 
 _LOCAL_HEADER = 30
 _CENTRAL_HEADER = 46
 _DATA_DESCRIPTOR = 0x08  # general-purpose flag bit 3
 
 
-def fake_mode() -> FakeTensorMode:
+def fake_mode():
     """Return the mode that makes placeholder tensors: shape and dtype, no memory."""
-    return FakeTensorMode()
+    return fake_tensor_mode()
 
 
 def _skeleton_save(obj, stream) -> None:
@@ -56,13 +61,12 @@ def storages_in_order(obj) -> list[tuple[torch.UntypedStorage, bool]]:
     class _Recorder(pickle.Pickler):
         def persistent_id(self, value):
             if isinstance(value, torch.storage.TypedStorage):
-                storage = value._untyped_storage
+                storage = untyped_storage(value)
             elif torch.is_storage(value):
                 storage = value
             else:
                 return None
-            fake = getattr(value, "_fake_device", None) is not None
-            seen.setdefault(storage._cdata, (storage, fake))
+            seen.setdefault(storage_key(storage), (storage, is_placeholder(value)))
             return ("storage", len(seen))
 
     with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -149,7 +153,7 @@ def write_skeleton(
     """Write ``torch.save(obj)`` at ``offset`` of ``fd`` with no storage bytes; return its layout.
 
     Returns ``(placeholders, records, pieces)``: the ``Record`` of each fake storage (by
-    the storage's ``_cdata``), every data record, and the ``Piece``s of the real
+    the storage's ``storage_key``), every data record, and the ``Piece``s of the real
     storages written here.
     """
     storages = storages_in_order(obj)
@@ -169,7 +173,7 @@ def write_skeleton(
         record = entry.placed(offset, file)
         records.append(record)
         if fake:
-            placeholders[storage._cdata] = record
+            placeholders[storage_key(storage)] = record
             continue
         data = contiguous_bytes(torch.empty(0, dtype=torch.uint8).set_(storage))
         pwrite_all(fd, data, record.start)

@@ -22,11 +22,11 @@ from shardckpt.cli import run
 from shardckpt.formats import detect
 from shardckpt.formats.dcp import _VOCABULARY, _MetadataUnpickler, read_metadata
 from shardckpt.formats.sharded_tensor_load import (
-    _SAFE,
     StoredShardedTensor,
     _process_group_state,
     _ProcessGroupState,
     load_rank_file,
+    safe_globals,
 )
 from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
 
@@ -105,7 +105,9 @@ def sharded_rank_file(path, *, flat: bool = False, legacy: bool = False) -> None
 
 
 def test_sharded_tensor_files_load_without_the_real_getattr(tmp_path):
-    allowed = dict((e[1], e[0]) if isinstance(e, tuple) else (e.__qualname__, e) for e in _SAFE)
+    allowed = dict(
+        (e[1], e[0]) if isinstance(e, tuple) else (e.__qualname__, e) for e in safe_globals()
+    )
     assert getattr not in allowed.values()
     assert allowed["builtins.getattr"] is _process_group_state
     sharded_rank_file(tmp_path / "rank_0.pt")
