@@ -107,9 +107,6 @@ class SharedReader(Reader):
     def check_selected(self, tree: dict) -> None:
         self.inner.check_selected(tree)
 
-    def files_for(self, meta: TensorMeta, rows: Rows) -> list[tuple[Rows, frozenset[str]]]:
-        return self.inner.files_for(meta, rows)
-
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
