@@ -33,6 +33,7 @@ from shardckpt.formats import (
 )
 from shardckpt.formats.dcp import as_stored
 from shardckpt.model import model_params
+from shardckpt.placement import Placement, open_destination
 from shardckpt.plan import (
     DEFAULT_BUFFER_BYTES,
     ConvertPlan,
@@ -323,23 +324,24 @@ def convert(
     verified = None
     if not dry_run:
         try:
-            runtime.agreed(lambda: destination.open() if runtime.coordinator else None)
+            placement = open_destination(destination, runtime)
+            runtime.agreed(lambda: _check_placement(placement, form, plan, verify, dst))
+            writer.placement = placement
             progress = progress or Progress()
             try:
                 engine.run(reader, plan, writer, runtime, progress)
             finally:
                 progress.close()
             if verify:
-                verified = _verify(reader, plan, destination, runtime, trust_pickle)
-            runtime.agreed(lambda: destination.commit() if runtime.coordinator else None)
+                verified = _verify(reader, plan, destination, runtime, trust_pickle, placement)
+            runtime.agreed(lambda: destination.commit() if placement.opener else None)
         except BaseException as exc:
             if runtime.coordinator and not destination.committed:
                 # BaseException.add_note is Python 3.11+; __notes__ is what it appends to.
                 exc.__notes__ = [*getattr(exc, "__notes__", ()), f"'{dst}' was not written"]
             raise
         finally:
-            if runtime.coordinator:
-                destination.close()
+            destination.close()  # on the ranks that opened DST; nothing elsewhere
     return ConvertResult(
         str(src),
         str(dst),
@@ -356,17 +358,56 @@ def convert(
     )
 
 
+def _check_placement(
+    placement: Placement, form: Format, plan: ConvertPlan, verify: bool, dst
+) -> None:
+    """Refuse what DST on several disks cannot hold; say where each target rank's files go."""
+    if not placement.several:
+        return
+    if form.layout == "full":
+        raise UsageError(
+            f"the ranks write DST to {len(placement.groups)} disks they do not share, and "
+            f"--format {form.name} is one full output every rank writes into",
+            path=dst,
+            hint="write it to a filesystem every rank sees, or run the ranks on one node",
+        )
+    if verify and not form.src_local:
+        raise UsageError(
+            f"--verify reads DST back from every rank, and --format {form.name} on disks "
+            "the ranks do not share cannot be",
+            path=dst,
+            hint="drop --verify and run diff on the gathered files, or write DST where "
+            "every rank sees it",
+        )
+    if placement.rank == 0:
+        notice(placement.describe(plan.world_size))
+
+
 def _verify(
-    reader, plan: ConvertPlan, destination: Destination, runtime: Runtime, trust_pickle: bool
+    reader,
+    plan: ConvertPlan,
+    destination: Destination,
+    runtime: Runtime,
+    trust_pickle: bool,
+    placement: Placement,
 ):
     """Read the staged output back and compare it with SRC; raise if anything differs."""
     dst = destination.dst
     # DCP hands every mapping key back as str; compare with what it can hold.
     expected = as_stored(plan.tree) if format_named(plan.format).keys_as_str else plan.tree
+
+    def written_reader():
+        # On several disks, each rank sees its disk's part of the output, as of a node-local SRC.
+        sight = look(destination.tmp, runtime) if placement.several else None
+        written = open_reader(destination.tmp, plan.format, trust_pickle, plan.flat_model, sight)
+        if sight is not None and not sight.complete:
+            tree = written.index().tree
+            metas = {m.key: m for _, m in walk(tree) if isinstance(m, TensorMeta)}
+            written = SharedReader(written, sight, metas, plan.buffer_bytes)
+        return written
+
     try:
-        written = runtime.agreed(
-            lambda: open_reader(destination.tmp, plan.format, trust_pickle, plan.flat_model)
-        )
+        written = runtime.agreed(written_reader)
         check = _diff_readers(reader, expected, written, runtime, clean_fqns=False)
     except ShardckptError as exc:
         if isinstance(exc, RemoteRankError):

@@ -4,11 +4,12 @@ Protocol (in this order):
   1) (every rank) ``check()`` before any collective, looking only: refuse a DST that is
      SRC, inside SRC or around it, the current directory or one around it, an existing
      DST without --overwrite, and with --overwrite a directory that holds no checkpoint.
-  2) (coordinator) ``open()`` takes the exclusive lock on DST for the whole run
+  2) (coordinator; with DST on the nodes' own disks, the lowest rank of each node:
+     ``placement.py``) ``open()`` takes the exclusive lock on DST for the whole run
      (``shardckpt.lock``), repairs what a killed run left in DST's directory, checks
      DST again under the lock and makes the staging path ``tmp``.
   3) (every rank) writers write under ``tmp``; ``--verify`` reads it back there.
-  4) (coordinator) ``commit()`` renames ``tmp`` onto DST (an old DST, with --overwrite,
+  4) (the ranks that opened) ``commit()`` renames ``tmp`` onto DST (an old DST, with --overwrite,
      is moved aside first and removed after); then ``close()`` removes ``tmp`` if it is
      still there and gives the lock back. ``close()`` runs on every exit path.
 
@@ -23,6 +24,7 @@ import contextlib
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 from shardckpt.errors import (
@@ -32,7 +34,7 @@ from shardckpt.errors import (
     UsageError,
     notice,
 )
-from shardckpt.lock import FileLock, LockBusy
+from shardckpt.lock import FileLock, LockBusy, read_owner
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardckpt-(?P<kind>partial|old)$")
 
@@ -78,7 +80,11 @@ class Destination:
         name = self.dst.name
         self.tmp = self.dst.with_name(f".{name}.shardckpt-partial") if name else self.dst
         self._old = self.dst.with_name(f".{name}.shardckpt-old") if name else self.dst
-        self._lock = FileLock(self.dst.with_name(f".{name}.shardckpt-lock")) if name else None
+        # The run's token in the lock file tells which ranks see this DST (``placement.py``).
+        self.run = uuid.uuid4().hex
+        self._lock = (
+            FileLock(self.dst.with_name(f".{name}.shardckpt-lock"), self.run) if name else None
+        )
         self._committed = False
 
     # ------------------------------------------------------------ 1) every rank
@@ -166,6 +172,12 @@ class Destination:
                 path=self.dst,
                 hint="check permissions of its directory",
             ) from None
+
+    def sees(self, run: str) -> bool:
+        """Return whether the lock file here was written by the run whose token is ``run``."""
+        if self._lock is None:
+            return False
+        return read_owner(self._lock.path).endswith(f", run {run}")
 
     @property
     def committed(self) -> bool:

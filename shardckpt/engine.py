@@ -12,7 +12,9 @@ a failure on one rank into the same error on all of them before the next collect
      runs the same number of steps; a rank with fewer batches runs empty ones.
   3) each process flushes what it wrote to disk; the pieces of every zip record are
      gathered to the coordinator, which patches each record's CRC-32.
-  4) (coordinator) ``writer.finish()``.
+  4) (coordinator) ``writer.finish()``; where DST is on the nodes' own disks
+     (``shardckpt.placement``), each process patches the checksums of its own files
+     instead, and the files every copy needs (DCP's ``.metadata``) go to each disk.
 No rank ever holds more than one batch of tensor data, and no data passes between ranks:
 each rank reads what it writes; where SRC is not on one filesystem every rank sees,
 the reader is an ``exchange.SharedReader``, whose reads bring rows from the ranks that
@@ -96,9 +98,43 @@ def run(reader: Reader, plan, writer: Writer, runtime, progress) -> None:
         runtime.agreed(files.sync)
     finally:
         files.close()
-    gathered = runtime.gather((frame.records, pieces))
-    runtime.agreed(lambda: _patch_checksums(writer.root, gathered) if runtime.coordinator else None)
+    if writer.placement is not None and writer.placement.several:
+        # DST on the nodes' own disks holds per-rank files only, each written whole by
+        # the process that framed it: its checksums are patched where it lies.
+        runtime.agreed(lambda: _patch_checksums(writer.root, [(frame.records, pieces)]))
+    else:
+        gathered = runtime.gather((frame.records, pieces))
+        runtime.agreed(
+            lambda: _patch_checksums(writer.root, gathered) if runtime.coordinator else None
+        )
     runtime.agreed(lambda: writer.finish() if runtime.coordinator else None)
+    _copy_to_every_disk(writer, runtime)
+
+
+def _copy_to_every_disk(writer: Writer, runtime) -> None:
+    """Give each other disk's DST the files the coordinator finished that every copy needs."""
+    placement = writer.placement
+    if placement is None or not placement.several or not writer.every_copy:
+        return
+
+    def read() -> dict[str, bytes] | None:
+        if not runtime.coordinator:
+            return None
+        return {name: (writer.root / name).read_bytes() for name in writer.every_copy}
+
+    files = runtime.broadcast(runtime.agreed(read))
+
+    def write() -> None:
+        if runtime.coordinator or not placement.opener:
+            return
+        for name, data in files.items():
+            path = writer.root / name
+            with writing(path), open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+    runtime.agreed(write)
 
 
 def _most(runtime, count: int) -> int:

@@ -31,8 +31,10 @@ class LockBusy(Exception):
 class FileLock:
     """An exclusive ``flock`` on ``path``, taken by ``acquire`` and given back by ``release``."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, run: str = ""):
         self.path = path
+        # Written into the lock file: ranks that read it back share this filesystem.
+        self.run = run
         self._fd: int | None = None
 
     @property
@@ -51,7 +53,7 @@ class FileLock:
             except BlockingIOError:
                 os.close(fd)
                 if time.monotonic() >= deadline:
-                    raise LockBusy(self.path, _read_owner(self.path)) from None
+                    raise LockBusy(self.path, read_owner(self.path)) from None
                 time.sleep(0.05)
                 continue
             except BaseException:
@@ -61,7 +63,8 @@ class FileLock:
                 break
             os.close(fd)  # the previous holder unlinked it after we opened it: try again
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        run = f", run {self.run}" if self.run else ""
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}{run}\n".encode())
         self._fd = fd
 
     def release(self) -> None:
@@ -84,7 +87,8 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _read_owner(path: Path) -> str:
+def read_owner(path: Path) -> str:
+    """Return what the holder of the lock at ``path`` wrote about itself, or "" if it cannot be read."""
     with contextlib.suppress(OSError, UnicodeDecodeError):
         return path.read_text().strip()
     return ""

@@ -1,7 +1,8 @@
 """Target ranks: the ranks of a world size M that one real process acts for, and their writer.
 
-A launch of N processes writes a checkpoint for M ranks by letting real rank k act for
-target ranks k, k + N, k + 2N, ... Each target rank's shards are real DTensors, placed
+A launch of N processes writes a checkpoint for M ranks by letting each real rank act
+for some of the target ranks (``shardckpt.placement``: k, k + N, k + 2N, ... where every
+rank sees DST). Each target rank's shards are real DTensors, placed
 ``Shard(0)`` on a 1-D mesh of M ranks built without a process group and told which
 rank it is, so DCP plans them exactly as it plans FSDP2's own state dict at M.
 """
@@ -20,11 +21,6 @@ from shardckpt.formats.base import Frame, Writer
 from shardckpt.formats.files import writing
 from shardckpt.torch_internals import mesh_without_group, name_groups
 from shardckpt.tree import TensorMeta
-
-
-def virtual_ranks(world_size: int, rank: int, launch_size: int) -> list[int]:
-    """Return the target ranks of ``world_size`` that real rank ``rank`` of ``launch_size`` acts for."""
-    return list(range(rank, world_size, launch_size))
 
 
 def virtual_mesh(world_size: int, rank: int) -> DeviceMesh:
@@ -74,7 +70,7 @@ class TargetRanksWriter(Writer):
     """
 
     def frame(self, runtime) -> Frame:
-        targets = virtual_ranks(self.plan.world_size, runtime.rank, runtime.world_size)
+        targets = self.targets(runtime)
         return runtime.agreed(lambda: merge_frames(self.frame_rank(r) for r in targets))
 
     @abstractmethod

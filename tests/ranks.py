@@ -44,3 +44,19 @@ def convert_expecting_failure(srcs: list[str], dst: str, to: str) -> tuple[str, 
     except ShardckptError as exc:
         return type(exc).__name__, exc.exit_code, exc.line()
     return "no error", 0, ""
+
+
+def convert_to_own(src: str, dsts: list[str], to: str, kwargs: dict) -> dict:
+    """Run ``api.convert`` into ``dsts[rank]``: each rank writes DST on its own node's disk."""
+    return convert(src, dsts[dist.get_rank()], to, kwargs)
+
+
+def convert_to_own_expecting_failure(
+    src: str, dsts: list[str], to: str, kwargs: dict
+) -> tuple[str, int, str]:
+    """``convert_to_own`` that must fail; return (error type, exit code, line)."""
+    try:
+        convert_to_own(src, dsts, to, kwargs)
+    except ShardckptError as exc:
+        return type(exc).__name__, exc.exit_code, exc.line()
+    return "no error", 0, ""

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from shardckpt.errors import BadInputError
+from shardckpt.placement import shared
 from shardckpt.regions import Piece, Record, Region
 from shardckpt.tree import TensorMeta, walk
 
@@ -110,6 +111,17 @@ class Writer(ABC):
     def __init__(self, root: Path, plan):
         self.root = root
         self.plan = plan
+        # Which target ranks' files each process writes (``shardckpt.placement``); set by
+        # ``api.convert`` once DST is open, None for a DST every rank sees.
+        self.placement = None
+
+    def targets(self, runtime) -> list[int]:
+        """Return the target ranks whose files this process frames and fills."""
+        placement = self.placement or shared(runtime.rank, runtime.world_size)
+        return placement.targets(self.plan.world_size)
+
+    # Files ``finish`` writes that every copy of DST needs, where ranks write to several disks.
+    every_copy: tuple[str, ...] = ()
 
     @abstractmethod
     def frame(self, runtime) -> Frame:

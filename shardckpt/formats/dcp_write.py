@@ -45,7 +45,7 @@ from shardckpt.formats.rank_file import Fills, dtensor_placeholders
 from shardckpt.formats.torch_file import storage_of
 from shardckpt.formats.zip_skeleton import pwrite_all, tensor_blob, write_blob
 from shardckpt.regions import Region
-from shardckpt.target_ranks import create, merge_frames, virtual_mesh, virtual_ranks
+from shardckpt.target_ranks import create, merge_frames, virtual_mesh
 from shardckpt.torch_internals import dcp_storage_info, dcp_v2_3_paths
 from shardckpt.tree import walk
 
@@ -186,6 +186,9 @@ class DcpWriter(Writer):
     write results, which are known from the layout alone.
     """
 
+    # DCP's loader reads .metadata on every rank.
+    every_copy = (".metadata",)
+
     def __init__(self, root: Path, plan):
         super().__init__(root, plan)
         self._storage = _Writer(root)
@@ -195,7 +198,7 @@ class DcpWriter(Writer):
 
     def frame(self, runtime: Runtime) -> Frame:
         plan = self.plan
-        targets = virtual_ranks(plan.world_size, runtime.rank, runtime.world_size)
+        targets = self.targets(runtime)
         planners = {r: _SavePlanner() for r in targets}
         fills: dict[int, Fills] = {r: {} for r in targets}
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 import ranks
 from harness import run_ranks
+from rank_bytes import assert_rank_files_hold_torchs_shards, file_hashes
 from reference import assert_trees_equal, load_dcp_into_fsdp2
 from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
 from shardckpt.tree import subtree, walk
@@ -49,33 +50,6 @@ def _nodes(src: Path, root: Path, nproc: int) -> list[str]:
             shutil.copy(src / f"__{rank}_0.distcp", here)
         out.append(str(here))
     return out
-
-
-def _sha(root: Path) -> dict[str, str]:
-    paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
-
-
-def _assert_rank_files_hold_torchs_shards(dst: Path, ref: dict, world_size: int) -> None:
-    """Check every ``rank_{r}.pt``: each DTensor's local shard is what torch gives rank r of the full tensor."""
-    checked = 0
-    for rank in range(world_size):
-        with quiet_mesh_unpickling():
-            state = torch.load(dst / f"rank_{rank}.pt", weights_only=True)
-        for path, leaf in walk(state):
-            full = subtree(ref, path)
-            if isinstance(leaf, DTensor):
-                sizes, offsets = compute_local_shape_and_global_offset(
-                    leaf.shape, leaf.device_mesh, leaf.placements
-                )
-                window = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-                assert torch.equal(leaf.to_local(), full[window]), (rank, path)
-                checked += 1
-            elif isinstance(leaf, torch.Tensor):
-                assert torch.equal(leaf, full), (rank, path)
-            else:
-                assert leaf == full, (rank, path)
-    assert checked, "no DTensor was checked"
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -106,11 +80,11 @@ def test_a_dcp_split_over_node_local_disks_becomes_fsdp2_rank_files_at_m(
     srcs = _nodes(fsdp2_ckpt.dcp, tmp_path, nproc)
     dst = tmp_path / "ranks"
     run_ranks(ranks.convert_own, nproc, srcs, str(dst), "local", {"world_size": m})
-    _assert_rank_files_hold_torchs_shards(dst, ref, m)
+    assert_rank_files_hold_torchs_shards(dst, ref, m)
     # The same files as from a source every rank sees.
     shared = tmp_path / "shared"
     run_ranks(ranks.convert, nproc, str(fsdp2_ckpt.dcp), str(shared), "local", {"world_size": m})
-    assert _sha(dst) == _sha(shared)
+    assert file_hashes(dst) == file_hashes(shared)
 
 
 def _error(srcs: list[str], dst: Path) -> tuple[str, int, str]:
@@ -179,4 +153,4 @@ def test_a_rank_whose_node_holds_none_of_src_still_converts_its_share(fsdp2_ckpt
     run_ranks(ranks.convert_own, 2, srcs, str(dst), "full", {"src_local": True})
     (tmp_path / "again").mkdir()
     run_ranks(ranks.convert, 2, str(fsdp2_ckpt.dcp), str(tmp_path / "again" / "full.safetensors"), "full", {})
-    assert _sha(dst) == _sha(tmp_path / "again" / "full.safetensors")
+    assert file_hashes(dst) == file_hashes(tmp_path / "again" / "full.safetensors")

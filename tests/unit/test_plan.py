@@ -8,6 +8,7 @@ import torch
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index
 from shardckpt.optim import ModelParams
+from shardckpt.placement import Placement, shared
 from shardckpt.plan import (
     SKIP,
     Selection,
@@ -18,7 +19,6 @@ from shardckpt.plan import (
     select,
     stays_whole,
 )
-from shardckpt.target_ranks import virtual_ranks
 from shardckpt.tree import Chunk, TensorMeta
 
 
@@ -179,6 +179,38 @@ def test_stays_whole_is_what_per_rank_files_held_as_plain_tensors():
 
 @pytest.mark.parametrize(("world_size", "launch_size"), [(1, 2), (3, 2), (8, 2), (4, 4), (5, 1)])
 def test_every_target_rank_has_exactly_one_real_rank(world_size, launch_size):
-    owned = [r for k in range(launch_size) for r in virtual_ranks(world_size, k, launch_size)]
+    owned = [r for k in range(launch_size) for r in shared(k, launch_size).targets(world_size)]
     assert sorted(owned) == list(range(world_size))
-    assert 0 in virtual_ranks(world_size, 0, launch_size)  # the coordinator plans globally
+    assert 0 in shared(0, launch_size).targets(world_size)  # the coordinator plans globally
+    assert shared(1 % launch_size, launch_size).targets(world_size) == list(
+        range(1 % launch_size, world_size, launch_size)
+    )
+
+
+@pytest.mark.parametrize(
+    ("groups", "world_size", "expected"),
+    [
+        # Two nodes of two ranks, M = 8: node 0 writes 0-3, node 1 writes 4-7, round-robin.
+        (((0, 1), (2, 3)), 8, {0: [0, 2], 1: [1, 3], 2: [4, 6], 3: [5, 7]}),
+        # Uneven nodes, M = 5: blocks of 3 and 2 ranks.
+        (((0,), (1, 2)), 5, {0: [0, 1, 2], 1: [3], 2: [4]}),
+        # More nodes than target ranks: a node may write nothing, never the coordinator's.
+        (((0,), (1,), (2,)), 2, {0: [0], 1: [1], 2: []}),
+        # Ranks of one node need not be contiguous.
+        (((0, 2), (1, 3)), 4, {0: [0], 2: [1], 1: [2], 3: [3]}),
+    ],
+)
+def test_dst_on_several_disks_gives_each_disk_a_block_of_target_ranks(groups, world_size, expected):
+    got = {r: Placement(groups, r).targets(world_size) for g in groups for r in g}
+    assert sorted(t for ts in got.values() for t in ts) == list(range(world_size))
+    assert got == expected
+
+
+def test_the_note_on_several_disks_names_each_disks_ranks_and_block():
+    placement = Placement(((0, 1, 2, 3), (4, 6), (5,)), 0)
+    assert placement.describe(8) == (
+        "DST is on 3 disks the ranks do not share, so each holds a block of target ranks: "
+        "ranks 0-3's disk 0-2, ranks 4,6's disk 3-5, rank 5's disk 6-7 (where a job at 8 on "
+        "as many nodes runs them)"
+    )
+    assert "rank 2's disk none" in Placement(((0,), (1,), (2,)), 0).describe(2)
