@@ -131,18 +131,19 @@ class SharedReader(Reader):
         got = runtime.agreed(lambda: self._read(reads))
         for p in reads:
             if p.asker == me:
-                targets[p.index][p.at : p.at + p.nbytes] = got[p]
+                targets[p.index][p.at : p.at + p.nbytes] = got.pop(p)
         if all(p.sender == p.asker for p in pieces):
             return  # every rank read its own: nothing crosses (the same answer on every rank)
         sends = [[p for p in reads if p.asker == r and r != me] for r in range(world)]
         send_sizes = [sum(p.nbytes for p in ps) for ps in sends]
+        # The send buffer's pages are taken as it fills, and each read is let go once
+        # copied: the rows sent are held about once, not twice.
         buffer = torch.empty(sum(send_sizes), dtype=torch.uint8)
         window = contiguous_bytes(buffer)
         at = 0
         for p in (p for ps in sends for p in ps):
-            window[at : at + p.nbytes] = got[p]
+            window[at : at + p.nbytes] = got.pop(p)
             at += p.nbytes
-        del got
         recvs = [[p for p in pieces if p.asker == me and p.sender == r != me] for r in range(world)]
         came = runtime.all_to_all(buffer, send_sizes, [sum(p.nbytes for p in ps) for ps in recvs])
         view = contiguous_bytes(came)
