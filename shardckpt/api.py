@@ -330,10 +330,12 @@ def convert(
             progress = progress or Progress()
             try:
                 engine.run(reader, plan, writer, runtime, progress)
+                if verify:
+                    verified = _verify(
+                        reader, plan, destination, runtime, trust_pickle, placement, progress
+                    )
             finally:
                 progress.close()
-            if verify:
-                verified = _verify(reader, plan, destination, runtime, trust_pickle, placement)
             runtime.agreed(lambda: destination.commit() if placement.opener else None)
         except BaseException as exc:
             if runtime.coordinator and not destination.committed:
@@ -390,6 +392,7 @@ def _verify(
     runtime: Runtime,
     trust_pickle: bool,
     placement: Placement,
+    progress: Progress,
 ):
     """Read the staged output back and compare it with SRC; raise if anything differs."""
     dst = destination.dst
@@ -408,7 +411,10 @@ def _verify(
 
     try:
         written = runtime.agreed(written_reader)
-        check = _diff_readers(reader, expected, written, runtime, clean_fqns=False)
+        progress.begin(
+            sum(m.nbytes for _, m in walk(expected) if isinstance(m, TensorMeta)), "verify"
+        )
+        check = _diff_readers(reader, expected, written, runtime, False, progress)
     except ShardckptError as exc:
         if isinstance(exc, RemoteRankError):
             raise
@@ -466,13 +472,15 @@ def diff(
 
     tree_a, tree_b = runtime.agreed(selected)
     progress = progress or Progress()
-    progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)))
+    progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)), "compare")
     try:
         return compare(ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, progress=progress)
     finally:
         progress.close()
 
 
-def _diff_readers(ra, tree_a: dict, rb, runtime: Runtime, clean_fqns: bool) -> DiffResult:
+def _diff_readers(
+    ra, tree_a: dict, rb, runtime: Runtime, clean_fqns: bool, progress: Progress
+) -> DiffResult:
     tree_b = runtime.agreed(lambda: select(rb.index(), Selection(clean_fqns=clean_fqns)))
-    return compare(ra, tree_a, rb, tree_b, runtime)
+    return compare(ra, tree_a, rb, tree_b, runtime, progress=progress)

@@ -64,11 +64,17 @@ class _Files:
                 self._fds[file] = os.open(self.path(file), os.O_RDWR)
         return self._fds[file]
 
-    def sync(self) -> None:
+    @property
+    def count(self) -> int:
+        """Return how many files this process has opened."""
+        return len(self._fds)
+
+    def sync(self, progress: Progress = lambda n: None) -> None:
         """Flush every file written to disk (on a shared filesystem, each rank its own writes)."""
         for file, fd in self._fds.items():
             with writing(self.path(file)):
                 os.fsync(fd)
+            progress(1)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -87,7 +93,7 @@ def run(reader: Reader, plan, writer: Writer, runtime, progress) -> None:
     regions = sorted(frame.regions, key=lambda r: (order[r.key], r.start))
     work = batches(regions, metas, plan.buffer_bytes)
     steps = _most(runtime, len(work))
-    progress.begin(sum(nbytes(r, metas) for r in frame.regions) * runtime.world_size)
+    progress.begin(sum(nbytes(r, metas) for r in frame.regions) * runtime.world_size, "write")
     files = _Files(writer.root)
     pieces: list[Piece] = list(frame.pieces)
     try:
@@ -95,7 +101,9 @@ def run(reader: Reader, plan, writer: Writer, runtime, progress) -> None:
             batch = work[i] if i < len(work) else []
             pieces += runtime.agreed(lambda b=batch: _fill(reader, b, metas, files, runtime))
             progress(sum(nbytes(r, metas) for r in batch) * runtime.world_size)
-        runtime.agreed(files.sync)
+        # What was written may still be in the page cache: flushing it can take as long.
+        progress.begin(files.count, "flush to disk", unit="files")
+        runtime.agreed(lambda: files.sync(progress))
     finally:
         files.close()
     if writer.placement is not None and writer.placement.several:

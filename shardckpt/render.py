@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from shardckpt.api import ConvertResult, Inspection
 from shardckpt.compare import DiffResult
+from shardckpt.progress import human_bytes
 from shardckpt.tree import TensorMeta, dotted, path_to_json
 
 SCHEMA_VERSION = 1
@@ -15,15 +16,6 @@ SCHEMA_VERSION = 1
 def dtype_name(dtype) -> str:
     """Return ``float32`` for ``torch.float32``."""
     return str(dtype).removeprefix("torch.")
-
-
-def human_bytes(n: float) -> str:
-    """Return ``n`` bytes as a short human string (``1.5 MiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def jsonable(value: object) -> object:

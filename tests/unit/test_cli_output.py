@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from shardckpt.cli import run
-from shardckpt.progress import Progress
+from shardckpt.progress import Progress, human_bytes
 
 
 def test_convert_json_is_one_document_with_the_spec_keys(tmp_path, capsys):
@@ -72,3 +79,27 @@ def test_progress_bar_is_off_without_a_terminal_and_in_ci(monkeypatch):
     assert Progress(enabled=True).enabled is False
     monkeypatch.setenv("CI", "")
     assert Progress(enabled=True).enabled is True
+
+
+def test_on_a_terminal_every_phase_of_a_convert_shows_a_bar_in_binary_units(tmp_path):
+    """Write, flush and --verify each get a bar; sizes and rates are both KiB/MiB (a real pty)."""
+    if shutil.which("script") is None:
+        pytest.skip("needs util-linux's script(1) to give the command a terminal")
+    torch.save({"model": {"w": torch.randn(512, 256), "b": torch.randn(256)}}, tmp_path / "a.pt")
+    cmd = f"{shlex.quote(sys.executable)} -m shardckpt convert {tmp_path / 'a.pt'} "
+    cmd += f"{tmp_path / 'out'} --to sharded --world-size 2 --verify"
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "TQDM_DISABLE")}
+    proc = subprocess.run(
+        ["script", "-qec", f"stty cols 120 rows 40; {cmd}", "/dev/null"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout
+    frames = proc.stdout.replace("\r", "\n")
+    for phase in ("convert write: ", "convert flush to disk: ", "convert verify: "):
+        assert phase in frames, frames
+    total = human_bytes((512 * 256 + 256) * 4)
+    assert f"0 B/{total} [" in frames, frames  # each bar's first frame; later ones are timed
+    assert not re.search(r"\d[kMG]B/s|\d[kMG]B\b", frames), frames  # no decimal units
