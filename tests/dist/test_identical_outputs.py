@@ -10,12 +10,10 @@ tests/e2e/test_torchrun_cli.py's).
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import pytest
 import ranks
 from harness import run_ranks
+from rank_bytes import file_hashes
 
 from shardckpt import api
 
@@ -35,12 +33,6 @@ CASES = {
 }
 
 
-def _files(root: Path) -> dict[str, str]:
-    """Return the sha256 of every file under ``root`` (or of ``root`` itself), by relative path."""
-    paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fmt", list(CASES))
 def test_the_output_is_byte_identical_at_one_two_and_three_processes(fsdp2_ckpt, tmp_path, fmt):
@@ -52,7 +44,7 @@ def test_the_output_is_byte_identical_at_one_two_and_three_processes(fsdp2_ckpt,
             api.convert(fsdp2_ckpt.dcp, dst, to=to, **kwargs)
         else:
             run_ranks(ranks.convert, n, str(fsdp2_ckpt.dcp), str(dst), to, kwargs)
-        outputs[n] = _files(dst)
+        outputs[n] = file_hashes(dst)
     assert outputs[1], "nothing was written"
     assert outputs[2] == outputs[1]
     assert outputs[3] == outputs[1]
