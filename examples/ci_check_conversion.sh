@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cpu-ok: runs on CPU (2 gloo ranks make the checkpoint, ~15 s on 2 cores).
+# cpu-ok: runs on CPU (2 gloo ranks make the checkpoint; ~18 s on 2 cores).
 # A CI pipeline step: convert a checkpoint to one full torch.save file, read it back
 # (--verify), diff it against a reference, and fail the pipeline on any difference,
 # reading shardckpt's --json output with jq, or with Python where jq is missing.

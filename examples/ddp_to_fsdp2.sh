@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cpu-ok: runs on CPU (2 gloo ranks, ~20 s on 2 cores); GPUs work too.
+# cpu-ok: runs on CPU (2 gloo ranks, ~20 s on 2 cores); no GPU needed.
 # Train with plain DDP + torch.optim (a torch.save file: "module."-prefixed weights,
 # optimizer state keyed by param IDs), convert it to an FSDP2 DCP checkpoint with
 # shardckpt, resume with FSDP2 and check that the loss continues. Usage: [WORKDIR]

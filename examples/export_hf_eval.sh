@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cpu-ok: runs on CPU (2 gloo ranks make the checkpoint, ~15 s on 2 cores).
+# cpu-ok: runs on CPU (2 gloo ranks make the checkpoint; ~18 s on 2 cores).
 # Export a training checkpoint's model weights to Hugging Face sharded safetensors in
 # bf16 for evaluation, load them with safetensors.torch.load_file into the model and
 # run an eval forward, checking the loss against the fp32 checkpoint's.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cpu-ok: runs on CPU (2 then 3 gloo ranks, ~20 s on 2 cores); GPUs work too.
+# cpu-ok: runs on CPU (2 then 3 gloo ranks, ~25 s on 2 cores); no GPU needed.
 # Train with FSDP2 on N ranks, convert the DCP checkpoint to M ranks with shardckpt,
 # resume training on M ranks, and check that the loss continues exactly where the
 # uninterrupted N-rank run went. Usage: examples/reshard_and_resume.sh [WORKDIR]

@@ -1,7 +1,7 @@
 """A small training loop with FSDP2 or DDP that saves and resumes checkpoints.
 
 helper: run under torchrun by reshard_and_resume.sh and ddp_to_fsdp2.sh (not an
-example on its own); runs on CPU (gloo) as well as on GPUs.
+example on its own); runs on CPU ranks over gloo, as make_checkpoint.py does.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train.py \\
         --parallel fsdp2 --steps 5 --save-at 3 --save CKPT --losses LOSSES.json
@@ -80,8 +80,9 @@ def save(path: str, parallel: str, model, optimizer, step: int) -> None:
 def resume(path: str, model, optimizer) -> int:
     """Load a DCP checkpoint into the FSDP2 model and optimizer; return its step."""
     # get_state_dict gives the state dict this world size holds (DTensor shards,
-    # optimizer state initialised): dcp.load fills it in place from any saved layout
-    # whose world size matches, which is what `shardckpt convert --world-size` gives.
+    # optimizer state initialised); dcp.load fills it in place. A checkpoint that
+    # `shardckpt convert --world-size M` wrote holds each of the M ranks' shards in
+    # that rank's own file, as a job at M would have saved it.
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd, "train": {"step": 0}}
     dcp.load(state, checkpoint_id=path)
