@@ -1,5 +1,8 @@
 """Train a tiny model with FSDP2 for a few steps and save a DCP checkpoint of it.
 
+helper: run under torchrun by scripts/demo.sh and the examples (not an example on its
+own); its model and optimizer are what the tests and the other examples use.
+
 Run it on CPU with any number of ranks (1, 2, 3, 4, 8, ...):
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 \\

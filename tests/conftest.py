@@ -16,6 +16,14 @@ if _TESTS_DIR not in sys.path:
 from reference import Fsdp2Checkpoint, make_fsdp2_dcp  # noqa: E402
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the markers this suite uses."""
+    # In the normal suite (scripts/test.sh, CI); `-m "not slow"` leaves them out locally.
+    config.addinivalue_line(
+        "markers", "slow: takes tens of seconds (runs examples or README lines end to end)"
+    )
+
+
 @pytest.fixture(scope="session")
 def fsdp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Fsdp2Checkpoint:
     """Return a DCP checkpoint saved by FSDP2 at world size 4 and its full reference."""
