@@ -20,7 +20,14 @@ from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.destination import Destination
 from shardckpt.dist import Runtime
-from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError, notice
+from shardckpt.errors import (
+    IOFailure,
+    RemoteRankError,
+    ShardckptError,
+    UsageError,
+    notice,
+    source_option,
+)
 from shardckpt.exchange import SharedReader
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
@@ -62,6 +69,7 @@ class Inspection:
     warnings: list[str] = field(default_factory=list)
 
 
+@source_option("--format")
 def inspect(
     src: str | os.PathLike,
     *,
@@ -208,6 +216,7 @@ def _check_shard_size(form: Format, max_shard_size: int | None) -> None:
         raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
 
 
+@source_option("--from")
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -364,9 +373,10 @@ def _verify(
     # DCP hands every mapping key back as str; compare with what it can hold.
     expected = as_stored(plan.tree) if format_named(plan.format).keys_as_str else plan.tree
     try:
-        written = runtime.agreed(
-            lambda: open_reader(destination.tmp, plan.format, trust_pickle, plan.flat_model)
-        )
+        with source_option("--format"):
+            written = runtime.agreed(
+                lambda: open_reader(destination.tmp, plan.format, trust_pickle, plan.flat_model)
+            )
         check = _diff_readers(reader, expected, written, runtime, clean_fqns=False)
     except ShardckptError as exc:
         if isinstance(exc, RemoteRankError):
@@ -408,9 +418,14 @@ def diff(
     for name, tol in (("--atol", atol), ("--rtol", rtol)):
         if not (tol >= 0 and math.isfinite(tol)):
             raise UsageError(f"{name} must be a finite number >= 0, not {tol}")
-    ra, rb = runtime.agreed(
-        lambda: (open_reader(a, fmt_a, trust_pickle), open_reader(b, fmt_b, trust_pickle))
-    )
+
+    def open_both():
+        with source_option("--format-a"):
+            ra = open_reader(a, fmt_a, trust_pickle)
+        with source_option("--format-b"):
+            return ra, open_reader(b, fmt_b, trust_pickle)
+
+    ra, rb = runtime.agreed(open_both)
     sel = Selection(clean_fqns=clean_fqns)
 
     def selected() -> tuple[dict, dict]:
@@ -423,13 +438,25 @@ def diff(
             return as_stored(tree_a), as_stored(tree_b)
         return tree_a, tree_b
 
-    tree_a, tree_b = runtime.agreed(selected)
-    progress = progress or Progress()
-    progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)))
-    try:
-        return compare(ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, progress=progress)
-    finally:
-        progress.close()
+    with source_option(lambda exc: _side_option(exc, a, b)):
+        tree_a, tree_b = runtime.agreed(selected)
+        progress = progress or Progress()
+        progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)))
+        try:
+            return compare(ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, progress=progress)
+        finally:
+            progress.close()
+
+
+def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLike) -> str:
+    """Return diff's format option for the side whose files ``error`` concerns."""
+    if error.path is not None:
+        where = Path(error.path).resolve()
+        for side, option in ((b, "--format-b"), (a, "--format-a")):
+            root = Path(side).resolve()
+            if where == root or root in where.parents:
+                return option
+    return "--format-a or --format-b"
 
 
 def _diff_readers(ra, tree_a: dict, rb, runtime: Runtime, clean_fqns: bool) -> DiffResult:

@@ -43,6 +43,7 @@ from torch.futures import Future
 
 from shardckpt import torch_internals
 from shardckpt.errors import (
+    SRC_FORMAT,
     BadInputError,
     ShardckptError,
     UnsafePickleError,
@@ -125,7 +126,7 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
         raise BadInputError(
             f"no '{METADATA_FILE}' in this directory",
             path=path,
-            hint="pass the DCP checkpoint directory itself, or --format for another format",
+            hint=f"pass the DCP checkpoint directory itself, or {SRC_FORMAT} for another format",
         )
     try:
         with open(file, "rb") as f:

@@ -69,7 +69,7 @@ def test_a_file_in_another_format_is_not_called_damaged(capsys, small):
         3,
         f"shardckpt: error: '{small / 'plain.pt'}': not a readable torch.save file "
         "(RuntimeError: Invalid magic number; corrupt file?): the file is truncated or in another "
-        "format; name its format (convert --from, inspect --format)",
+        "format; name its format with --format",
     )
 
 
