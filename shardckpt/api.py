@@ -12,10 +12,10 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from shardckpt import engine
+from shardckpt import applies, engine
 from shardckpt.cast import CastReader, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.destination import Destination
@@ -83,7 +83,15 @@ def inspect(
     """Return the metadata of ``src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
     runtime = runtime or Runtime()
     flat_model = FlatModel(model, tuple(wraps)) if model else None
-    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle, flat_model).index())
+
+    def read_index() -> Index:
+        choice = applies.Choice(src_format=fmt, model=model, wraps=tuple(wraps))
+        applies.check(applies.INSPECT_RULES, choice)
+        reader = open_reader(src, fmt, trust_pickle, flat_model)
+        applies.check(applies.INSPECT_RULES, replace(choice, src_format=reader.format))
+        return reader.index()
+
+    index = runtime.agreed(read_index)
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
     return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
@@ -153,10 +161,6 @@ def _check_target(to: str, form: Format, world_size: int | None, model: str | No
             f"--format {form.name} needs the model's flat-parameter layout",
             hint="pass --model pkg.module:factory and the --wrap classes training wraps",
         )
-    if world_size is not None and to == "full":
-        raise UsageError(
-            "--world-size applies to sharded and local outputs only", hint="drop --world-size"
-        )
     if world_size is not None and world_size < 1:
         raise UsageError(
             f"--world-size must be at least 1, not {world_size}",
@@ -194,25 +198,8 @@ def _check_dst_name(dst: str | os.PathLike, form: Format) -> None:
     )
 
 
-def _check_cast(dtype: str, cast_optim: bool):
-    cast_to = target_dtype(dtype)
-    if cast_optim and cast_to is None:
-        raise UsageError(
-            "--cast-optim needs --dtype",
-            hint="add --dtype bf16, fp16 or fp32, or drop --cast-optim",
-        )
-    return cast_to
-
-
-def _check_shard_size(form: Format, max_shard_size: int | None) -> None:
-    if max_shard_size is None:
-        return
-    if not form.max_shard_size:
-        raise UsageError(
-            "--max-shard-size applies to --format hf only",
-            hint="drop --max-shard-size, or pass --format hf",
-        )
-    if max_shard_size <= 0:
+def _check_shard_size(max_shard_size: int | None) -> None:
+    if max_shard_size is not None and max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
 
 
@@ -269,16 +256,28 @@ def convert(
         target_world = world_size or runtime.world_size
         if to != "full":
             _check_world_size(form, target_world)
+        choice = applies.Choice(
+            to=to,
+            fmt=form.name,
+            src_format=src_format,
+            only=only,
+            dtype=dtype,
+            cast_optim=cast_optim,
+            optim_keys=optim_keys,
+            world_size=world_size,
+            max_shard_size=max_shard_size,
+            model=model,
+            wraps=tuple(wraps),
+            use_orig_params=use_orig_params,
+            src_local=src_local,
+            distributed=runtime.distributed,
+        )
+        applies.check(applies.CONVERT_RULES, choice)
         _check_dst_name(dst, form)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
-        if src_local and not runtime.distributed:
-            raise UsageError(
-                "--src-local applies under torchrun, where ranks on several nodes read SRC",
-                hint="drop --src-local, or launch with torchrun",
-            )
-        cast_to = _check_cast(dtype, cast_optim)
-        _check_shard_size(form, max_shard_size)
+        cast_to = target_dtype(dtype)
+        _check_shard_size(max_shard_size)
         selection = Selection(
             only=only,
             filters=tuple(filters),
@@ -299,6 +298,7 @@ def convert(
                 "silence this note)"
             )
         reader = open_reader(src, src_format, trust_pickle, flat_model, sight)
+        applies.check(applies.CONVERT_RULES, replace(choice, src_format=reader.format))
         source = format_named(reader.format)
         if source.needs_model and flat_model is None:
             raise UsageError(

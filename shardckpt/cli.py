@@ -30,16 +30,18 @@ app = typer.Typer(
     name="shardckpt",
     help="Convert PyTorch training checkpoints between layouts, formats and world sizes.\n\n"
     "Run standalone, or under torchrun to spread the work over ranks:\n\n"
-    "  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full",
+    "  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full\n\n"
+    "An option that does not apply to the run, or one that takes one value given twice, "
+    "is a usage error (exit 2).",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
 
-app.command(epilog=inspect_command.EPILOG)(inspect_command.inspect)
+app.command(epilog=inspect_command.EPILOG, cls=RawArgsCommand)(inspect_command.inspect)
 app.command(epilog=convert_command.EPILOG, cls=RawArgsCommand)(convert_command.convert)
-app.command(epilog=diff_command.EPILOG)(diff_command.diff)
+app.command(epilog=diff_command.EPILOG, cls=RawArgsCommand)(diff_command.diff)
 
 
 def report(error: ShardckptError) -> None:

@@ -136,7 +136,8 @@ def convert(
         bool,
         typer.Option(
             "--use-orig-params",
-            help="For --format fsdp1-local: the layout of FSDP1 with use_orig_params=True.",
+            help="Only for --format fsdp1-local output: the layout of FSDP1 with "
+            "use_orig_params=True (a source says which it has).",
         ),
     ] = False,
     renames: Annotated[

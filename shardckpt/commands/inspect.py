@@ -33,7 +33,8 @@ def inspect(
         typer.Option(
             "--model",
             metavar="pkg.module:factory",
-            help="pkg.module:factory; names what fsdp1-local flat params hold.",
+            help="pkg.module:factory; names what fsdp1-local flat params hold "
+            "(for fsdp1-local sources only).",
         ),
     ] = None,
     wraps: Wraps = None,
