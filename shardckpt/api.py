@@ -168,6 +168,27 @@ def _check_target(to: str, form: Format, world_size: int | None, model: str | No
         )
 
 
+def _target_world_size(to: str, world_size: int | None, runtime: Runtime) -> int:
+    """Return the world size DST is for: ``--world-size``, else the launch's (said once).
+
+    Standalone there is no launch to take it from, and a silent 1 would write a
+    checkpoint for one rank that an N-rank job cannot resume from as it expects.
+    """
+    if world_size is not None or to == "full":
+        return world_size or runtime.world_size
+    if not runtime.distributed:
+        raise UsageError(
+            f"--to {to} needs --world-size outside torchrun",
+            hint="pass --world-size M, the number of ranks that will load DST",
+        )
+    if runtime.coordinator:
+        notice(
+            f"writing DST for world size {runtime.world_size}, the launch's "
+            "(pass --world-size M for another)"
+        )
+    return runtime.world_size
+
+
 def _check_world_size(form: Format, world_size: int) -> None:
     """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD)."""
     if world_size < form.min_world_size:
@@ -253,7 +274,7 @@ def convert(
         if form is None:
             raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
         _check_target(to, form, world_size, model)
-        target_world = world_size or runtime.world_size
+        target_world = _target_world_size(to, world_size, runtime)
         if to != "full":
             _check_world_size(form, target_world)
         choice = applies.Choice(

@@ -35,6 +35,7 @@ EPILOG = (
     "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
     "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local\n\n"
     "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
+    "  shardckpt convert full.pt ckpt-at-8 --to sharded --world-size 8\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     "\n\n"
     "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
@@ -86,7 +87,8 @@ def convert(
         typer.Option(
             "--world-size",
             metavar="M",
-            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch (default: the launch's).",
+            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch; "
+            "required standalone, under torchrun default: the launch's.",
         ),
     ] = None,
     only: Annotated[

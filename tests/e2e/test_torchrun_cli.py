@@ -50,6 +50,9 @@ def test_torchrun_sharded_output_round_trips(fsdp2_ckpt, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert '"world_size": 2' in proc.stdout and proc.stdout.count("{") == 1
+    # No --world-size: the launch's is used, and said once.
+    note = "shardckpt: note: writing DST for world size 2, the launch's"
+    assert proc.stderr.count(note) == 1, proc.stderr
     assert run(["diff", str(fsdp2_ckpt.dcp), str(tmp_path / "resharded")]) == 0
 
 

@@ -144,7 +144,16 @@ def test_existing_destination_needs_overwrite(capsys, small):
 
 def test_destination_inside_source_is_refused(capsys, small):
     assert error_of(
-        capsys, ["convert", small / "small-dcp", small / "small-dcp" / "x", "--to", "sharded"]
+        capsys,
+        [
+            "convert",
+            small / "small-dcp",
+            small / "small-dcp" / "x",
+            "--to",
+            "sharded",
+            "--world-size",
+            "1",
+        ],
     ) == (
         2,
         f"shardckpt: error: '{small / 'small-dcp' / 'x'}': DST is SRC or inside it: "
