@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardckpt import applies, engine
-from shardckpt.cast import CastReader, target_dtype
+from shardckpt.cast import CastReader, dtype_name, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.destination import Destination
 from shardckpt.dist import Runtime
@@ -52,6 +52,7 @@ from shardckpt.plan import (
 from shardckpt.progress import Progress
 from shardckpt.sight import look
 from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
+from shardckpt.words import counted
 
 LAYOUTS = ("full", "sharded", "local")
 
@@ -115,13 +116,13 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
         stray = [k for k in state if str(k) not in listed]
         if params and stray:
             notes.append(
-                f"{'.'.join(map(str, info.path))}: state for {len(stray)} key(s) in no param group, "
+                f"{'.'.join(map(str, info.path))}: state for {counted(len(stray), 'key')} in no param group, "
                 f"e.g. {stray[0]!r}"
             )
         stateless = [p for p in params if p not in state and str(p) not in {str(k) for k in state}]
         if state and stateless:
             notes.append(
-                f"{'.'.join(map(str, info.path))}: {len(stateless)} parameter(s) without state yet, "
+                f"{'.'.join(map(str, info.path))}: {counted(len(stateless), 'parameter')} without state yet, "
                 f"e.g. {stateless[0]!r}"
             )
     return notes
@@ -265,6 +266,7 @@ def convert(
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
+    dtype = dtype_name(dtype)
     form = format_named(fmt or default_format(to, dst)) if to in LAYOUTS else None
     destination = Destination(
         dst, overwrite=overwrite, is_dir=form is not None and form.directory, srcs=(Path(src),)

@@ -23,7 +23,7 @@ from shardckpt.errors import (
     RemoteRankError,
     ShardckptError,
 )
-from shardckpt.options import RawArgsCommand
+from shardckpt.options import HELP_OPTIONS, RawArgsCommand, Version
 from shardckpt.signals import Interrupted, interruptible
 
 app = typer.Typer(
@@ -37,7 +37,14 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings=HELP_OPTIONS,
 )
+
+
+@app.callback()
+def _main(version: Version = False) -> None:
+    """Convert PyTorch training checkpoints between layouts, formats and world sizes."""
+
 
 app.command(epilog=inspect_command.EPILOG, cls=RawArgsCommand)(inspect_command.inspect)
 app.command(epilog=convert_command.EPILOG, cls=RawArgsCommand)(convert_command.convert)

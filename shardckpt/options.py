@@ -9,8 +9,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from shardckpt import api
-from shardckpt.cast import DTYPES
+from shardckpt import __version__, api
 from shardckpt.dist import env_rank
 from shardckpt.errors import UsageError
 from shardckpt.formats import FORMATS
@@ -25,7 +24,6 @@ def _choices(name: str, values) -> type[Enum]:
 
 Layout = _choices("Layout", api.LAYOUTS)
 Only = _choices("Only", ONLY)
-Dtype = _choices("Dtype", DTYPES)
 OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
 Device = _choices("Device", ("cpu", "cuda"))
 ALL_FORMATS = ", ".join(FORMATS)
@@ -77,6 +75,26 @@ Wraps = Annotated[
         "with --model, gives fsdp1-local flat-parameter layouts (only those).",
     ),
 ]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        emit(f"shardckpt {__version__}")
+        raise typer.Exit()
+
+
+Version = Annotated[
+    bool,
+    typer.Option(
+        "--version",
+        is_eager=True,
+        expose_value=False,
+        callback=_print_version,
+        help="Print shardckpt's version and exit.",
+    ),
+]
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+"""``-h`` is ``--help`` for the app and every command."""
 
 
 def emit(text: str) -> None:

@@ -14,7 +14,6 @@ from shardckpt.options import (
     ALL_FORMATS,
     CleanFqns,
     DeviceOpt,
-    Dtype,
     Filters,
     JsonOut,
     Layout,
@@ -22,6 +21,7 @@ from shardckpt.options import (
     OptimKeys,
     Quiet,
     TrustPickle,
+    Version,
     Wraps,
     emit,
     in_given_order,
@@ -97,11 +97,14 @@ def convert(
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
     dtype: Annotated[
-        Dtype,
+        str,
         typer.Option(
-            "--dtype", help="Cast model floating-point tensors (ints and bools stay as they are)."
+            "--dtype",
+            metavar="DTYPE",
+            help="Cast model floating-point tensors (ints and bools stay as they are): keep, "
+            "bf16, fp16, fp32, or torch's names (bfloat16, float16, float32, torch.bfloat16).",
         ),
-    ] = Dtype["keep"],
+    ] = "keep",
     cast_optim: Annotated[
         bool,
         typer.Option(
@@ -197,6 +200,7 @@ def convert(
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
     device: DeviceOpt = None,
+    version: Version = False,
 ) -> int:
     """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
     with launch(device.value if device else None) as runtime:
@@ -210,7 +214,7 @@ def convert(
             only=only.value,
             filters=filters or (),
             clean_fqns=clean_fqns,
-            dtype=dtype.value,
+            dtype=dtype,
             cast_optim=cast_optim,
             max_shard_size=(
                 parse_size(max_shard_size, "--max-shard-size")

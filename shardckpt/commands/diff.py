@@ -10,7 +10,7 @@ import typer
 from shardckpt import api, render
 from shardckpt.dist import launch
 from shardckpt.errors import EXIT_DIFFERENT
-from shardckpt.options import CleanFqns, DeviceOpt, JsonOut, Quiet, TrustPickle, emit
+from shardckpt.options import CleanFqns, DeviceOpt, JsonOut, Quiet, TrustPickle, Version, emit
 from shardckpt.progress import Progress
 
 EPILOG = "Examples:\n\n  shardckpt diff ckpt/step-100 full.pt\n\n  shardckpt diff a.safetensors b.safetensors --atol 1e-6 --json"
@@ -38,6 +38,7 @@ def diff(
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
     device: DeviceOpt = None,
+    version: Version = False,
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
     with launch(device.value if device else None) as runtime:

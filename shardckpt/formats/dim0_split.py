@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Shard
 
 from shardckpt.tree import Chunk
+from shardckpt.words import counted
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ def describe_chunks(
     whole = len(real) == 1 and tuple(real[0].sizes) == tuple(shape)
     rows = dim0_rows(shape, chunks)
     if rows is None:
-        return "full" if whole else f"{len(real)} chunks"
+        return "full" if whole else counted(len(real), "chunk")
     if isinstance(world, int):
         world = WorldSizes(world, world)
     # A stored empty chunk says some rank held none of it: split, even if one rank has it all.

@@ -40,7 +40,7 @@ def test_torchrun_two_ranks_converts_to_the_same_bytes_and_prints_once(fsdp2_ckp
     )
     proc = torchrun(2, "convert", fsdp2_ckpt.dcp, tmp_path / "two" / "full.pt", "--to", "full")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("wrote ") == 1 and "at world size 2" in proc.stdout
+    assert proc.stdout.count("wrote ") == 1 and "one torch file in" in proc.stdout
     assert (tmp_path / "two" / "full.pt").read_bytes() == (tmp_path / "one.pt").read_bytes()
 
 

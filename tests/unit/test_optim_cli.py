@@ -223,8 +223,8 @@ def test_inspect_reports_id_keys_and_warns_about_stray_and_stateless(capsys, tmp
         assert (info["key_type"], info["num_params"], info["num_groups"]) == ("id", 6, 2)
         stray = "'99'" if src.is_dir() else "99"
         assert doc["warnings"] == [
-            f"optim: state for 1 key(s) in no param group, e.g. {stray}",
-            "optim: 1 parameter(s) without state yet, e.g. 1",
+            f"optim: state for 1 key in no param group, e.g. {stray}",
+            "optim: 1 parameter without state yet, e.g. 1",
         ]
 
 
