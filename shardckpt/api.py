@@ -432,11 +432,18 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
     clean_fqns: bool = True,
+    only: str = "all",
+    filters: Sequence[str] = (),
+    cast: bool = False,
     trust_pickle: bool = False,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> DiffResult:
-    """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning."""
+    """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning.
+
+    ``only`` and ``filters`` select the same part of both sides as ``convert`` would
+    write; with ``cast`` floating tensors of different dtypes compare in the wider one.
+    """
     runtime = runtime or Runtime()
     for name, tol in (("--atol", atol), ("--rtol", rtol)):
         if not (tol >= 0 and math.isfinite(tol)):
@@ -449,7 +456,7 @@ def diff(
             return ra, open_reader(b, fmt_b, trust_pickle)
 
     ra, rb = runtime.agreed(open_both)
-    sel = Selection(clean_fqns=clean_fqns)
+    sel = Selection(clean_fqns=clean_fqns, only=only, filters=tuple(filters))
 
     def selected() -> tuple[dict, dict]:
         tree_a, tree_b = select(ra.index(), sel), select(rb.index(), sel)
@@ -466,7 +473,9 @@ def diff(
         progress = progress or Progress()
         progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)))
         try:
-            return compare(ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, progress=progress)
+            return compare(
+                ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, cast=cast, progress=progress
+            )
         finally:
             progress.close()
 

@@ -185,8 +185,8 @@ def _output(result: ConvertResult) -> str:
 
 
 def diff_json(result: DiffResult) -> dict:
-    """Return the ``diff --json`` document."""
-    return {
+    """Return the ``diff --json`` document (``casts`` only after ``--cast``)."""
+    doc = {
         "equal": result.equal,
         "compared": result.compared,
         "differences": [
@@ -194,15 +194,37 @@ def diff_json(result: DiffResult) -> dict:
             for d in result.differences
         ],
     }
+    if result.casts:
+        doc["casts"] = [
+            {"a": _dtype(c.dtype_a), "b": _dtype(c.dtype_b), "as": _dtype(c.wider), "tensors": n}
+            for c, n in result.casts.items()
+        ]
+    return doc
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cast_lines(result: DiffResult) -> list[str]:
+    """Return one line per dtype change ``--cast`` made: what was compared as what."""
+    return [
+        f"compared {counted(n, 'tensor')} of {_dtype(c.dtype_a)} in A and {_dtype(c.dtype_b)} "
+        f"in B as {_dtype(c.wider)}"
+        for c, n in result.casts.items()
+    ]
 
 
 def diff_text(result: DiffResult) -> str:
     """Return the readable ``diff`` report: 'equal', or each differing path."""
     if result.equal:
-        return f"equal: {counted(result.compared, 'leaf', 'leaves')} compared"
+        return "\n".join(
+            [*_cast_lines(result), f"equal: {counted(result.compared, 'leaf', 'leaves')} compared"]
+        )
     n = len(result.differences)
     lines = [
-        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}:"
+        *_cast_lines(result),
+        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}:",
     ]
     for d in result.differences:
         extra = f", max abs diff {d.max_abs_diff:g}" if d.max_abs_diff is not None else ""
