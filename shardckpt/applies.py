@@ -38,6 +38,8 @@ class Choice:
     src_local: bool = False
     distributed: bool = False
     """Whether the run is under torchrun."""
+    quiet: bool = False
+    json_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,17 @@ INSPECT_RULES: tuple[Rule, ...] = (
         _may_be_fsdp1_local_source,
         "applies to fsdp1-local sources only (it names what their flat parameters hold)",
         "drop --model (and --wrap)",
+    ),
+)
+
+
+DIFF_RULES: tuple[Rule, ...] = (
+    Rule(
+        "--json",
+        lambda c: c.json_out,
+        lambda c: not c.quiet,
+        "has nothing to print in under --quiet, which prints nothing",
+        "drop one of them",
     ),
 )
 

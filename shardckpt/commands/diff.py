@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from shardckpt import api, render
+from shardckpt import api, applies, render
 from shardckpt.dist import launch
-from shardckpt.errors import EXIT_DIFFERENT, UsageError
+from shardckpt.errors import EXIT_DIFFERENT
 from shardckpt.options import (
     CleanFqns,
     DeviceOpt,
@@ -79,10 +79,7 @@ def diff(
     version: Version = False,
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
-    if quiet and json_out:
-        raise UsageError(
-            "--quiet prints nothing, so --json has nothing to print in", hint="drop one"
-        )
+    applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
     with launch(device.value if device else None) as runtime:
         result = api.diff(
             a,
