@@ -35,8 +35,8 @@ shardckpt convert "$demo/ckpt-dcp" "$demo/full.pt" --to full --overwrite
 heading "4/6 convert to one full safetensors file, with 2 ranks under torchrun"
 "${torchrun[@]}" -m shardckpt convert "$demo/ckpt-dcp" "$demo/full.safetensors" --to full --overwrite
 
-heading "5/6 reshard the full file back into a DCP checkpoint"
-shardckpt convert "$demo/full.pt" "$demo/resharded" --to sharded --overwrite
+heading "5/6 reshard the full file back into a DCP checkpoint for 4 ranks"
+shardckpt convert "$demo/full.pt" "$demo/resharded" --to sharded --world-size 4 --overwrite
 
 heading "6/6 diff the original and the round-tripped checkpoint (exit 0 = identical)"
 shardckpt diff "$demo/ckpt-dcp" "$demo/resharded"

@@ -12,15 +12,22 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from shardckpt import engine
-from shardckpt.cast import CastReader, target_dtype
+from shardckpt import applies, engine
+from shardckpt.cast import CastReader, dtype_name, target_dtype
 from shardckpt.compare import DiffResult, compare
 from shardckpt.destination import Destination
 from shardckpt.dist import Runtime
-from shardckpt.errors import IOFailure, RemoteRankError, ShardckptError, UsageError, notice
+from shardckpt.errors import (
+    IOFailure,
+    RemoteRankError,
+    ShardckptError,
+    UsageError,
+    notice,
+    source_option,
+)
 from shardckpt.exchange import SharedReader
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats import (
@@ -46,6 +53,7 @@ from shardckpt.plan import (
 from shardckpt.progress import Progress
 from shardckpt.sight import look
 from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
+from shardckpt.words import counted
 
 LAYOUTS = ("full", "sharded", "local")
 
@@ -63,6 +71,7 @@ class Inspection:
     warnings: list[str] = field(default_factory=list)
 
 
+@source_option("--format")
 def inspect(
     src: str | os.PathLike,
     *,
@@ -76,7 +85,15 @@ def inspect(
     """Return the metadata of ``src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
     runtime = runtime or Runtime()
     flat_model = FlatModel(model, tuple(wraps)) if model else None
-    index = runtime.agreed(lambda: open_reader(src, fmt, trust_pickle, flat_model).index())
+
+    def read_index() -> Index:
+        choice = applies.Choice(src_format=fmt, model=model, wraps=tuple(wraps))
+        applies.check(applies.INSPECT_RULES, choice)
+        reader = open_reader(src, fmt, trust_pickle, flat_model)
+        applies.check(applies.INSPECT_RULES, replace(choice, src_format=reader.format))
+        return reader.index()
+
+    index = runtime.agreed(read_index)
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
     return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
@@ -100,13 +117,13 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
         stray = [k for k in state if str(k) not in listed]
         if params and stray:
             notes.append(
-                f"{'.'.join(map(str, info.path))}: state for {len(stray)} key(s) in no param group, "
+                f"{'.'.join(map(str, info.path))}: state for {counted(len(stray), 'key')} in no param group, "
                 f"e.g. {stray[0]!r}"
             )
         stateless = [p for p in params if p not in state and str(p) not in {str(k) for k in state}]
         if state and stateless:
             notes.append(
-                f"{'.'.join(map(str, info.path))}: {len(stateless)} parameter(s) without state yet, "
+                f"{'.'.join(map(str, info.path))}: {counted(len(stateless), 'parameter')} without state yet, "
                 f"e.g. {stateless[0]!r}"
             )
     return notes
@@ -146,15 +163,32 @@ def _check_target(to: str, form: Format, world_size: int | None, model: str | No
             f"--format {form.name} needs the model's flat-parameter layout",
             hint="pass --model pkg.module:factory and the --wrap classes training wraps",
         )
-    if world_size is not None and to == "full":
-        raise UsageError(
-            "--world-size applies to sharded and local outputs only", hint="drop --world-size"
-        )
     if world_size is not None and world_size < 1:
         raise UsageError(
             f"--world-size must be at least 1, not {world_size}",
             hint="pass the number of ranks that will load the output",
         )
+
+
+def _target_world_size(to: str, world_size: int | None, runtime: Runtime) -> int:
+    """Return the world size DST is for: ``--world-size``, else the launch's (said once).
+
+    Standalone there is no launch to take it from, and a silent 1 would write a
+    checkpoint for one rank that an N-rank job cannot resume from as it expects.
+    """
+    if world_size is not None or to == "full":
+        return world_size or runtime.world_size
+    if not runtime.distributed:
+        raise UsageError(
+            f"--to {to} needs --world-size outside torchrun",
+            hint="pass --world-size M, the number of ranks that will load DST",
+        )
+    if runtime.coordinator:
+        notice(
+            f"writing DST for world size {runtime.world_size}, the launch's "
+            "(pass --world-size M for another)"
+        )
+    return runtime.world_size
 
 
 def _check_world_size(form: Format, world_size: int) -> None:
@@ -187,28 +221,12 @@ def _check_dst_name(dst: str | os.PathLike, form: Format) -> None:
     )
 
 
-def _check_cast(dtype: str, cast_optim: bool):
-    cast_to = target_dtype(dtype)
-    if cast_optim and cast_to is None:
-        raise UsageError(
-            "--cast-optim needs --dtype",
-            hint="add --dtype bf16, fp16 or fp32, or drop --cast-optim",
-        )
-    return cast_to
-
-
-def _check_shard_size(form: Format, max_shard_size: int | None) -> None:
-    if max_shard_size is None:
-        return
-    if not form.max_shard_size:
-        raise UsageError(
-            "--max-shard-size applies to --format hf only",
-            hint="drop --max-shard-size, or pass --format hf",
-        )
-    if max_shard_size <= 0:
+def _check_shard_size(max_shard_size: int | None) -> None:
+    if max_shard_size is not None and max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
 
 
+@source_option("--from")
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -249,6 +267,7 @@ def convert(
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
+    dtype = dtype_name(dtype)
     form = format_named(fmt or default_format(to, dst)) if to in LAYOUTS else None
     destination = Destination(
         dst, overwrite=overwrite, is_dir=form is not None and form.directory, srcs=(Path(src),)
@@ -258,19 +277,31 @@ def convert(
         if form is None:
             raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
         _check_target(to, form, world_size, model)
-        target_world = world_size or runtime.world_size
+        target_world = _target_world_size(to, world_size, runtime)
         if to != "full":
             _check_world_size(form, target_world)
+        choice = applies.Choice(
+            to=to,
+            fmt=form.name,
+            src_format=src_format,
+            only=only,
+            dtype=dtype,
+            cast_optim=cast_optim,
+            optim_keys=optim_keys,
+            world_size=world_size,
+            max_shard_size=max_shard_size,
+            model=model,
+            wraps=tuple(wraps),
+            use_orig_params=use_orig_params,
+            src_local=src_local,
+            distributed=runtime.distributed,
+        )
+        applies.check(applies.CONVERT_RULES, choice)
         _check_dst_name(dst, form)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
-        if src_local and not runtime.distributed:
-            raise UsageError(
-                "--src-local applies under torchrun, where ranks on several nodes read SRC",
-                hint="drop --src-local, or launch with torchrun",
-            )
-        cast_to = _check_cast(dtype, cast_optim)
-        _check_shard_size(form, max_shard_size)
+        cast_to = target_dtype(dtype)
+        _check_shard_size(max_shard_size)
         selection = Selection(
             only=only,
             filters=tuple(filters),
@@ -291,6 +322,7 @@ def convert(
                 "silence this note)"
             )
         reader = open_reader(src, src_format, trust_pickle, flat_model, sight)
+        applies.check(applies.CONVERT_RULES, replace(choice, src_format=reader.format))
         source = format_named(reader.format)
         if source.needs_model and flat_model is None:
             raise UsageError(
@@ -410,7 +442,8 @@ def _verify(
         return written
 
     try:
-        written = runtime.agreed(written_reader)
+        with source_option("--format"):
+            written = runtime.agreed(written_reader)
         progress.begin(
             sum(m.nbytes for _, m in walk(expected) if isinstance(m, TensorMeta)), "verify"
         )
@@ -446,19 +479,31 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
     clean_fqns: bool = True,
+    only: str = "all",
+    filters: Sequence[str] = (),
+    cast: bool = False,
     trust_pickle: bool = False,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> DiffResult:
-    """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning."""
+    """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning.
+
+    ``only`` and ``filters`` select the same part of both sides as ``convert`` would
+    write; with ``cast`` floating tensors of different dtypes compare in the wider one.
+    """
     runtime = runtime or Runtime()
     for name, tol in (("--atol", atol), ("--rtol", rtol)):
         if not (tol >= 0 and math.isfinite(tol)):
             raise UsageError(f"{name} must be a finite number >= 0, not {tol}")
-    ra, rb = runtime.agreed(
-        lambda: (open_reader(a, fmt_a, trust_pickle), open_reader(b, fmt_b, trust_pickle))
-    )
-    sel = Selection(clean_fqns=clean_fqns)
+
+    def open_both():
+        with source_option("--format-a"):
+            ra = open_reader(a, fmt_a, trust_pickle)
+        with source_option("--format-b"):
+            return ra, open_reader(b, fmt_b, trust_pickle)
+
+    ra, rb = runtime.agreed(open_both)
+    sel = Selection(clean_fqns=clean_fqns, only=only, filters=tuple(filters))
 
     def selected() -> tuple[dict, dict]:
         tree_a, tree_b = select(ra.index(), sel), select(rb.index(), sel)
@@ -470,13 +515,29 @@ def diff(
             return as_stored(tree_a), as_stored(tree_b)
         return tree_a, tree_b
 
-    tree_a, tree_b = runtime.agreed(selected)
-    progress = progress or Progress()
-    progress.begin(sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)), "compare")
-    try:
-        return compare(ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, progress=progress)
-    finally:
-        progress.close()
+    with source_option(lambda exc: _side_option(exc, a, b)):
+        tree_a, tree_b = runtime.agreed(selected)
+        progress = progress or Progress()
+        progress.begin(
+            sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)), "compare"
+        )
+        try:
+            return compare(
+                ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, cast=cast, progress=progress
+            )
+        finally:
+            progress.close()
+
+
+def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLike) -> str:
+    """Return diff's format option for the side whose files ``error`` concerns."""
+    if error.path is not None:
+        where = Path(error.path).resolve()
+        for side, option in ((b, "--format-b"), (a, "--format-a")):
+            root = Path(side).resolve()
+            if where == root or root in where.parents:
+                return option
+    return "--format-a or --format-b"
 
 
 def _diff_readers(

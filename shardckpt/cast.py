@@ -23,13 +23,32 @@ from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.tree import TensorMeta, find_optimizers, map_leaves, model_leaves, walk
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# torch's own names are accepted too: bfloat16, float16/half, float32/float, also as torch.X.
+_TORCH_NAMES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+}
+DTYPE_NAMES = (*DTYPES, *_TORCH_NAMES)
+
+
+def dtype_name(name: str) -> str:
+    """Return our name (``keep``, ``bf16``, ``fp16``, ``fp32``) for ``name``, or torch's name of it."""
+    bare = name.strip().lower().removeprefix("torch.")
+    short = _TORCH_NAMES.get(bare, bare)
+    if short not in DTYPES:
+        raise UsageError(
+            f"--dtype {name!r} is not a dtype it casts to",
+            hint="use keep, bf16, fp16 or fp32 (or torch's bfloat16, float16, float32)",
+        )
+    return short
 
 
 def target_dtype(name: str) -> torch.dtype | None:
     """Return the dtype ``--dtype name`` casts to (None for ``keep``)."""
-    if name not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {name!r}")
-    return DTYPES[name]
+    return DTYPES[dtype_name(name)]
 
 
 def cast_tree(

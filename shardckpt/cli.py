@@ -23,23 +23,32 @@ from shardckpt.errors import (
     RemoteRankError,
     ShardckptError,
 )
-from shardckpt.options import RawArgsCommand
+from shardckpt.options import HELP_OPTIONS, RawArgsCommand, Version
 from shardckpt.signals import Interrupted, interruptible
 
 app = typer.Typer(
     name="shardckpt",
     help="Convert PyTorch training checkpoints between layouts, formats and world sizes.\n\n"
     "Run standalone, or under torchrun to spread the work over ranks:\n\n"
-    "  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full",
+    "  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full\n\n"
+    "An option that does not apply to the run, or one that takes one value given twice, "
+    "is a usage error (exit 2).",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings=HELP_OPTIONS,
 )
 
-app.command(epilog=inspect_command.EPILOG)(inspect_command.inspect)
+
+@app.callback()
+def _main(version: Version = False) -> None:
+    """Convert PyTorch training checkpoints between layouts, formats and world sizes."""
+
+
+app.command(epilog=inspect_command.EPILOG, cls=RawArgsCommand)(inspect_command.inspect)
 app.command(epilog=convert_command.EPILOG, cls=RawArgsCommand)(convert_command.convert)
-app.command(epilog=diff_command.EPILOG)(diff_command.diff)
+app.command(epilog=diff_command.EPILOG, cls=RawArgsCommand)(diff_command.diff)
 
 
 def report(error: ShardckptError) -> None:

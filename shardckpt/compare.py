@@ -7,6 +7,7 @@ holds either checkpoint whole.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -26,12 +27,23 @@ class Difference:
     max_abs_diff: float | None = None
 
 
+@dataclass(frozen=True)
+class Cast:
+    """Tensors compared in a dtype wider than one side's (``diff --cast``): A's, B's, the one used."""
+
+    dtype_a: torch.dtype
+    dtype_b: torch.dtype
+    wider: torch.dtype
+
+
 @dataclass
 class DiffResult:
-    """What ``diff`` found: the differing leaves and how many were compared."""
+    """What ``diff`` found: the differing leaves, how many were compared, and casts made."""
 
     differences: list[Difference] = field(default_factory=list)
     compared: int = 0
+    casts: dict[Cast, int] = field(default_factory=dict)
+    """With ``cast``: each dtype change and how many tensors it was made for."""
 
     @property
     def equal(self) -> bool:
@@ -48,9 +60,15 @@ def compare(
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
+    cast: bool = False,
     progress=lambda n: None,
 ) -> DiffResult:
-    """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``)."""
+    """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``).
+
+    With ``cast``, floating tensors whose dtypes differ are compared in the wider of the
+    two (an fp32 checkpoint against its bf16 export), and the change is counted once per
+    pair of dtypes in ``DiffResult.casts``, not reported per tensor.
+    """
     leaves_a, leaves_b = dict(walk(tree_a)), dict(walk(tree_b))
     result = DiffResult(compared=len(set(leaves_a) | set(leaves_b)))
     # Structure first: a list on one side and a dict with the same keys on the other
@@ -60,13 +78,22 @@ def compare(
         if kinds_b.get(path, kind) != kind:
             result.differences.append(Difference(path, f"a {kind} in A, a {kinds_b[path]} in B"))
     pairs: list[tuple[Path, TensorMeta, TensorMeta]] = []
+    wider_of: dict[Path, torch.dtype] = {}
     for path in list(leaves_a) + [p for p in leaves_b if p not in leaves_a]:
         if path not in leaves_b:
             result.differences.append(Difference(path, "only in A"))
         elif path not in leaves_a:
             result.differences.append(Difference(path, "only in B"))
         else:
-            reason = _leaf_difference(leaves_a[path], leaves_b[path])
+            x, y = leaves_a[path], leaves_b[path]
+            wider = _wider(x, y) if cast else None
+            if wider is not None:
+                key = Cast(x.dtype, y.dtype, wider)
+                result.casts[key] = result.casts.get(key, 0) + 1
+                wider_of[path] = wider
+                # Compared as metadata in the wider dtype; read in their own.
+                x, y = (dataclasses.replace(m, dtype=wider) for m in (x, y))
+            reason = _leaf_difference(x, y)
             if reason:
                 result.differences.append(Difference(path, reason))
             elif isinstance(leaves_a[path], TensorMeta):
@@ -74,7 +101,7 @@ def compare(
     for group in batches([ma for _, ma, _ in pairs]):
         keys = {m.key for m in group}
         chunk = [(p, ma, mb) for p, ma, mb in pairs if ma.key in keys]
-        worst = _compare_rows(a, b, chunk, runtime, atol, rtol)
+        worst = _compare_rows(a, b, chunk, runtime, atol, rtol, wider_of)
         for (path, _, _), (bad, diff) in zip(chunk, worst):
             if bad:
                 result.differences.append(Difference(path, "values differ", diff))
@@ -84,6 +111,15 @@ def compare(
         order.setdefault(p, len(order))
     result.differences.sort(key=lambda d: order[d.path])
     return result
+
+
+def _wider(x: object, y: object) -> torch.dtype | None:
+    """Return the dtype two floating tensors of different dtypes are compared in, else None."""
+    if not (isinstance(x, TensorMeta) and isinstance(y, TensorMeta)) or x.dtype == y.dtype:
+        return None
+    if not (x.dtype.is_floating_point and y.dtype.is_floating_point):
+        return None
+    return torch.promote_types(x.dtype, y.dtype)
 
 
 def _leaf_difference(x: object, y: object) -> str:
@@ -116,7 +152,7 @@ def values_equal(x: object, y: object) -> bool:
 
 
 def _compare_rows(
-    a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float
+    a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float, wider_of: dict
 ) -> list[tuple[bool, float]]:
     """Return (differs, max |a-b|) per tensor, each rank comparing its rows, reduced over ranks."""
     wanted = [
@@ -124,6 +160,7 @@ def _compare_rows(
         for _, ma, _ in chunk
     ]
     mine = [(ma, mb, r) for (_, ma, mb), r in zip(chunk, wanted) if r != SKIP]
+    casts = [wider_of.get(p) for (p, _, _), r in zip(chunk, wanted) if r != SKIP]
 
     def read_both():
         # Called on every rank even with nothing to read: a reader whose reads are
@@ -135,11 +172,13 @@ def _compare_rows(
     xs, ys = runtime.agreed(read_both)
     flags = torch.zeros(len(chunk), dtype=torch.float64)
     diffs = torch.zeros(len(chunk), dtype=torch.float64)
-    it = iter(zip(xs, ys))
+    it = iter(zip(xs, ys, casts))
     for i, r in enumerate(wanted):
         if r == SKIP:
             continue
-        x, y = next(it)
+        x, y, wider = next(it)
+        if wider is not None:
+            x, y = x.to(wider), y.to(wider)
         bad, diff = tensors_differ(x.cpu(), y.cpu(), atol, rtol)
         flags[i] = 1.0 if bad else 0.0
         diffs[i] = diff

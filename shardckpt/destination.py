@@ -131,11 +131,19 @@ class Destination:
 
     # ------------------------------------------------------------ 2)-4) coordinator
 
+    def _make_parent(self) -> None:
+        """Create DST's missing parent directories, and say so: a mistyped path shows at once."""
+        parent = self.dst.parent
+        if parent.is_dir():
+            return
+        parent.mkdir(parents=True, exist_ok=True)
+        notice(f"created '{parent}', the missing parent directory of DST")
+
     def open(self) -> None:
         """Lock DST, repair what killed runs left beside it, and make the staging path."""
         assert self._lock is not None  # check() refused a DST without a name
         try:
-            self.dst.parent.mkdir(parents=True, exist_ok=True)
+            self._make_parent()
             self._lock.acquire(wait_s=1.0)
         except LockBusy as busy:
             raise IOFailure(

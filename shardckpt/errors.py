@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
@@ -11,6 +13,10 @@ EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
 EXIT_IO = 4
 EXIT_DST_EXISTS = 5
+
+SRC_FORMAT = "<source-format option>"
+"""Stands in a hint for the option that names a source's format, which differs by command
+(convert --from, inspect --format, diff --format-a/--format-b); ``source_option`` puts it in."""
 
 
 class ShardckptError(Exception):
@@ -28,6 +34,12 @@ class ShardckptError(Exception):
         """Return the one-line message printed to the user."""
         text = f"'{self.path}': {self.message}" if self.path else self.message
         return f"{text}: {self.hint}" if self.hint else text
+
+    def name_option(self, option: str) -> None:
+        """Put ``option`` where the message or hint names the source-format option."""
+        self.message = self.message.replace(SRC_FORMAT, option)
+        self.hint = self.hint.replace(SRC_FORMAT, option)
+        self.args = (self.line(),)
 
 
 class UsageError(ShardckptError):
@@ -83,3 +95,18 @@ class RemoteRankError(ShardckptError):
 def notice(message: str) -> None:
     """Print a one-line notice on stderr: something the user should know that is not an error."""
     print(f"shardckpt: note: {message}", file=sys.stderr)
+
+
+@contextmanager
+def source_option(option: str | Callable[[ShardckptError], str]) -> Iterator[None]:
+    """Name the command's source-format option in errors raised inside.
+
+    ``formats/`` cannot know which command reads a source, so its hints write
+    ``SRC_FORMAT``; ``option`` is the option's name, or picks it from the error (diff's
+    two sources: by the path the error concerns).
+    """
+    try:
+        yield
+    except ShardckptError as exc:
+        exc.name_option(option if isinstance(option, str) else option(exc))
+        raise

@@ -9,8 +9,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from shardckpt import api
-from shardckpt.cast import DTYPES
+from shardckpt import __version__, api
 from shardckpt.dist import env_rank
 from shardckpt.errors import UsageError
 from shardckpt.formats import FORMATS
@@ -25,7 +24,6 @@ def _choices(name: str, values) -> type[Enum]:
 
 Layout = _choices("Layout", api.LAYOUTS)
 Only = _choices("Only", ONLY)
-Dtype = _choices("Dtype", DTYPES)
 OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
 Device = _choices("Device", ("cpu", "cuda"))
 ALL_FORMATS = ", ".join(FORMATS)
@@ -74,9 +72,29 @@ Wraps = Annotated[
         "--wrap",
         metavar="pkg.module:Class",
         help="pkg.module:Class that FSDP1's ModuleWrapPolicy wrapped (repeatable); "
-        "with --model, gives fsdp1-local flat-parameter layouts.",
+        "with --model, gives fsdp1-local flat-parameter layouts (only those).",
     ),
 ]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        emit(f"shardckpt {__version__}")
+        raise typer.Exit()
+
+
+Version = Annotated[
+    bool,
+    typer.Option(
+        "--version",
+        is_eager=True,
+        expose_value=False,
+        callback=_print_version,
+        help="Print shardckpt's version and exit.",
+    ),
+]
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+"""``-h`` is ``--help`` for the app and every command."""
 
 
 def emit(text: str) -> None:
@@ -119,34 +137,74 @@ _RAW_ARGS = "shardckpt.raw_args"
 
 
 class RawArgsCommand(TyperCommand):
-    """A command that also keeps its raw arguments, for options whose relative order matters."""
+    """A command that keeps its raw arguments and refuses a single-valued option given twice.
+
+    Click keeps the last of a repeated option silently (``--only model --only optim``
+    means optim); the raw arguments also keep how repeatable options interleave.
+    """
 
     def parse_args(self, ctx, args):
         ctx.meta[_RAW_ARGS] = list(args)
-        return super().parse_args(ctx, args)
+        rest = super().parse_args(ctx, args)
+        _refuse_repeats(ctx)
+        return rest
 
 
-def in_given_order(ctx: typer.Context, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Return ``(option, value)`` for each use of the options ``names``, in command-line order.
-
-    Click groups a repeatable option's values per option and loses how two options
-    interleave; the raw arguments keep it. Another option's value is skipped, so a
-    value that happens to read ``--drop`` is not mistaken for the option.
-    """
-    takes_value = {
-        name: not (getattr(p, "is_flag", False) or getattr(p, "count", False))
+def _option_params(ctx) -> dict[str, object]:
+    """Return each option name of the command (both spellings of a flag pair) -> its parameter."""
+    return {
+        name: p
         for p in ctx.command.params
         if getattr(p, "param_type_name", "") == "option"
         for name in (*p.opts, *p.secondary_opts)
     }
+
+
+def _given(ctx) -> list[tuple[str, str]]:
+    """Return ``(option, value)`` for every option in the raw arguments, in command-line order.
+
+    Another option's value is skipped, so a value that happens to read ``--drop`` is
+    not mistaken for the option.
+    """
+    params = _option_params(ctx)
     found: list[tuple[str, str]] = []
     args = iter(ctx.meta.get(_RAW_ARGS, ()))
     for arg in args:
         if arg == "--":
             break
         name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
-        if name in names:
-            found.append((name, value if eq else next(args, "")))
-        elif takes_value.get(name) and not eq:
-            next(args, None)
+        param = params.get(name)
+        if param is None:
+            continue
+        takes_value = not (getattr(param, "is_flag", False) or getattr(param, "count", False))
+        found.append((name, value if eq or not takes_value else next(args, "")))
     return found
+
+
+def _refuse_repeats(ctx) -> None:
+    """Raise a usage error for a single-valued option (or flag) given more than once."""
+    params = _option_params(ctx)
+    seen: dict[int, str] = {}
+    for name, _ in _given(ctx):
+        param = params[name]
+        if getattr(param, "multiple", False):
+            continue
+        if id(param) not in seen:
+            seen[id(param)] = name
+            continue
+        first = seen[id(param)]
+        if name == first:
+            raise UsageError(
+                f"{name} given more than once",
+                hint="pass it once: it is not repeatable, and only the last would count",
+            )
+        raise UsageError(f"{first} and {name} both given", hint="keep one of them")
+
+
+def in_given_order(ctx: typer.Context, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Return ``(option, value)`` for each use of the options ``names``, in command-line order.
+
+    Click groups a repeatable option's values per option and loses how two options
+    interleave; the raw arguments keep it.
+    """
+    return [(name, value) for name, value in _given(ctx) if name in names]

@@ -35,6 +35,7 @@ from shardckpt.tree import (
     split_model_optim,
     walk,
 )
+from shardckpt.words import counted
 
 # Marks a tensor this rank does not read at all (another rank reads the whole of it).
 SKIP = "skip"
@@ -255,7 +256,7 @@ def whole_tensors(
         if layout == "local" and untold:
             raise UsageError(
                 f"cannot tell parameters (split across ranks) from buffers (whole on every "
-                f"rank): {_stores_alike(index)} ({len(untold)} such tensors, e.g. "
+                f"rank): {_stores_alike(index)} ({counted(len(untold), 'such tensor')}, e.g. "
                 f"'{dotted(untold[0][0])}')",
                 path=index.src,
                 hint="pass --model pkg.module:factory building the trained model",

@@ -9,6 +9,7 @@ from shardckpt.api import ConvertResult, Inspection
 from shardckpt.compare import DiffResult
 from shardckpt.progress import human_bytes
 from shardckpt.tree import TensorMeta, dotted, path_to_json
+from shardckpt.words import counted
 
 SCHEMA_VERSION = 1
 
@@ -102,13 +103,13 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
         lines += [
             "",
             f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "
-            f"{o['num_params']} params, {o['num_groups']} param groups, "
+            f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
             f"state {', '.join(o['state_names']) or '(none yet)'}",
         ]
     t = doc["totals"]
     lines += [
         "",
-        f"total: {t['tensors']} tensors, {human_bytes(t['nbytes'])}"
+        f"total: {counted(t['tensors'], 'tensor')}, {human_bytes(t['nbytes'])}"
         + "".join(f"; {k} {human_bytes(v)}" for k, v in t["by_dtype"].items()),
     ]
     lines += [f"warning: {w}" for w in doc["warnings"]]
@@ -151,22 +152,33 @@ def convert_json(result: ConvertResult) -> dict:
 def convert_text(result: ConvertResult) -> str:
     """Return the one-paragraph ``convert`` summary (or the plan, for ``--dry-run``)."""
     what = (
-        f"{result.tensors} tensors ({human_bytes(result.nbytes)}) and {result.values} values, "
-        f"{result.layout} {result.format} at world size {result.world_size}"
+        f"{counted(result.tensors, 'tensor')} ({human_bytes(result.nbytes)}) and "
+        f"{counted(result.values, 'value')}, {_output(result)}"
     )
     if result.dry_run:
         batches = len(result.plan.batches) if result.plan else 0
-        return f"would write {result.dst}: {what}, in {batches} batches (dry run: nothing written)"
+        return (
+            f"would write {result.dst}: {what}, in {counted(batches, 'batch', 'batches')} "
+            "(dry run: nothing written)"
+        )
     text = f"wrote {result.dst}: {what} in {result.seconds:.1f} s"
     return text + ("; verified equal to the source" if result.verified else "")
+
+
+def _output(result: ConvertResult) -> str:
+    """Return what DST is: ``one torch file``, ``a full hf directory``, ``sharded dcp for 8 ranks``."""
+    if result.layout == "full":
+        # Whole tensors are for any world size: the launch's size says nothing about DST.
+        return "a full hf directory" if result.format == "hf" else f"one {result.format} file"
+    return f"{result.layout} {result.format} for world size {result.world_size}"
 
 
 # ---------------------------------------------------------------- diff
 
 
 def diff_json(result: DiffResult) -> dict:
-    """Return the ``diff --json`` document."""
-    return {
+    """Return the ``diff --json`` document (``casts`` only after ``--cast``)."""
+    doc = {
         "equal": result.equal,
         "compared": result.compared,
         "differences": [
@@ -174,13 +186,38 @@ def diff_json(result: DiffResult) -> dict:
             for d in result.differences
         ],
     }
+    if result.casts:
+        doc["casts"] = [
+            {"a": _dtype(c.dtype_a), "b": _dtype(c.dtype_b), "as": _dtype(c.wider), "tensors": n}
+            for c, n in result.casts.items()
+        ]
+    return doc
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cast_lines(result: DiffResult) -> list[str]:
+    """Return one line per dtype change ``--cast`` made: what was compared as what."""
+    return [
+        f"compared {counted(n, 'tensor')} of {_dtype(c.dtype_a)} in A and {_dtype(c.dtype_b)} "
+        f"in B as {_dtype(c.wider)}"
+        for c, n in result.casts.items()
+    ]
 
 
 def diff_text(result: DiffResult) -> str:
     """Return the readable ``diff`` report: 'equal', or each differing path."""
     if result.equal:
-        return f"equal: {result.compared} leaves compared"
-    lines = [f"{len(result.differences)} of {result.compared} leaves differ:"]
+        return "\n".join(
+            [*_cast_lines(result), f"equal: {counted(result.compared, 'leaf', 'leaves')} compared"]
+        )
+    n = len(result.differences)
+    lines = [
+        *_cast_lines(result),
+        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}:",
+    ]
     for d in result.differences:
         extra = f", max abs diff {d.max_abs_diff:g}" if d.max_abs_diff is not None else ""
         lines.append(f"  {dotted(d.path)}: {d.reason}{extra}")

@@ -14,7 +14,6 @@ from shardckpt.options import (
     ALL_FORMATS,
     CleanFqns,
     DeviceOpt,
-    Dtype,
     Filters,
     JsonOut,
     Layout,
@@ -22,6 +21,7 @@ from shardckpt.options import (
     OptimKeys,
     Quiet,
     TrustPickle,
+    Version,
     Wraps,
     emit,
     in_given_order,
@@ -35,6 +35,7 @@ EPILOG = (
     "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
     "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local\n\n"
     "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
+    "  shardckpt convert full.pt ckpt-at-8 --to sharded --world-size 8\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     "\n\n"
     "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
@@ -86,7 +87,8 @@ def convert(
         typer.Option(
             "--world-size",
             metavar="M",
-            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch (default: the launch's).",
+            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch; "
+            "required standalone, under torchrun default: the launch's.",
         ),
     ] = None,
     only: Annotated[
@@ -95,11 +97,14 @@ def convert(
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
     dtype: Annotated[
-        Dtype,
+        str,
         typer.Option(
-            "--dtype", help="Cast model floating-point tensors (ints and bools stay as they are)."
+            "--dtype",
+            metavar="DTYPE",
+            help="Cast model floating-point tensors (ints and bools stay as they are): keep, "
+            "bf16, fp16, fp32, or torch's names (bfloat16, float16, float32, torch.bfloat16).",
         ),
-    ] = Dtype["keep"],
+    ] = "keep",
     cast_optim: Annotated[
         bool,
         typer.Option(
@@ -136,7 +141,8 @@ def convert(
         bool,
         typer.Option(
             "--use-orig-params",
-            help="For --format fsdp1-local: the layout of FSDP1 with use_orig_params=True.",
+            help="Only for --format fsdp1-local output: the layout of FSDP1 with "
+            "use_orig_params=True (a source says which it has).",
         ),
     ] = False,
     renames: Annotated[
@@ -194,6 +200,7 @@ def convert(
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
     device: DeviceOpt = None,
+    version: Version = False,
 ) -> int:
     """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
     with launch(device.value if device else None) as runtime:
@@ -207,7 +214,7 @@ def convert(
             only=only.value,
             filters=filters or (),
             clean_fqns=clean_fqns,
-            dtype=dtype.value,
+            dtype=dtype,
             cast_optim=cast_optim,
             max_shard_size=(
                 parse_size(max_shard_size, "--max-shard-size")

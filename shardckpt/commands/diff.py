@@ -7,13 +7,29 @@ from typing import Annotated
 
 import typer
 
-from shardckpt import api, render
+from shardckpt import api, applies, render
 from shardckpt.dist import launch
 from shardckpt.errors import EXIT_DIFFERENT
-from shardckpt.options import CleanFqns, DeviceOpt, JsonOut, Quiet, TrustPickle, emit
+from shardckpt.options import (
+    CleanFqns,
+    DeviceOpt,
+    Filters,
+    JsonOut,
+    Only,
+    TrustPickle,
+    Version,
+    emit,
+)
 from shardckpt.progress import Progress
 
-EPILOG = "Examples:\n\n  shardckpt diff ckpt/step-100 full.pt\n\n  shardckpt diff a.safetensors b.safetensors --atol 1e-6 --json"
+EPILOG = (
+    "Examples:\n\n  shardckpt diff ckpt/step-100 full.pt\n\n"
+    "  shardckpt diff a.safetensors b.safetensors --atol 1e-6 --json\n\n"
+    "  shardckpt diff ckpt/step-100 model.safetensors --only model\n\n"
+    "  shardckpt diff ckpt/step-100 ckpt-at-8 --filter 'optim.*'\n\n"
+    "  shardckpt diff full-fp32.pt export-bf16.safetensors --only model --cast --atol 1e-2\n\n"
+    "  shardckpt diff a.pt b.pt -q && echo same"
+)
 
 
 def diff(
@@ -33,13 +49,37 @@ def diff(
         str | None,
         typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected)."),
     ] = None,
+    only: Annotated[
+        Only,
+        typer.Option(
+            "--only",
+            help="Compare all, model (everything but optimizers) or optim, as convert --only "
+            "selects them (e.g. --only model against a model-only export).",
+        ),
+    ] = Only["all"],
+    filters: Filters = None,
+    cast: Annotated[
+        bool,
+        typer.Option(
+            "--cast",
+            help="Compare floating tensors of different dtypes in the wider one (fp32 vs its "
+            "bf16 export: --cast --atol 1e-2); each dtype change is reported once.",
+        ),
+    ] = False,
     clean_fqns: CleanFqns = True,
     json_out: JsonOut = False,
-    quiet: Quiet = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="Print nothing: the exit code says equal (0) or different (1)."
+        ),
+    ] = False,
     trust_pickle: TrustPickle = False,
     device: DeviceOpt = None,
+    version: Version = False,
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
+    applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
     with launch(device.value if device else None) as runtime:
         result = api.diff(
             a,
@@ -49,11 +89,15 @@ def diff(
             atol=atol,
             rtol=rtol,
             clean_fqns=clean_fqns,
+            only=only.value,
+            filters=filters or (),
+            cast=cast,
             trust_pickle=trust_pickle,
             runtime=runtime,
             progress=Progress(
                 enabled=runtime.coordinator and not quiet and not json_out, desc="diff"
             ),
         )
-    emit(json.dumps(render.diff_json(result)) if json_out else render.diff_text(result))
+    if not quiet:
+        emit(json.dumps(render.diff_json(result)) if json_out else render.diff_text(result))
     return 0 if result.equal else EXIT_DIFFERENT

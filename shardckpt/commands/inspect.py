@@ -9,7 +9,7 @@ import typer
 
 from shardckpt import api, render
 from shardckpt.dist import launch
-from shardckpt.options import Filters, JsonOut, SrcFormat, TrustPickle, Wraps, emit
+from shardckpt.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
 
 EPILOG = "Examples:\n\n  shardckpt inspect ckpt/step-100\n\n  shardckpt inspect model.safetensors --json --filter 'model.layers.0.*'"
 
@@ -33,10 +33,12 @@ def inspect(
         typer.Option(
             "--model",
             metavar="pkg.module:factory",
-            help="pkg.module:factory; names what fsdp1-local flat params hold.",
+            help="pkg.module:factory; names what fsdp1-local flat params hold "
+            "(for fsdp1-local sources only).",
         ),
     ] = None,
     wraps: Wraps = None,
+    version: Version = False,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
     with launch("cpu") as runtime:

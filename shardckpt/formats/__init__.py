@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardckpt.errors import BadInputError, UsageError
+from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.base import Index, Reader, Writer
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
@@ -212,7 +212,7 @@ def detect(src: Path) -> str:
     raise BadInputError(
         "cannot tell the format of this file",
         path=src,
-        hint=f"pass --format with one of {SUPPORTED_READ}",
+        hint=f"pass {SRC_FORMAT} with one of {SUPPORTED_READ}",
     )
 
 

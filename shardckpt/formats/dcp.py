@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import Shard
 from torch.futures import Future
 
 from shardckpt import torch_internals
 from shardckpt.errors import (
+    SRC_FORMAT,
     BadInputError,
     ShardckptError,
     UnsafePickleError,
@@ -51,6 +51,7 @@ from shardckpt.errors import (
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp_check import check_metadata
 from shardckpt.formats.dcp_rows import StoredRows
+from shardckpt.formats.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
 from shardckpt.formats.files import os_error, os_error_in
 from shardckpt.formats.pickle_scan import (
     TRUST_HINT,
@@ -125,7 +126,7 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
         raise BadInputError(
             f"no '{METADATA_FILE}' in this directory",
             path=path,
-            hint="pass the DCP checkpoint directory itself, or --format for another format",
+            hint=f"pass the DCP checkpoint directory itself, or {SRC_FORMAT} for another format",
         )
     try:
         with open(file, "rb") as f:
@@ -279,26 +280,6 @@ def _reason(exc: Exception) -> str:
     return lines[0] if lines else ""
 
 
-def describe_chunks(shape: tuple[int, ...], chunks: Sequence[Chunk], world_size: int | None) -> str:
-    """Return a layout label such as ``full``, ``Shard(0) over 4`` or ``6 chunks``."""
-    if len(chunks) == 1 and tuple(chunks[0].sizes) == tuple(shape):
-        return "full"
-    if shape and all(
-        all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == tuple(shape[1:])
-        for c in chunks
-    ):
-        rows = sorted((c.offsets[0], c.sizes[0]) for c in chunks)
-        if world_size and rows == _dim0_chunks(shape[0], world_size):
-            return f"Shard(0) over {world_size}"
-        return f"Shard(0) in {len(chunks)} chunks"
-    return f"{len(chunks)} chunks"
-
-
-def _dim0_chunks(n: int, world_size: int) -> list[tuple[int, int]]:
-    shares = [Shard.local_shard_size_and_offset(n, world_size, r) for r in range(world_size)]
-    return sorted((int(off), int(size)) for size, off in shares if size > 0)
-
-
 class DcpReader(Reader):
     """Reads a DCP directory: metadata from ``.metadata``, rows from the chunks' bytes.
 
@@ -360,7 +341,7 @@ class DcpReader(Reader):
         md = self.metadata
         files = {info.relative_path for info in (md.storage_data or {}).values()}
         ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))]
-        world_size = (max(ranks) + 1) if ranks else (len(files) or None)
+        named = (max(ranks) + 1) if ranks else (len(files) or None)
         rank_of = {}
         for idx, info in (md.storage_data or {}).items():
             m = _RANK_FILE.match(info.relative_path)
@@ -373,6 +354,22 @@ class DcpReader(Reader):
             k for k in keys if isinstance(md.state_dict_metadata.get(k), BytesStorageMetadata)
         ]
         values = self._read_values(byte_keys)
+        tensors = {
+            key: (
+                tuple(entry.size),
+                tuple(
+                    Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes))
+                    for c in entry.chunks
+                ),
+            )
+            for key, entry in md.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+        }
+        # Ranks that held nothing have no data in .metadata, but may have a file of their own.
+        world = infer_world_sizes(tensors.values(), named or 1)
+        if world is not None and (on_disk := self._files_on_disk()):
+            world = (world & WorldSizes(on_disk, None)) or world
+        world_size = world.low if world is not None else named
         items = []
         for key in keys:
             entry = md.state_dict_metadata.get(key)
@@ -380,17 +377,21 @@ class DcpReader(Reader):
             if entry is None:
                 # A path alone: an empty mapping dcp_write kept from torch's loader.
                 items.append((path, {}))
-            elif isinstance(entry, TensorStorageMetadata):
-                shape = tuple(entry.size)
-                chunks = tuple(
-                    Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes))
-                    for c in entry.chunks
-                )
-                layout = describe_chunks(shape, chunks, world_size)
+            elif key in tensors:
+                shape, chunks = tensors[key]
+                layout = describe_chunks(shape, chunks, world or named)
                 items.append((path, TensorMeta(key, shape, entry.properties.dtype, layout, chunks)))
             else:
                 items.append((path, values[key]))
         return Index(self.format, str(self.src), world_size, build(items))
+
+    def _files_on_disk(self) -> int | None:
+        """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""
+        try:
+            ranks = [int(m.group(1)) for p in self.src.iterdir() if (m := _RANK_FILE.match(p.name))]
+        except OSError:
+            return None
+        return max(ranks) + 1 if ranks else None
 
     def _read_values(self, keys: list[str]) -> dict[str, object]:
         if not keys or self.sight is None:
@@ -475,7 +476,7 @@ def as_stored(tree: object) -> object:
     return tree
 
 
-__all__ = ["DcpReader", "describe_chunks", "read_metadata"]
+__all__ = ["DcpReader", "read_metadata"]
 
 
 def dcp_tells_whole(index) -> bool:

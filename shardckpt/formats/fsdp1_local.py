@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.errors import BadInputError
+from shardckpt.errors import SRC_FORMAT, BadInputError
 from shardckpt.flat_layout import FLAT_PARAM, FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.files import source_file
@@ -160,7 +160,7 @@ class Fsdp1LocalReader(Reader):
             raise BadInputError(
                 f"holds no '{FLAT_PARAM}' tensors",
                 path=self.src,
-                hint="this is not FSDP1 LOCAL_STATE_DICT; try --from fsdp1-sharded",
+                hint=f"this is not FSDP1 LOCAL_STATE_DICT; try {SRC_FORMAT} fsdp1-sharded",
             )
         layouts = {lay.prefix: lay for lay in self.raw.layouts(False)}
         use_orig = _saved_orig_params(tree, flats, layouts)
@@ -226,7 +226,7 @@ class Fsdp1LocalReader(Reader):
         raise BadInputError(
             "holds optimizer state, which FSDP1's LOCAL_STATE_DICT cannot describe",
             path=file,
-            hint="convert with --only model, or save the optimizer with FSDP.optim_state_dict "
+            hint="pass --only model, or save the optimizer with FSDP.optim_state_dict "
             "as fsdp1-sharded",
         )
 

@@ -19,7 +19,7 @@ import torch
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
-from shardckpt.formats.dcp import describe_chunks
+from shardckpt.formats.dim0_split import describe_chunks
 from shardckpt.formats.rank_names import check_complete, present_rank_files
 from shardckpt.formats.rank_set import OwnTensors, check_one_save, job_world_size, none_own
 from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardckpt.errors import BadInputError, UsageError
+from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.files import os_error, source_file, writing
 from shardckpt.formats.safetensors_file import layout, tensor_meta
@@ -140,7 +140,7 @@ class HfReader(Reader):
             raise BadInputError(
                 f"no '{INDEX_FILE}' in this directory",
                 path=self.src,
-                hint="pass the Hugging Face model directory itself, or --format for another format",
+                hint=f"pass the Hugging Face model directory itself, or {SRC_FORMAT} for another format",
             )
         try:
             weight_map = json.loads(source_file(index_path).read_text())["weight_map"]

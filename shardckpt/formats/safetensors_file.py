@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardckpt.errors import BadInputError, UsageError
+from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.formats.files import os_error, source_file, writing
 from shardckpt.formats.json_values import UnencodableValue, decode_tree, encode_tree
@@ -85,8 +85,7 @@ class SafetensorsReader(Reader):
             raise BadInputError(
                 f"not a readable safetensors file ({type(exc).__name__}: {exc})",
                 path=self.src,
-                hint="the file is truncated or in another format; name its format "
-                "(convert --from, inspect --format)",
+                hint=f"the file is truncated or in another format; name its format with {SRC_FORMAT}",
             ) from None
 
     def index(self) -> Index:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.errors import BadInputError, UnsafePickleError
+from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.formats.files import os_error, source_file, source_stat, writing
 from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
@@ -42,7 +42,7 @@ def load(
         raise BadInputError(
             "is a directory, not a torch.save file",
             path=path,
-            hint="pass the file itself, or --format dcp for a DCP directory",
+            hint=f"pass the file itself, or {SRC_FORMAT} dcp for a DCP directory",
         )
     source_file(path)
     options: dict = {"weights_only": not trust_pickle}
@@ -75,8 +75,7 @@ def load(
     raise BadInputError(
         f"not a readable torch.save file ({failure.reason})",
         path=path,
-        hint="the file is truncated or in another format; name its format "
-        "(convert --from, inspect --format)",
+        hint=f"the file is truncated or in another format; name its format with {SRC_FORMAT}",
     )
 
 
@@ -113,7 +112,7 @@ class TorchReader(Reader):
             raise BadInputError(
                 f"'{'.'.join(map(str, path))}' is a {type(leaf).__name__}, not a whole tensor",
                 path=self.src,
-                hint="per-rank files of a training job need a local-layout --format",
+                hint=f"pass the directory of per-rank files, with {SRC_FORMAT} fsdp2-ranks if need be",
             )
         key = str(len(self._tensors))
         self._tensors[key] = leaf.detach()

@@ -91,7 +91,7 @@ def test_full_to_sharded_at_two_ranks_loads_into_fsdp2_at_two_and_three(full, re
 
 
 def test_sharded_output_of_one_rank_also_loads_into_fsdp2(full, ref, tmp_path):
-    api.convert(full / "full.pt", tmp_path / "one", to="sharded")
+    api.convert(full / "full.pt", tmp_path / "one", to="sharded", world_size=1)
     assert_trees_equal(load_dcp_into_fsdp2(tmp_path / "one", 2), ref)
 
 
@@ -141,5 +141,5 @@ def test_a_rank_that_fails_makes_every_rank_fail_with_its_error(fsdp2_ckpt, tmp_
 def test_source_is_never_modified(fsdp2_ckpt, tmp_path):
     before = {p.name: p.read_bytes() for p in fsdp2_ckpt.dcp.iterdir()}
     shutil.copytree(fsdp2_ckpt.dcp, tmp_path / "copy")
-    api.convert(tmp_path / "copy", tmp_path / "out", to="sharded")
+    api.convert(tmp_path / "copy", tmp_path / "out", to="sharded", world_size=1)
     assert {p.name: p.read_bytes() for p in fsdp2_ckpt.dcp.iterdir()} == before

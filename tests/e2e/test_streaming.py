@@ -45,7 +45,8 @@ MiB = 2**20
 WORK = 216 * MiB
 BUFFER = "32MiB"
 TESTS_DIR = Path(__file__).resolve().parents[1]
-MODEL = ["--model", "stream_jobs:build", "--wrap", "stream_jobs:Block"]
+MODEL = ["--model", "stream_jobs:build"]
+WRAP = ["--wrap", "stream_jobs:Block"]  # only fsdp1-local's flat parameters need the wrapping
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,17 @@ CASES = {
         _check_fsdp1(stream_jobs.check_sharded_tensors),
     ),
     "fsdp1-local": (
-        ["o-fsdp1l", "--to", "local", "--format", "fsdp1-local", "--world-size", "2", *MODEL],
+        [
+            "o-fsdp1l",
+            "--to",
+            "local",
+            "--format",
+            "fsdp1-local",
+            "--world-size",
+            "2",
+            *MODEL,
+            *WRAP,
+        ],
         _check_fsdp1(stream_jobs.check_fsdp1_local),
     ),
 }

@@ -68,7 +68,7 @@ def test_inspect_table_lists_leaves_optimizer_and_totals(tmp_path, capsys):
     assert run(["inspect", str(tmp_path / "a.pt")]) == 0
     out = capsys.readouterr().out
     assert "model.w" in out and "7x3" in out and "optim.param_groups.0.lr" in out
-    assert "optimizer optim: keys fqn, 1 params, 1 param groups, state step" in out
+    assert "optimizer optim: keys fqn, 1 param, 1 param group, state step" in out
     assert "total: 2 tensors, 88 B; float32 88 B" in out
 
 

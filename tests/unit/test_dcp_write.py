@@ -102,7 +102,17 @@ def test_empty_lists_were_already_kept_as_values(converted):
 def test_two_paths_with_one_dotted_name_are_refused_in_one_line(capsys, tmp_path, inner):
     # DCP names a leaf by its dotted path; torch's own flattening raised a ValueError.
     torch.save({"a.b": torch.ones(2), "a": {"b": inner}}, tmp_path / "src.pt")
-    code = run(["convert", str(tmp_path / "src.pt"), str(tmp_path / "dcp"), "--to", "sharded"])
+    code = run(
+        [
+            "convert",
+            str(tmp_path / "src.pt"),
+            str(tmp_path / "dcp"),
+            "--to",
+            "sharded",
+            "--world-size",
+            "1",
+        ]
+    )
     assert (code, capsys.readouterr().err.strip().splitlines()[-1]) == (
         3,
         "shardckpt: error: cannot be written as DCP (duplicated flatten key a.b): two paths "

@@ -43,7 +43,16 @@ def test_dst_that_contains_src_is_refused_and_src_survives_overwrite(capsys, tmp
     before = tree_bytes(tmp_path / "dir")
     code, err = lines_of(
         capsys,
-        ["convert", inner / "x.pt", tmp_path / "dir", "--to", "sharded", "--overwrite"],
+        [
+            "convert",
+            inner / "x.pt",
+            tmp_path / "dir",
+            "--to",
+            "sharded",
+            "--world-size",
+            "1",
+            "--overwrite",
+        ],
     )
     assert (code, err) == (
         2,
@@ -59,7 +68,9 @@ def test_dst_that_contains_src_is_refused_and_src_survives_overwrite(capsys, tmp
 def test_dst_that_is_the_current_directory_or_around_it_is_refused(capsys, small, monkeypatch, dst):
     monkeypatch.chdir(small)
     before = tree_bytes(small)
-    code, err = lines_of(capsys, ["convert", "small.pt", dst, "--to", "sharded", "--overwrite"])
+    code, err = lines_of(
+        capsys, ["convert", "small.pt", dst, "--to", "sharded", "--world-size", "1", "--overwrite"]
+    )
     assert code == 2
     assert err == [
         f"shardckpt: error: '{dst.rstrip('/') or dst}': DST is the current directory or a "
@@ -85,7 +96,17 @@ def test_dst_holding_a_file_a_src_directory_links_to_is_refused(capsys, tmp_path
     os.replace(tmp_path / "real" / "__0_0.distcp", tmp_path / "out" / "__0_0.distcp")
     (tmp_path / "real" / "__0_0.distcp").symlink_to(tmp_path / "out" / "__0_0.distcp")
     code, err = lines_of(
-        capsys, ["convert", tmp_path / "real", tmp_path / "out", "--to", "sharded", "--overwrite"]
+        capsys,
+        [
+            "convert",
+            tmp_path / "real",
+            tmp_path / "out",
+            "--to",
+            "sharded",
+            "--world-size",
+            "1",
+            "--overwrite",
+        ],
     )
     assert code == 2 and err[-1].startswith(
         f"shardckpt: error: '{tmp_path / 'out'}': DST holds SRC"
@@ -97,7 +118,17 @@ def test_overwrite_never_replaces_a_directory_that_holds_no_checkpoint(capsys, s
     (small / "notes").mkdir()
     (small / "notes" / "todo.txt").write_text("keep")
     code, err = lines_of(
-        capsys, ["convert", small / "small.pt", small / "notes", "--to", "sharded", "--overwrite"]
+        capsys,
+        [
+            "convert",
+            small / "small.pt",
+            small / "notes",
+            "--to",
+            "sharded",
+            "--world-size",
+            "1",
+            "--overwrite",
+        ],
     )
     assert (code, err) == (
         2,
@@ -110,8 +141,15 @@ def test_overwrite_never_replaces_a_directory_that_holds_no_checkpoint(capsys, s
 
 
 def test_overwrite_replaces_an_earlier_output_directory(capsys, small):
-    argv = ["convert", small / "small.pt", small / "ckpt", "--to", "sharded", "-q"]
-    assert run([str(a) for a in argv]) == 0
+    argv = [
+        "convert",
+        small / "small.pt",
+        small / "ckpt",
+        "--to",
+        "sharded",
+        "-q",
+    ]
+    assert run([str(a) for a in [*argv, "--world-size", "1"]]) == 0
     assert run([str(a) for a in [*argv, "--world-size", "2", "--overwrite"]]) == 0
     assert sorted(p.name for p in (small / "ckpt").iterdir()) == [
         ".metadata",
@@ -244,7 +282,7 @@ def test_a_dst_put_back_from_a_dead_overwrite_still_needs_overwrite(capsys, smal
         ),
         (
             "x.bin",
-            ["--to", "sharded"],
+            ["--to", "sharded", "--world-size", "1"],
             "--format dcp writes a directory, but DST ends in .bin, a torch file: "
             "name DST without a file suffix, or pass --format torch",
         ),
@@ -318,3 +356,19 @@ def test_a_dst_inside_a_directory_an_entry_of_src_links_to_is_allowed(capsys, tm
     dst = tmp_path / "logs" / "out.pt"
     assert run([str(a) for a in ["convert", tmp_path / "ckpt", dst, "--to", "full", "-q"]]) == 0
     assert torch.equal(torch.load(dst)["w"], torch.arange(6.0))
+
+
+def test_missing_parent_directories_of_dst_are_created_and_said(capsys, small):
+    dst = small / "new" / "deeper" / "out.pt"
+    assert run(["convert", str(small / "small.pt"), str(dst), "--to", "full", "-q"]) == 0
+    assert dst.is_file()
+    assert capsys.readouterr().err == (
+        f"shardckpt: note: created '{dst.parent}', the missing parent directory of DST\n"
+    )
+    assert (
+        run(
+            ["convert", str(small / "small.pt"), str(dst.parent / "again.pt"), "--to", "full", "-q"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().err == ""

@@ -297,14 +297,13 @@ def test_dcp_without_the_pre_2_4_traversal_is_the_same_unless_it_holds_an_empty_
 
     torch.save({"model": _state(), "step": 1}, tmp_path / "plain.pt")
     torch.save({"model": _state(), "optim": {"state": {}}}, tmp_path / "empty.pt")
-    assert cli("convert", tmp_path / "plain.pt", tmp_path / "before", "--to", "sharded") == 0
+    at_one = ("--to", "sharded", "--world-size", "1")
+    assert cli("convert", tmp_path / "plain.pt", tmp_path / "before", *at_one) == 0
     monkeypatch.delattr(_traverse, "traverse_state_dict_v_2_3")
-    assert cli("convert", tmp_path / "plain.pt", tmp_path / "after", "--to", "sharded") == 0
+    assert cli("convert", tmp_path / "plain.pt", tmp_path / "after", *at_one) == 0
     for before in (tmp_path / "before").iterdir():
         assert (tmp_path / "after" / before.name).read_bytes() == before.read_bytes()
-    assert error_of(
-        capsys, ["convert", tmp_path / "empty.pt", tmp_path / "e", "--to", "sharded"]
-    ) == (
+    assert error_of(capsys, ["convert", tmp_path / "empty.pt", tmp_path / "e", *at_one]) == (
         2,
         unsupported_line(
             "torch.distributed.checkpoint._traverse.traverse_state_dict_v_2_3",
