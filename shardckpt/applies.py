@@ -61,6 +61,15 @@ def _may_be_fsdp1_local_source(c: Choice) -> bool:
     return c.src_format in (None, "fsdp1-local")
 
 
+# Both commands that take --wrap read it only with the model it names classes of.
+_WRAP_NEEDS_MODEL = Rule(
+    "--wrap",
+    lambda c: bool(c.wraps),
+    lambda c: c.model is not None,
+    "needs --model (it names classes of the module --model builds)",
+    "add --model pkg.module:factory, or drop --wrap",
+)
+
 CONVERT_RULES: tuple[Rule, ...] = (
     Rule(
         "--world-size",
@@ -83,13 +92,7 @@ CONVERT_RULES: tuple[Rule, ...] = (
         "applies to --format fsdp1-local output only (an fsdp1-local SRC says which layout it has)",
         "drop --use-orig-params",
     ),
-    Rule(
-        "--wrap",
-        lambda c: bool(c.wraps),
-        lambda c: c.model is not None,
-        "needs --model (it names classes of the module --model builds)",
-        "add --model pkg.module:factory, or drop --wrap",
-    ),
+    _WRAP_NEEDS_MODEL,
     Rule(
         "--wrap",
         lambda c: bool(c.wraps),
@@ -135,13 +138,7 @@ CONVERT_RULES: tuple[Rule, ...] = (
 )
 
 INSPECT_RULES: tuple[Rule, ...] = (
-    Rule(
-        "--wrap",
-        lambda c: bool(c.wraps),
-        lambda c: c.model is not None,
-        "needs --model (it names classes of the module --model builds)",
-        "add --model pkg.module:factory, or drop --wrap",
-    ),
+    _WRAP_NEEDS_MODEL,
     Rule(
         "--model",
         lambda c: c.model is not None,

@@ -211,7 +211,7 @@ def test_fsdp1_local_files_with_optimizer_state_are_refused_in_one_line(fsdp1_ck
         api.convert(src, tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP)
     assert err.value.line() == (
         f"'{src / 'rank_0.pt'}': holds optimizer state, which FSDP1's LOCAL_STATE_DICT cannot "
-        "describe: convert with --only model, or save the optimizer with FSDP.optim_state_dict "
+        "describe: pass --only model, or save the optimizer with FSDP.optim_state_dict "
         "as fsdp1-sharded"
     )
     api.convert(src, tmp_path / "model.pt", to="full", only="model", model=MODEL, wraps=WRAP)

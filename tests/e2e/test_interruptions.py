@@ -118,7 +118,10 @@ def test_two_runs_to_one_dst_never_leave_it_missing_mixed_or_half_written(tmp_pa
     outcomes = set()
     for _ in range(3):
         procs = [
-            shardckpt("convert", src, dst, "--to", "sharded", "--overwrite", "-q") for src in srcs
+            shardckpt(
+                "convert", src, dst, "--to", "sharded", "--world-size", "1", "--overwrite", "-q"
+            )
+            for src in srcs
         ]
         results = [finish(p) for p in procs]
         for code, err in results:
