@@ -52,7 +52,13 @@ from shardckpt.plan import (
 )
 from shardckpt.progress import Progress
 from shardckpt.sight import look
-from shardckpt.tree import OptimizerInfo, TensorMeta, describe_optimizer, find_optimizers, walk
+from shardckpt.tree import (
+    OptimizerInfo,
+    describe_optimizer,
+    find_optimizers,
+    tensor_leaves,
+    walk,
+)
 from shardckpt.words import counted
 
 LAYOUTS = ("full", "sharded", "local")
@@ -435,19 +441,17 @@ def _verify(
         # On several disks, each rank sees its disk's part of the output, as of a node-local SRC.
         sight = look(destination.tmp, runtime) if placement.several else None
         written = open_reader(destination.tmp, plan.format, trust_pickle, plan.flat_model, sight)
+        index = written.index()
         if sight is not None and not sight.complete:
-            tree = written.index().tree
-            metas = {m.key: m for _, m in walk(tree) if isinstance(m, TensorMeta)}
+            metas = {m.key: m for _, m in index.tensors()}
             written = SharedReader(written, sight, metas, plan.buffer_bytes)
-        return written
+        return written, select(index, Selection(clean_fqns=False))
 
     try:
         with source_option("--format"):
-            written = runtime.agreed(written_reader)
-        progress.begin(
-            sum(m.nbytes for _, m in walk(expected) if isinstance(m, TensorMeta)), "verify"
-        )
-        check = _diff_readers(reader, expected, written, runtime, False, progress)
+            written, tree = runtime.agreed(written_reader)
+        progress.begin(sum(m.nbytes for _, m in tensor_leaves(expected)), "verify")
+        check = compare(reader, expected, written, tree, runtime, progress=progress)
     except ShardckptError as exc:
         if isinstance(exc, RemoteRankError):
             raise
@@ -518,9 +522,7 @@ def diff(
     with source_option(lambda exc: _side_option(exc, a, b)):
         tree_a, tree_b = runtime.agreed(selected)
         progress = progress or Progress()
-        progress.begin(
-            sum(m.nbytes for _, m in walk(tree_a) if isinstance(m, TensorMeta)), "compare"
-        )
+        progress.begin(sum(m.nbytes for _, m in tensor_leaves(tree_a)), "compare")
         try:
             return compare(
                 ra, tree_a, rb, tree_b, runtime, atol=atol, rtol=rtol, cast=cast, progress=progress
@@ -538,10 +540,3 @@ def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLi
             if where == root or root in where.parents:
                 return option
     return "--format-a or --format-b"
-
-
-def _diff_readers(
-    ra, tree_a: dict, rb, runtime: Runtime, clean_fqns: bool, progress: Progress
-) -> DiffResult:
-    tree_b = runtime.agreed(lambda: select(rb.index(), Selection(clean_fqns=clean_fqns)))
-    return compare(ra, tree_a, rb, tree_b, runtime, progress=progress)

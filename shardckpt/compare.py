@@ -159,20 +159,19 @@ def _compare_rows(
         rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
         for _, ma, _ in chunk
     ]
-    mine = [(ma, mb, r) for (_, ma, mb), r in zip(chunk, wanted) if r != SKIP]
-    casts = [wider_of.get(p) for (p, _, _), r in zip(chunk, wanted) if r != SKIP]
+    mine = [(ma, mb, r, wider_of.get(p)) for (p, ma, mb), r in zip(chunk, wanted) if r != SKIP]
 
     def read_both():
         # Called on every rank even with nothing to read: a reader whose reads are
         # collectives (exchange.SharedReader) needs every rank in each.
-        xs = a.read([m for m, _, _ in mine], [r for _, _, r in mine], runtime)
-        ys = b.read([m for _, m, _ in mine], [r for _, _, r in mine], runtime)
+        xs = a.read([m for m, _, _, _ in mine], [r for _, _, r, _ in mine], runtime)
+        ys = b.read([m for _, m, _, _ in mine], [r for _, _, r, _ in mine], runtime)
         return xs, ys
 
     xs, ys = runtime.agreed(read_both)
     flags = torch.zeros(len(chunk), dtype=torch.float64)
     diffs = torch.zeros(len(chunk), dtype=torch.float64)
-    it = iter(zip(xs, ys, casts))
+    it = iter(zip(xs, ys, (wider for *_, wider in mine)))
     for i, r in enumerate(wanted):
         if r == SKIP:
             continue

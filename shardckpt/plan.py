@@ -33,6 +33,7 @@ from shardckpt.tree import (
     prune,
     rename_keys,
     split_model_optim,
+    tensor_leaves,
     walk,
 )
 from shardckpt.words import counted
@@ -243,7 +244,7 @@ def whole_tensors(
     dimension is split, which a ``dcp`` output may do (DCP reshards on load) but a local
     output may not: FSDP loads a buffer only as a plain tensor, so that is refused.
     """
-    tensors = [(p, m) for p, m in walk(tree) if isinstance(m, TensorMeta)]
+    tensors = tensor_leaves(tree)
     if told:
         return frozenset(m.key for _, m in tensors if stays_whole(m))
     optimizers = find_optimizers(tree)
@@ -383,7 +384,7 @@ def make_plan(
     tree = form.dst_tree(select(index, selection), index.src)
     tree, read_as = cast_tree(tree, dtype, cast_optim)
     _check_values(tree, index.src)
-    tensors = tuple((p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta))
+    tensors = tuple(tensor_leaves(tree))
     if not tensors and not any(True for _ in walk(tree)):
         raise UsageError(
             "nothing is selected",

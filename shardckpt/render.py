@@ -188,21 +188,22 @@ def diff_json(result: DiffResult) -> dict:
     }
     if result.casts:
         doc["casts"] = [
-            {"a": _dtype(c.dtype_a), "b": _dtype(c.dtype_b), "as": _dtype(c.wider), "tensors": n}
+            {
+                "a": dtype_name(c.dtype_a),
+                "b": dtype_name(c.dtype_b),
+                "as": dtype_name(c.wider),
+                "tensors": n,
+            }
             for c, n in result.casts.items()
         ]
     return doc
 
 
-def _dtype(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _cast_lines(result: DiffResult) -> list[str]:
     """Return one line per dtype change ``--cast`` made: what was compared as what."""
     return [
-        f"compared {counted(n, 'tensor')} of {_dtype(c.dtype_a)} in A and {_dtype(c.dtype_b)} "
-        f"in B as {_dtype(c.wider)}"
+        f"compared {counted(n, 'tensor')} of {dtype_name(c.dtype_a)} in A and {dtype_name(c.dtype_b)} "
+        f"in B as {dtype_name(c.wider)}"
         for c, n in result.casts.items()
     ]
 

@@ -89,6 +89,11 @@ def walk(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
         yield prefix, tree
 
 
+def tensor_leaves(tree: object) -> list[tuple[Path, TensorMeta]]:
+    """Return ``(path, meta)`` for every tensor leaf of ``tree``, in container order."""
+    return [(p, leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
+
+
 def containers(tree: object, prefix: Path = ()) -> Iterator[tuple[Path, str]]:
     """Yield ``(path, "dict" | "list")`` for every container ``walk`` enters below the root."""
     if _is_empty_mapping(tree, prefix):

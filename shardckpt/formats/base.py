@@ -19,7 +19,7 @@ import torch
 from shardckpt.errors import BadInputError
 from shardckpt.placement import shared
 from shardckpt.regions import Piece, Record, Region
-from shardckpt.tree import TensorMeta, walk
+from shardckpt.tree import TensorMeta, tensor_leaves
 
 # Rows [start, stop) of dim 0, or None for the whole tensor.
 Rows = tuple[int, int] | None
@@ -36,7 +36,7 @@ class Index:
 
     def tensors(self) -> list[tuple[tuple, TensorMeta]]:
         """Return ``(path, meta)`` for every tensor leaf, in tree order."""
-        return [(p, leaf) for p, leaf in walk(self.tree) if isinstance(leaf, TensorMeta)]
+        return tensor_leaves(self.tree)
 
 
 class Reader(ABC):

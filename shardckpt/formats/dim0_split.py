@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Shard
-
+from shardckpt.regions import dim0_rows as rank_rows
 from shardckpt.tree import Chunk
 from shardckpt.words import counted
 
@@ -54,8 +53,8 @@ def dim0_rows(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> list[tuple[int
 
 def torch_split(n: int, world_size: int) -> list[tuple[int, int]]:
     """Return the non-empty ``(offset, rows)`` that ``Shard(0)`` gives ``n`` rows over ``world_size``."""
-    shares = [Shard.local_shard_size_and_offset(n, world_size, r) for r in range(world_size)]
-    return sorted((int(off), int(size)) for size, off in shares if size > 0)
+    spans = (rank_rows((n,), world_size, r) for r in range(world_size))
+    return sorted((start, stop - start) for start, stop in spans if stop > start)
 
 
 def consistent_world_sizes(n: int, rows: list[tuple[int, int]], empty: bool) -> WorldSizes | None:
