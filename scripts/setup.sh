@@ -5,6 +5,8 @@
 #   SHARDCKPT_VENV         where the venv lives (default: <repo>/.venv)
 #   SHARDCKPT_TORCH_SPEC   torch requirement installed when the venv has no torch
 #                          (default: torch==2.13.0, the CPU wheel on the local index)
+#   SHARDCKPT_EXTRAS       pyproject extras installed with the package (default: test;
+#                          scripts/test.sh asks for test,trainers)
 #
 # torch is installed first and pinned, on purpose: pyproject.toml asks for a range,
 # and pip resolving that range on a machine without torch would pull gigabytes of
@@ -17,6 +19,7 @@ cd "$root"
 python="${PYTHON:-python3}"
 venv="${SHARDCKPT_VENV:-$root/.venv}"
 torch_spec="${SHARDCKPT_TORCH_SPEC:-torch==2.13.0}"
+extras="${SHARDCKPT_EXTRAS:-test}"
 stamp="$venv/.shardckpt-setup"
 
 log() { printf 'setup: %s\n' "$*" >&2; }
@@ -67,16 +70,16 @@ sys.exit(0 if os.path.join(os.path.realpath(sys.argv[1]), "shardckpt") in dirs e
 
 # Reinstall only when pyproject.toml or the torch underneath changed, or when the
 # editable install does not point here.
-want="$(cat pyproject.toml <(echo "torch $torch_version") | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml <(echo "torch $torch_version extras $extras") | sha256sum | cut -d' ' -f1)"
 if [[ "$want" == "$(cat "$stamp" 2>/dev/null || true)" ]] && editable_ok; then
     exit 0
 fi
 
-log "installing shardckpt (editable) with the test extra"
+log "installing shardckpt (editable) with the extras: $extras"
 # The constraint stops pip from replacing the torch installed above: a torch outside
 # pyproject's range becomes a resolver error instead of a silent multi-GB download.
 printf 'torch==%s\n' "$torch_version" >"$constraints"
-pip_install -c "$constraints" -e '.[test]'
+pip_install -c "$constraints" -e ".[$extras]"
 "$venv/bin/python" -c 'import torch' || {
     log "torch $torch_version is installed but does not import (error above)"
     exit 1

@@ -6,7 +6,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-bash scripts/setup.sh
+# The tests save and load with the trainer libraries too (pyproject's trainers extra).
+SHARDCKPT_EXTRAS="${SHARDCKPT_EXTRAS:-test,trainers}" bash scripts/setup.sh
 py="${SHARDCKPT_VENV:-$root/.venv}/bin/python"
 
 if [[ "${CI:-}" == "true" ]]; then
