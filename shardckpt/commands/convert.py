@@ -30,17 +30,18 @@ from shardckpt.options import (
 from shardckpt.progress import Progress
 
 EPILOG = (
-    "Examples:\n\n  shardckpt convert ckpt/step-100 full.pt --to full\n\n"
-    "  torchrun --nproc-per-node 2 -m shardckpt convert ckpt/step-100 model.safetensors --to full --only model\n\n"
-    "  torchrun --nproc-per-node 4 -m shardckpt convert full.pt ckpt-dcp --to sharded\n\n"
-    "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local\n\n"
-    "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
-    "  shardckpt convert full.pt ckpt-at-8 --to sharded --world-size 8\n\n"
-    "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
-    "\n\n"
-    "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
-    "  shardckpt convert fsdp1-local-ckpt full.pt --to full --model train:build --wrap train:Block\n\n"
-    "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'"
+    "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
+    "  shardckpt convert .demo/ckpt-dcp .demo/full.pt --to full\n\n"
+    "  torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/ckpt-dcp .demo/model.safetensors --to full --only model\n\n"
+    "  torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/full.pt .demo/ckpt-2 --to sharded\n\n"
+    "  shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2\n\n"
+    "  shardckpt convert .demo/full.pt .demo/ckpt-at-8 --to sharded --world-size 8\n\n"
+    "  shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16\n\n"
+    "  PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups\n\n"
+    "  PYTHONPATH=examples shardckpt convert .demo/full.pt .demo/fsdp1-local --to local --format fsdp1-local --world-size 2 --only model --model make_checkpoint:build_model --wrap make_checkpoint:Block\n\n"
+    "  shardckpt convert .demo/full.pt .demo/small.pt --to full --drop '^blocks\\.1\\.' --rename '^head\\.=lm_head.'\n\n"
+    "  Multi-node, SRC on each node's own disk:\n\n"
+    "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local"
 )
 
 

@@ -23,12 +23,12 @@ from shardckpt.options import (
 from shardckpt.progress import Progress
 
 EPILOG = (
-    "Examples:\n\n  shardckpt diff ckpt/step-100 full.pt\n\n"
-    "  shardckpt diff a.safetensors b.safetensors --atol 1e-6 --json\n\n"
-    "  shardckpt diff ckpt/step-100 model.safetensors --only model\n\n"
-    "  shardckpt diff ckpt/step-100 ckpt-at-8 --filter 'optim.*'\n\n"
-    "  shardckpt diff full-fp32.pt export-bf16.safetensors --only model --cast --atol 1e-2\n\n"
-    "  shardckpt diff a.pt b.pt -q && echo same"
+    "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
+    "  shardckpt diff .demo/ckpt-dcp .demo/full.pt\n\n"
+    "  shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --filter 'optim.*' --json\n\n"
+    "  shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6\n\n"
+    "  shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2\n\n"
+    "  shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same"
 )
 
 

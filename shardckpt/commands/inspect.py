@@ -11,7 +11,12 @@ from shardckpt import api, render
 from shardckpt.dist import launch
 from shardckpt.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
 
-EPILOG = "Examples:\n\n  shardckpt inspect ckpt/step-100\n\n  shardckpt inspect model.safetensors --json --filter 'model.layers.0.*'"
+EPILOG = (
+    "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
+    "  shardckpt inspect .demo/ckpt-dcp\n\n"
+    "  shardckpt inspect .demo/ckpt-dcp --json --filter 'model.blocks.0.*'\n\n"
+    "  shardckpt inspect .demo/ckpt-dcp --shards"
+)
 
 
 def inspect(
