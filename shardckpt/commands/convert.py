@@ -17,10 +17,12 @@ from shardckpt.options import (
     Filters,
     JsonOut,
     Layout,
+    Nest,
     Only,
     OptimKeys,
     Quiet,
     TrustPickle,
+    Unnest,
     Version,
     Wraps,
     emit,
@@ -40,7 +42,9 @@ EPILOG = (
     "\n\n"
     "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
     "  shardckpt convert fsdp1-local-ckpt full.pt --to full --model train:build --wrap train:Block\n\n"
-    "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'"
+    "  shardckpt convert full.pt small.pt --to full --drop '^blocks\\.3\\.' --rename '^blocks\\.4\\.=blocks.3.'\n\n"
+    "  shardckpt convert model_state.pt ckpt-at-4 --to sharded --world-size 4 --nest model\n\n"
+    "  shardckpt convert lightning-ckpt ckpt-at-3 --to sharded --format lightning --world-size 3"
 )
 
 
@@ -71,7 +75,8 @@ def convert(
             metavar="FORMAT",
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
             "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
-            "model state only), fsdp1-sharded, fsdp1-local.",
+            "model state only), lightning (sharded: DCP plus Lightning's meta.pt), "
+            "fsdp1-sharded, fsdp1-local.",
         ),
     ] = None,
     src_format: Annotated[
@@ -163,6 +168,8 @@ def convert(
             "(repeatable; --rename and --drop apply in the order given).",
         ),
     ] = None,
+    unnest: Unnest = None,
+    nest: Nest = None,
     overwrite: Annotated[
         bool,
         typer.Option(
@@ -223,6 +230,8 @@ def convert(
             ),
             optim_keys=optim_keys.value,
             edits=_fqn_edits(ctx, renames or [], drops or []),
+            unnest=unnest,
+            nest=nest,
             model=model,
             wraps=wraps or (),
             use_orig_params=use_orig_params,
