@@ -51,9 +51,8 @@ def _torchelastic_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _fabric():
-    """Return a launched Fabric with FSDP1 sharded checkpoints on CPU at this job's world size."""
-    from lightning.fabric import Fabric
+def _fsdp_strategy():
+    """Return Fabric's ``FSDPStrategy`` (FSDP1) saving sharded checkpoints, usable on CPU."""
     from lightning.fabric.strategies import FSDPStrategy
 
     # Fabric refuses FSDPStrategy itself without a GPU (its check is on the exact type);
@@ -61,18 +60,48 @@ def _fabric():
     class CpuFSDPStrategy(FSDPStrategy):
         pass
 
-    strategy = CpuFSDPStrategy(state_dict_type="sharded")
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    return CpuFSDPStrategy(state_dict_type="sharded")
+
+
+def _fully_shard(model: nn.Module, mesh) -> nn.Module:
+    """The ``parallelize_fn`` of ``ModelParallelStrategy``: FSDP2 over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp = mesh["data_parallel"]
+    for layer in (model.fc1, model.fc2):
+        fully_shard(layer, mesh=dp)
+    return fully_shard(model, mesh=dp)
+
+
+def _model_parallel_strategy():
+    """Return Fabric's ``ModelParallelStrategy`` (FSDP2 here) saving DCP + meta.pt."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(
+        _fully_shard, data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
+    )
+
+
+STRATEGIES = {"fsdp": _fsdp_strategy, "model_parallel": _model_parallel_strategy}
+
+
+def _fabric(strategy: str):
+    """Return a launched Fabric on CPU at this job's world size with ``strategy``."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(
+        accelerator="cpu", devices=dist.get_world_size(), strategy=STRATEGIES[strategy]()
+    )
     fabric.launch()
     return fabric
 
 
-def _setup(fabric):
+def _setup(fabric, strategy: str):
     """Return the model and Adam set up by ``fabric`` from the same seed on every rank.
 
-    The model is wrapped in FSDP1 here, as a user may do before ``setup_module`` (Fabric
-    then keeps the wrapping): Fabric's own wrapping passes no ``device_id``, and FSDP1 on
-    a machine without an accelerator needs ``device_id=cpu``.
+    For ``fsdp`` the model is wrapped in FSDP1 here, as a user may do before
+    ``setup_module`` (Fabric then keeps the wrapping): Fabric's own wrapping passes no
+    ``device_id``, and FSDP1 on a machine without an accelerator needs ``device_id=cpu``.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -80,12 +109,13 @@ def _setup(fabric):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = Net()
-    model = FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        device_id=torch.device("cpu"),
-        use_orig_params=True,
-    )
+    if strategy == "fsdp":
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.1))
     return model, optimizer
@@ -101,8 +131,30 @@ def _step(fabric, model, optimizer, seed: int) -> None:
     optimizer.zero_grad()
 
 
-def _full_state(model, optimizer) -> dict:
-    """Return the model and optimizer state gathered whole on every rank (FSDP1's full state dicts)."""
+def _full_state(model, optimizer, strategy: str) -> dict:
+    """Return the model and optimizer state gathered whole on every rank, keyed by FQN."""
+    if strategy == "fsdp":
+        return _fsdp1_full_state(model, optimizer)
+    from torch.distributed.tensor import DTensor
+
+    def whole(tree):
+        if isinstance(tree, dict):
+            return {k: whole(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [whole(v) for v in tree]
+        if isinstance(tree, DTensor):
+            return tree.full_tensor()
+        # A plain tensor (Adam's step) is the optimizer's own, which the next step changes.
+        return tree.detach().clone() if isinstance(tree, torch.Tensor) else tree
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model._forward_module, optimizer.optimizer)
+    return {"model": whole(model_state), "optimizer": whole(optim_state)}
+
+
+def _fsdp1_full_state(model, optimizer) -> dict:
+    """Return FSDP1's full state dicts of model and optimizer, on every rank."""
     from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
     from torch.distributed.fsdp.api import FullOptimStateDictConfig
 
@@ -119,28 +171,28 @@ def _full_state(model, optimizer) -> dict:
         }
 
 
-def train_and_save(path: str, steps: int) -> dict | None:
+def train_and_save(path: str, steps: int, strategy: str) -> dict | None:
     """Train ``steps`` steps, ``fabric.save`` a sharded checkpoint to ``path``; rank 0 returns the state."""
     with _torchelastic_env():
-        fabric = _fabric()
-        model, optimizer = _setup(fabric)
+        fabric = _fabric(strategy)
+        model, optimizer = _setup(fabric, strategy)
         for step in range(steps):
             _step(fabric, model, optimizer, step)
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps, "note": "lit"})
-        state = _full_state(model, optimizer)
+        state = _full_state(model, optimizer, strategy)
     return state if dist.get_rank() == 0 else None
 
 
-def load_and_step(path: str) -> dict | None:
+def load_and_step(path: str, strategy: str) -> dict | None:
     """``fabric.load`` ``path`` at this world size, take one step; rank 0 returns the states."""
     with _torchelastic_env():
-        fabric = _fabric()
-        model, optimizer = _setup(fabric)
+        fabric = _fabric(strategy)
+        model, optimizer = _setup(fabric, strategy)
         state = {"model": model, "optimizer": optimizer, "step": 0, "note": ""}
         rest = fabric.load(path, state)
-        loaded = _full_state(model, optimizer)
+        loaded = _full_state(model, optimizer, strategy)
         _step(fabric, model, optimizer, 7)
-        stepped = _full_state(model, optimizer)
+        stepped = _full_state(model, optimizer, strategy)
     if dist.get_rank() != 0:
         return None
     return {

@@ -1,7 +1,7 @@
 """Acceptance (issue 11): Lightning Fabric's sharded checkpoints, saved and loaded by Fabric itself.
 
-Fabric (``FSDPStrategy(state_dict_type="sharded")``) trains a tiny model two steps at
-2 gloo ranks and saves; shardckpt inspects it, exports it whole (equal to Lightning's
+Fabric (``FSDPStrategy(state_dict_type="sharded")``, FSDP1, and ``ModelParallelStrategy``
+with FSDP2) trains a tiny model two steps at 2 gloo ranks and saves; shardckpt inspects it, exports it whole (equal to Lightning's
 own consolidation, ``meta.pt``'s extras included) and writes Lightning's layout for 3
 ranks, which ``fabric.load`` at 3 takes as it is: the resumed step equals, bit for bit,
 the control, Fabric's own load of the 2-rank checkpoint at 3 (DCP reshards it).
@@ -21,16 +21,17 @@ pytestmark = pytest.mark.trainers
 lightning_load = pytest.importorskip("lightning.fabric.utilities.load")
 
 
-@pytest.fixture(scope="module")
-def fabric_ckpt(tmp_path_factory):
-    """Return Fabric's sharded checkpoint saved at 2 ranks after 2 steps, and the state it saved."""
-    root = tmp_path_factory.mktemp("lightning")
-    saved = run_ranks(lightning_jobs.train_and_save, 2, str(root / "ckpt"), 2, timeout=300)[0]
-    return root / "ckpt", saved
+@pytest.fixture(scope="module", params=["fsdp", "model_parallel"])
+def fabric_ckpt(request, tmp_path_factory):
+    """Return Fabric's sharded checkpoint saved at 2 ranks after 2 steps, the state it saved, the strategy."""
+    root = tmp_path_factory.mktemp(f"lightning_{request.param}")
+    path = str(root / "ckpt")
+    saved = run_ranks(lightning_jobs.train_and_save, 2, path, 2, request.param, timeout=300)[0]
+    return root / "ckpt", saved, request.param
 
 
 def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
-    ckpt, _ = fabric_ckpt
+    ckpt, _, _ = fabric_ckpt
     assert sorted(p.name for p in ckpt.iterdir()) == [
         ".metadata",
         "__0_0.distcp",
@@ -46,7 +47,7 @@ def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
 
 
 def test_full_equals_lightnings_own_consolidation(fabric_ckpt, tmp_path):
-    ckpt, _ = fabric_ckpt
+    ckpt, _, _ = fabric_ckpt
     api.convert(ckpt, tmp_path / "full.pt", to="full", verify=True)
     ours = torch.load(tmp_path / "full.pt", weights_only=True)
     assert_trees_equal(ours, lightning_load._load_distributed_checkpoint(ckpt))
@@ -54,7 +55,7 @@ def test_full_equals_lightnings_own_consolidation(fabric_ckpt, tmp_path):
 
 
 def test_lightning_layout_at_3_resumes_in_fabric_like_fabrics_own_reshard(fabric_ckpt, tmp_path):
-    ckpt, saved = fabric_ckpt
+    ckpt, saved, strategy = fabric_ckpt
     out = tmp_path / "at3"
     api.convert(ckpt, out, to="sharded", fmt="lightning", world_size=3, verify=True)
     assert sorted(p.name for p in out.iterdir()) == [
@@ -65,8 +66,8 @@ def test_lightning_layout_at_3_resumes_in_fabric_like_fabrics_own_reshard(fabric
         "meta.pt",
     ]
     assert torch.load(out / "meta.pt", weights_only=True) == {"step": 2, "note": "lit"}
-    control = run_ranks(lightning_jobs.load_and_step, 3, str(ckpt), timeout=300)[0]
-    resumed = run_ranks(lightning_jobs.load_and_step, 3, str(out), timeout=300)[0]
+    control = run_ranks(lightning_jobs.load_and_step, 3, str(ckpt), strategy, timeout=300)[0]
+    resumed = run_ranks(lightning_jobs.load_and_step, 3, str(out), strategy, timeout=300)[0]
     assert_trees_equal(control["loaded"], saved)
     assert_trees_equal(resumed, control)
     assert resumed["extras"] == {"step": 2, "note": "lit"}
