@@ -66,8 +66,8 @@ class LightningReader(Reader):
                 return dataclasses.replace(leaf, key=_META_KEY + leaf.key)
             return leaf
 
-        meta = map_leaves(self._meta.index().tree, rekey)
-        both = [key for key in meta if key in tree]  # type: ignore[union-attr]
+        meta: dict = map_leaves(self._meta.index().tree, rekey)  # type: ignore[assignment]
+        both = [key for key in meta if key in tree]
         if both:
             raise BadInputError(
                 f"'{both[0]}' is both in {META_FILE} and in the DCP data, and Lightning's "
@@ -76,8 +76,8 @@ class LightningReader(Reader):
                 hint=f"read the DCP part alone with {SRC_FORMAT} dcp",
             )
         # Lightning merges with dict.update: the DCP keys first, then meta.pt's.
-        tree.update(meta)  # type: ignore[arg-type]
-        parts = {key: META_FILE for key in meta}  # type: ignore[union-attr]
+        tree.update(meta)
+        parts = {key: META_FILE for key in meta}
         return Index(self.format, str(self.src), index.world_size, tree, parts)
 
     def read(
