@@ -78,6 +78,7 @@ Wraps = Annotated[
 
 
 def _reroot_option(name: str, help: str):
+    """Return the option type of ``--unnest``/``--nest``: one top-level key."""
     return Annotated[str | None, typer.Option(name, metavar="KEY", help=help)]
 
 
