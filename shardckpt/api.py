@@ -249,6 +249,8 @@ def convert(
     max_shard_size: int | None = None,
     optim_keys: str = "keep",
     edits: Sequence[tuple[str, str]] = (),
+    unnest: str | None = None,
+    nest: str | None = None,
     model: str | None = None,
     wraps: Sequence[str] = (),
     use_orig_params: bool = False,
@@ -264,7 +266,8 @@ def convert(
     """Convert ``src`` into ``dst`` with layout ``to``; return what was written.
 
     ``edits`` are ``("--rename", "REGEX=REPL")`` and ``("--drop", "REGEX")`` pairs,
-    applied to every FQN in their order; ``model`` is ``pkg.module:factory`` (see
+    applied to every FQN in their order; ``unnest``/``nest`` re-root the selected tree
+    (``plan.reroot``); ``model`` is ``pkg.module:factory`` (see
     ``shardckpt.model``), built on the meta device for the order of param IDs; with
     ``wraps`` (FSDP1 ``ModuleWrapPolicy`` classes) it also gives FSDP1 flat-parameter layouts.
     DST appears only complete: written beside it, checked with ``verify``, then renamed.
@@ -301,6 +304,7 @@ def convert(
             use_orig_params=use_orig_params,
             src_local=src_local,
             distributed=runtime.distributed,
+            nest=nest,
         )
         applies.check(applies.CONVERT_RULES, choice)
         _check_dst_name(dst, form)
@@ -315,6 +319,8 @@ def convert(
             optim_keys=optim_keys,
             edits=tuple(parse_edit(option, text) for option, text in edits),
             model=model_params(model, clean_fqns) if model else None,
+            unnest=unnest,
+            nest=nest,
         )
         if not dry_run:
             destination.check()
@@ -434,8 +440,10 @@ def _verify(
 ):
     """Read the staged output back and compare it with SRC; raise if anything differs."""
     dst = destination.dst
-    # DCP hands every mapping key back as str; compare with what it can hold.
-    expected = as_stored(plan.tree) if format_named(plan.format).keys_as_str else plan.tree
+    # DCP hands every mapping key back as str; compare with what it can hold, on both
+    # sides (a format that is partly DCP, Lightning's, keeps its other part's keys).
+    as_str = format_named(plan.format).keys_as_str
+    expected = as_stored(plan.tree) if as_str else plan.tree
 
     def written_reader():
         # On several disks, each rank sees its disk's part of the output, as of a node-local SRC.
@@ -445,7 +453,8 @@ def _verify(
         if sight is not None and not sight.complete:
             metas = {m.key: m for _, m in index.tensors()}
             written = SharedReader(written, sight, metas, plan.buffer_bytes)
-        return written, select(index, Selection(clean_fqns=False))
+        tree = select(index, Selection(clean_fqns=False))
+        return written, as_stored(tree) if as_str else tree
 
     try:
         with source_option("--format"):
@@ -486,6 +495,10 @@ def diff(
     only: str = "all",
     filters: Sequence[str] = (),
     cast: bool = False,
+    unnest_a: str | None = None,
+    nest_a: str | None = None,
+    unnest_b: str | None = None,
+    nest_b: str | None = None,
     trust_pickle: bool = False,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
@@ -494,6 +507,8 @@ def diff(
 
     ``only`` and ``filters`` select the same part of both sides as ``convert`` would
     write; with ``cast`` floating tensors of different dtypes compare in the wider one.
+    ``unnest_a``/``nest_a`` (and ``_b``) then re-root one side as ``convert`` does, so
+    trees rooted differently (a flat state dict, ``{"model": ...}``) compare.
     """
     runtime = runtime or Runtime()
     for name, tol in (("--atol", atol), ("--rtol", rtol)):
@@ -506,11 +521,13 @@ def diff(
         with source_option("--format-b"):
             return ra, open_reader(b, fmt_b, trust_pickle)
 
-    ra, rb = runtime.agreed(open_both)
     sel = Selection(clean_fqns=clean_fqns, only=only, filters=tuple(filters))
+    sel_a = replace(sel, unnest=unnest_a, nest=nest_a, side="-a")
+    sel_b = replace(sel, unnest=unnest_b, nest=nest_b, side="-b")
+    ra, rb = runtime.agreed(open_both)
 
     def selected() -> tuple[dict, dict]:
-        tree_a, tree_b = select(ra.index(), sel), select(rb.index(), sel)
+        tree_a, tree_b = select(ra.index(), sel_a), select(rb.index(), sel_b)
         ra.check_selected(tree_a)
         rb.check_selected(tree_b)
         if format_named(ra.format).keys_as_str or format_named(rb.format).keys_as_str:

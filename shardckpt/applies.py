@@ -40,6 +40,7 @@ class Choice:
     """Whether the run is under torchrun."""
     quiet: bool = False
     json_out: bool = False
+    nest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,13 @@ CONVERT_RULES: tuple[Rule, ...] = (
         lambda c: c.only != "optim" or c.cast_optim,
         "casts model tensors, and --only optim writes none",
         "add --cast-optim to cast optimizer state, or drop --dtype",
+    ),
+    Rule(
+        "--nest",
+        lambda c: c.nest is not None,
+        lambda c: c.fmt != "hf",
+        "has nothing to act on in --format hf, which names tensors by their FQN alone",
+        "drop --nest",
     ),
     Rule(
         "--src-local",

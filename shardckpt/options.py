@@ -77,6 +77,23 @@ Wraps = Annotated[
 ]
 
 
+def _reroot_option(name: str, help: str):
+    """Return the option type of ``--unnest``/``--nest``: one top-level key."""
+    return Annotated[str | None, typer.Option(name, metavar="KEY", help=help)]
+
+
+Unnest = _reroot_option(
+    "--unnest",
+    "Make the subtree at top-level KEY the root (e.g. a Trainer checkpoint's state_dict); "
+    "any other top-level key left by the selection is an error.",
+)
+Nest = _reroot_option(
+    "--nest",
+    "Put the selected tree under top-level KEY (a flat state_dict -> {KEY: ...}, as DCP "
+    "loaders expect); after --unnest.",
+)
+
+
 def _print_version(value: bool) -> None:
     if value:
         emit(f"shardckpt {__version__}")

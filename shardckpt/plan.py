@@ -92,10 +92,23 @@ class Selection:
     optimizer state, and later edits never see it."""
     model: ModelParams | None = None
     """The parameters ``--model`` builds, for param-ID order; None: inferred from SRC."""
+    unnest: str | None = None
+    """``--unnest KEY``: DST's root is the subtree at top-level ``KEY`` (after the rest of
+    the selection, which must leave no other top-level key)."""
+    nest: str | None = None
+    """``--nest KEY``: DST's root holds the selected tree under ``KEY`` (after ``unnest``)."""
+    side: str = ""
+    """How ``diff`` names the side these two apply to (``--unnest-a``: ``"-a"``)."""
 
     def __post_init__(self) -> None:
         if self.only not in ONLY:
             raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
+        for option, key in (
+            (f"--unnest{self.side}", self.unnest),
+            (f"--nest{self.side}", self.nest),
+        ):
+            if key is not None and not key:
+                raise UsageError(f"{option} needs a key", hint=f"write it like {option} model")
         if self.optim_keys not in OPTIM_KEYS:
             raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
 
@@ -153,7 +166,46 @@ def select(index: Index, selection: Selection) -> dict:
         tree = prune(tree, lambda path, _: matches(path, selection.filters))
     if not isinstance(tree, Mapping):
         tree = {}
-    return dict(tree)
+    return reroot(dict(tree), selection, index.src)
+
+
+def reroot(tree: dict, selection: Selection, src: str) -> dict:
+    """Return ``tree`` lifted out of its top-level ``--unnest`` key, then nested under ``--nest``.
+
+    Both act on the tree the rest of the selection left, so ``--filter``, ``--only`` and
+    ``--rename`` name paths as SRC has them. Lifting out a key while others remain
+    beside it would drop them unseen: that is refused, naming them.
+    """
+    option = f"--unnest{selection.side}"
+    if selection.unnest is not None:
+        key = selection.unnest
+        if key not in tree:
+            have = ", ".join(f"'{k}'" for k in tree) or "none"
+            raise UsageError(
+                f"{option} {key}: the selected tree has no top-level '{key}' (it has {have})",
+                path=src,
+                hint="pass one of its top-level keys (`shardckpt inspect` shows them)",
+            )
+        value = tree[key]
+        if not isinstance(value, Mapping):
+            what = "tensor" if isinstance(value, TensorMeta) else type(value).__name__
+            raise UsageError(
+                f"{option} {key}: '{key}' is a {what}, not a subtree",
+                path=src,
+                hint="pass a top-level key that holds a dict",
+            )
+        others = [k for k in tree if k != key]
+        if others:
+            names = ", ".join(f"'{k}'" for k in others)
+            raise UsageError(
+                f"{option} {key} would leave out the other top-level keys beside it: {names}",
+                path=src,
+                hint=f"select '{key}' alone first, e.g. --filter '{key}.*'",
+            )
+        tree = dict(value)
+    if selection.nest is not None:
+        tree = {selection.nest: tree}
+    return tree
 
 
 def _rekey(src: str, tree: dict, selection: Selection) -> dict:
@@ -349,6 +401,9 @@ class ConvertPlan:
     """For FSDP1's flat parameters: the ``FlatModel`` (``--model``/``--wrap``) that lays them out."""
     use_orig_params: bool = False
     """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
+    parts: Mapping[str, str] = field(default_factory=dict)
+    """The file of SRC each top-level key of ``tree`` was read from, where SRC keeps some
+    apart (``Index.parts``); empty when ``--nest``/``--unnest`` moved the top level."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:
@@ -411,4 +466,9 @@ def make_plan(
         whole,
         flat_model,
         use_orig_params,
+        MappingProxyType(
+            {}
+            if selection.nest is not None or selection.unnest is not None
+            else {k: v for k, v in index.parts.items() if k in tree}
+        ),
     )

@@ -71,7 +71,7 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
         }
         for o in insp.optimizers
     ]
-    return {
+    doc = {
         "schema": SCHEMA_VERSION,
         "format": insp.index.format,
         "world_size": insp.index.world_size,
@@ -80,6 +80,17 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
         "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
         "warnings": insp.warnings,
     }
+    if insp.index.parts:
+        doc["parts"] = _parts(insp.index.parts)
+    return doc
+
+
+def _parts(parts: dict[str, str]) -> dict[str, list[str]]:
+    """Return each file SRC keeps apart (Lightning's meta.pt) with the top-level keys read from it."""
+    files: dict[str, list[str]] = {}
+    for key, file in parts.items():
+        files.setdefault(file, []).append(str(key))
+    return files
 
 
 def inspection_text(insp: Inspection, shards: bool = False) -> str:
@@ -106,6 +117,8 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
             f"state {', '.join(o['state_names']) or '(none yet)'}",
         ]
+    for file, keys in doc.get("parts", {}).items():
+        lines += ["", f"from {file}: {', '.join(keys)}"]
     t = doc["totals"]
     lines += [
         "",

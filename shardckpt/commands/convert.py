@@ -17,10 +17,12 @@ from shardckpt.options import (
     Filters,
     JsonOut,
     Layout,
+    Nest,
     Only,
     OptimKeys,
     Quiet,
     TrustPickle,
+    Unnest,
     Version,
     Wraps,
     emit,
@@ -40,6 +42,8 @@ EPILOG = (
     "  PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups\n\n"
     "  PYTHONPATH=examples shardckpt convert .demo/full.pt .demo/fsdp1-local --to local --format fsdp1-local --world-size 2 --only model --model make_checkpoint:build_model --wrap make_checkpoint:Block\n\n"
     "  shardckpt convert .demo/full.pt .demo/small.pt --to full --drop '^blocks\\.1\\.' --rename '^head\\.=lm_head.'\n\n"
+    "  shardckpt convert .demo/ckpt-dcp .demo/weights.pt --to full --only model --unnest model\n\n"
+    "  shardckpt convert .demo/weights.pt .demo/ckpt-nested --to sharded --world-size 4 --nest model\n\n"
     "  Multi-node, SRC on each node's own disk:\n\n"
     "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local"
 )
@@ -72,7 +76,8 @@ def convert(
             metavar="FORMAT",
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
             "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
-            "model state only), fsdp1-sharded, fsdp1-local.",
+            "model state only), lightning (sharded: DCP plus Lightning's meta.pt), "
+            "fsdp1-sharded, fsdp1-local.",
         ),
     ] = None,
     src_format: Annotated[
@@ -164,6 +169,8 @@ def convert(
             "(repeatable; --rename and --drop apply in the order given).",
         ),
     ] = None,
+    unnest: Unnest = None,
+    nest: Nest = None,
     overwrite: Annotated[
         bool,
         typer.Option(
@@ -224,6 +231,8 @@ def convert(
             ),
             optim_keys=optim_keys.value,
             edits=_fqn_edits(ctx, renames or [], drops or []),
+            unnest=unnest,
+            nest=nest,
             model=model,
             wraps=wraps or (),
             use_orig_params=use_orig_params,

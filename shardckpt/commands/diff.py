@@ -28,6 +28,7 @@ EPILOG = (
     "  shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --filter 'optim.*' --json\n\n"
     "  shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6\n\n"
     "  shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2\n\n"
+    "  shardckpt diff .demo/weights.pt .demo/ckpt-dcp --nest-a model --only model\n\n"
     "  shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same"
 )
 
@@ -66,6 +67,30 @@ def diff(
             "bf16 export: --cast --atol 1e-2); each dtype change is reported once.",
         ),
     ] = False,
+    unnest_a: Annotated[
+        str | None,
+        typer.Option(
+            "--unnest-a",
+            metavar="KEY",
+            help="Compare A's subtree at top-level KEY as its root (as convert --unnest).",
+        ),
+    ] = None,
+    nest_a: Annotated[
+        str | None,
+        typer.Option(
+            "--nest-a",
+            metavar="KEY",
+            help="Compare A as if under top-level KEY (as convert --nest): a flat state_dict "
+            "against a {'model': ...} checkpoint.",
+        ),
+    ] = None,
+    unnest_b: Annotated[
+        str | None,
+        typer.Option("--unnest-b", metavar="KEY", help="As --unnest-a, for B."),
+    ] = None,
+    nest_b: Annotated[
+        str | None, typer.Option("--nest-b", metavar="KEY", help="As --nest-a, for B.")
+    ] = None,
     clean_fqns: CleanFqns = True,
     json_out: JsonOut = False,
     quiet: Annotated[
@@ -92,6 +117,10 @@ def diff(
             only=only.value,
             filters=filters or (),
             cast=cast,
+            unnest_a=unnest_a,
+            nest_a=nest_a,
+            unnest_b=unnest_b,
+            nest_b=nest_b,
             trust_pickle=trust_pickle,
             runtime=runtime,
             progress=Progress(

@@ -21,6 +21,7 @@ from shardckpt.formats.fsdp1_write import Fsdp1LocalWriter, Fsdp1ShardedWriter
 from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
 from shardckpt.formats.fsdp2_ranks_write import Fsdp2RanksWriter
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
+from shardckpt.formats.lightning import META_FILE, LightningReader, LightningWriter
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
@@ -117,6 +118,16 @@ FORMATS: dict[str, Format] = {
             dst_tree=model_tree,
         ),
         Format(
+            "lightning",
+            "sharded",
+            "Lightning",
+            LightningReader,
+            LightningWriter,
+            directory=True,
+            keys_as_str=True,
+            tells_whole=dcp_tells_whole,
+        ),
+        Format(
             "fsdp2-ranks",
             "local",
             "FSDP2 per-rank",
@@ -172,7 +183,8 @@ def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     if stat.S_ISDIR(source_stat(src).st_mode):
         if (src / METADATA_FILE).is_file():
-            return "dcp"
+            # Lightning's sharded checkpoints keep what is not DCP's beside it.
+            return "lightning" if (src / META_FILE).is_file() else "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.

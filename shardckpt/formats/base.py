@@ -33,6 +33,9 @@ class Index:
     src: str
     world_size: int | None
     tree: dict
+    parts: dict[str, str] = field(default_factory=dict)
+    """The file of SRC each top-level key was read from, where a format keeps some keys
+    apart from its tensor data (Lightning's ``meta.pt``); empty for a one-part format."""
 
     def tensors(self) -> list[tuple[tuple, TensorMeta]]:
         """Return ``(path, meta)`` for every tensor leaf, in tree order."""

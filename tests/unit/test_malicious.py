@@ -31,6 +31,13 @@ class Carrier:
     refused: Callable[[Path], Path]
 
 
+def _lightning(path: Path, pickle_bytes: bytes) -> Path:
+    """Write a DCP checkpoint with ``pickle_bytes`` as the pickle of Lightning's ``meta.pt`` beside it."""
+    payloads.dcp_dir(path)
+    payloads.torch_file(path / "meta.pt", pickle_bytes)
+    return path
+
+
 CARRIERS = {
     "torch": Carrier(
         lambda d, pk: payloads.torch_file(d / "evil.pt", pk), "torch", lambda src: src
@@ -44,6 +51,9 @@ CARRIERS = {
         lambda d, pk: payloads.dcp_with_value(d / "ckpt", payloads.torch_save_bytes(pk)),
         "dcp",
         lambda src: src / "__0_0.distcp",
+    ),
+    "lightning-meta": Carrier(
+        lambda d, pk: _lightning(d / "ckpt", pk), "lightning", lambda src: src / "meta.pt"
     ),
     "fsdp2-ranks": Carrier(
         lambda d, pk: payloads.rank_dir(d / "ranks", pk),

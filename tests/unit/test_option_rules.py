@@ -87,6 +87,11 @@ NOT_APPLYING = [
         "drop --src-local, or launch with torchrun",
     ),
     (
+        ["--to", "full", "--format", "hf", "--nest", "model"],
+        "--nest has nothing to act on in --format hf, which names tensors by their FQN alone: "
+        "drop --nest",
+    ),
+    (
         ["--to", "full", "--only", "model", "--only", "optim"],
         "--only given more than once: pass it once: it is not repeatable, and only the last "
         "would count",
