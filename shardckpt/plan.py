@@ -349,6 +349,10 @@ class ConvertPlan:
     """For FSDP1's flat parameters: the ``FlatModel`` (``--model``/``--wrap``) that lays them out."""
     use_orig_params: bool = False
     """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
+    src: str = ""
+    """SRC, for a writer that copies files of it (``Index.parts``)."""
+    parts: tuple = ()
+    """SRC's ``Index.parts``: which file gave which top-level key, and the files carried unread."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:
@@ -411,4 +415,6 @@ def make_plan(
         whole,
         flat_model,
         use_orig_params,
+        index.src,
+        index.parts,
     )

@@ -79,6 +79,10 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
         "optimizers": optimizers,
         "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
         "warnings": insp.warnings,
+        "parts": [
+            {"file": p.file, "format": p.format, "key": p.key, "note": p.note}
+            for p in insp.index.parts
+        ],
     }
 
 
@@ -105,6 +109,17 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "
             f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
             f"state {', '.join(o['state_names']) or '(none yet)'}",
+        ]
+    if doc["parts"]:
+        lines += ["", "parts:"]
+        lines += [
+            f"  {p['file']}: "
+            + (
+                f"{p['key']} ({p['format']})"
+                if p["key"] is not None
+                else f"carried unread, {p['note']}"
+            )
+            for p in doc["parts"]
         ]
     t = doc["totals"]
     lines += [

@@ -25,6 +25,20 @@ from shardckpt.tree import TensorMeta, tensor_leaves
 Rows = tuple[int, int] | None
 
 
+@dataclass(frozen=True)
+class SourcePart:
+    """One file (or directory) of a source made of several (``formats/parts.py``)."""
+
+    file: str
+    """Relative to SRC."""
+    format: str
+    """The format it is read in, or ``"file"`` for one carried as it is, unread."""
+    key: str | None
+    """The top-level key of the tree it gives; None for a file carried unread."""
+    note: str = ""
+    """Why a carried file is not read (what it holds)."""
+
+
 @dataclass
 class Index:
     """A source as metadata: its format, world size and tree of ``TensorMeta`` and values."""
@@ -33,6 +47,9 @@ class Index:
     src: str
     world_size: int | None
     tree: dict
+    parts: tuple[SourcePart, ...] = ()
+    """For a source made of several files: which file gives which top-level key, and
+    which files are carried unread (never dropped silently: ``inspect`` lists them)."""
 
     def tensors(self) -> list[tuple[tuple, TensorMeta]]:
         """Return ``(path, meta)`` for every tensor leaf, in tree order."""
