@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shardckpt.errors import BadInputError, UnsafePickleError, UsageError, notice
+from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError, UsageError, notice
 from shardckpt.formats.base import Index, SourcePart
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader
 from shardckpt.formats.dcp_write import DcpWriter
@@ -31,6 +31,7 @@ from shardckpt.formats.files import os_error
 from shardckpt.formats.parts import Part, PartsReader, PartsWriter, SubCheckpoint
 from shardckpt.formats.safetensors_file import SafetensorsReader
 from shardckpt.formats.torch_file import TorchReader
+from shardckpt.tree import is_optimizer
 from shardckpt.words import counted
 
 _MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)")
@@ -47,9 +48,6 @@ _CARRIED = (
     (re.compile(r"sampler(?:_\d+)?\.bin"), "a data sampler (a pickled object)"),
     (re.compile(r"custom_checkpoint_\d+\.pkl"), "a registered object's state (a pickle)"),
 )
-
-
-_KINDS = ("model", "optimizer")
 
 
 def _key(name: str, index: str | None) -> str:
@@ -118,14 +116,12 @@ class AccelerateReader(PartsReader):
                     SourcePart(name, "file", None, note or "not a file save_state writes")
                 )
         # Models first, then optimizers, then the rest, as a training loop holds them.
-        parts.sort(
-            key=lambda p: _KINDS.index(p.key.split("_")[0]) if p.key.split("_")[0] in _KINDS else 2
-        )
+        parts.sort(key=_part_order)
         if not any(p.key.startswith("model") for p in parts):
             raise BadInputError(
                 "holds no model (pytorch_model_fsdp_0/, pytorch_model_fsdp.bin or model.safetensors)",
                 path=self.src,
-                hint="pass the directory Accelerator.save_state wrote, or --from another format",
+                hint=f"pass the directory Accelerator.save_state wrote, or {SRC_FORMAT} another format",
             )
         return parts, carried
 
@@ -172,32 +168,38 @@ class AccelerateWriter(PartsWriter):
     """A ``save_state`` directory at M: SHARDED_STATE_DICT DCP parts, other files copied."""
 
     def subcheckpoints(self, plan) -> list[SubCheckpoint]:
-        subs = []
+        subs: dict[str, SubCheckpoint] = {}
         from_files = {p.key for p in plan.parts if p.key is not None and p.format != "dcp"}
+        # An optimizer under another key (``optim``) is the job's i-th in tree order.
+        optimizers = [k for k, tree in plan.tree.items() if is_optimizer(tree)]
         for key, tree in plan.tree.items():
-            kind, _, index = str(key).partition("_")
-            if kind == "model" and (not index or index.isdigit()):
-                subs.append(
-                    SubCheckpoint(
-                        f"pytorch_model_fsdp_{index or 0}", "dcp", DcpWriter, {"model": tree}
-                    )
-                )
-            elif kind == "optimizer" and (not index or index.isdigit()):
-                subs.append(
-                    SubCheckpoint(f"optimizer_{index or 0}", "dcp", DcpWriter, {"optimizer": tree})
-                )
-            elif key not in from_files:
+            if (i := _index_of(key, "model")) is not None:
+                sub = SubCheckpoint(f"pytorch_model_fsdp_{i}", "dcp", DcpWriter, {"model": tree})
+            elif is_optimizer(tree):
+                i = _index_of(key, "optimizer")
+                i = optimizers.index(key) if i is None else i
+                sub = SubCheckpoint(f"optimizer_{i}", "dcp", DcpWriter, {"optimizer": tree})
+            elif key in from_files:
+                continue  # copied as it is
+            else:
                 raise UsageError(
-                    f"--format accelerate holds models, optimizers and the files of an accelerate "
-                    f"directory, and {key!r} is none of them",
+                    f"--format accelerate holds models, optimizers and the files of an "
+                    f"accelerate directory, and top-level key {key!r} is none of them",
                     hint="--filter it out, or write --format dcp",
                 )
+            if sub.dir in subs:
+                raise UsageError(
+                    f"--format accelerate: two top-level keys would both be written to "
+                    f"{sub.dir}/ ({key!r} and the one before it)",
+                    hint="--filter one of them out, or write --format dcp",
+                )
+            subs[sub.dir] = sub
         if not subs:
             raise UsageError(
                 "--format accelerate: nothing selected is a model or an optimizer",
                 hint="check --only and --filter against `shardckpt inspect`",
             )
-        return subs
+        return list(subs.values())
 
     def copies(self, plan) -> list[tuple[Path, str]]:
         src = Path(plan.src)
@@ -210,6 +212,7 @@ class AccelerateWriter(PartsWriter):
 
     def finish(self) -> None:
         super().finish()
+        # Said on the coordinator, once, when the output is complete.
         note = world_size_note([name for _, name in self.copied], self.plan.world_size)
         if note:
             notice(note)
@@ -217,4 +220,20 @@ class AccelerateWriter(PartsWriter):
 
 def _holds_tensors(key: str) -> bool:
     """Return whether part ``key`` is a model or an optimizer (written, not copied)."""
-    return key.split("_")[0] in ("model", "optimizer")
+    return _index_of(key, "model") is not None or _index_of(key, "optimizer") is not None
+
+
+def _part_order(part: Part) -> tuple[int, int]:
+    """Return where ``part`` goes in the tree: models, then optimizers (by index), then the rest."""
+    for kind, name in enumerate(("model", "optimizer")):
+        if (i := _index_of(part.key, name)) is not None:
+            return kind, i
+    return 2, 0
+
+
+def _index_of(key: object, name: str) -> int | None:
+    """Return i for key ``name`` (0) or ``name_i``; None for any other key."""
+    if key == name:
+        return 0
+    m = re.fullmatch(rf"{name}_(\d+)", str(key))
+    return int(m.group(1)) if m else None
