@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import ranks
 import torch
+from harness import run_ranks
+from rank_bytes import file_hashes
 
 from shardckpt import api
 from shardckpt.cli import run
@@ -180,3 +183,14 @@ def test_output_for_fewer_ranks_names_the_rng_files_of_ranks_it_no_longer_has(
     ) in capsys.readouterr().err
     insp = api.inspect(tmp_path / "one")
     assert insp.index.world_size == 1
+
+
+def test_a_sharded_and_a_full_save_of_one_job_are_the_same_tree(saved):
+    assert run(["diff", str(saved / "fsdp2-sharded"), str(saved / "fsdp2-full")]) == 0
+
+
+def test_two_processes_write_the_same_accelerate_directory_as_one(saved, resumed, tmp_path):
+    dst = tmp_path / "at3"
+    kwargs = {"fmt": "accelerate", "world_size": 3}
+    run_ranks(ranks.convert, 2, str(saved / "fsdp2-sharded"), str(dst), "sharded", kwargs)
+    assert file_hashes(dst) == file_hashes(saved / "fsdp2-sharded.m3")
