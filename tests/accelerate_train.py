@@ -36,6 +36,22 @@ class Tiny(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def _keep_fsdp1_full_on_cpu() -> None:
+    """Hold FSDP1's ``FullStateDictConfig.offload_to_cpu`` False in this process.
+
+    accelerate sets ``offload_to_cpu=True`` before each FULL save and load of more than
+    one process; FSDP1 on CPU cannot offload (its flat parameter's unsharded storage is
+    freed: "out of bounds for storage of size 0"), and a model on CPU needs no offload.
+    What accelerate writes and reads is otherwise unchanged.
+    """
+    from torch.distributed.fsdp import FullStateDictConfig
+
+    def setattr_(self, name, value):
+        object.__setattr__(self, name, False if name == "offload_to_cpu" else value)
+
+    FullStateDictConfig.__setattr__ = setattr_
+
+
 def _job(version: str, state_dict: str):
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -51,6 +67,8 @@ def _job(version: str, state_dict: str):
     # (AcceleratorState copies PartialState's fields whenever it is built: set both.)
     PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
+    if version == "1" and state_dict == "FULL_STATE_DICT":
+        _keep_fsdp1_full_on_cpu()
     torch.manual_seed(0)
     model = Tiny()
     if version == "1":

@@ -33,6 +33,7 @@ VARIANTS = {
     "fsdp2-sharded": ("2", "SHARDED_STATE_DICT"),
     "fsdp1-sharded": ("1", "SHARDED_STATE_DICT"),
     "fsdp2-full": ("2", "FULL_STATE_DICT"),
+    "fsdp1-full": ("1", "FULL_STATE_DICT"),
 }
 
 
