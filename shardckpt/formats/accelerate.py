@@ -25,7 +25,7 @@ from pathlib import Path
 
 from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError, UsageError, notice
 from shardckpt.formats.base import Index, SourcePart
-from shardckpt.formats.dcp import METADATA_FILE, DcpReader
+from shardckpt.formats.dcp import DcpReader
 from shardckpt.formats.dcp_write import DcpWriter
 from shardckpt.formats.files import os_error
 from shardckpt.formats.parts import Part, PartsReader, PartsWriter, SubCheckpoint
@@ -82,9 +82,11 @@ class AccelerateReader(PartsReader):
         for path in entries:
             name = path.name
             if path.is_dir():
-                if (m := _MODEL_DIR.fullmatch(name)) and (path / METADATA_FILE).exists():
+                # A model or optimizer directory without .metadata is a save that did not
+                # finish: DcpReader says so, naming it.
+                if m := _MODEL_DIR.fullmatch(name):
                     parts.append(Part(_key("model", m.group(1)), name, self._dcp(path), "model"))
-                elif (m := _OPTIM_DIR.fullmatch(name)) and (path / METADATA_FILE).exists():
+                elif m := _OPTIM_DIR.fullmatch(name):
                     parts.append(
                         Part(_key("optimizer", m.group(1)), name, self._dcp(path), "optimizer")
                     )

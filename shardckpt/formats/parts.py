@@ -60,7 +60,15 @@ class PartsReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         self.parts, self.carried = self.open_parts()
-        self._by_key = {p.key: p for p in self.parts}
+        self._by_key: dict[str, Part] = {}
+        for part in self.parts:
+            if (first := self._by_key.setdefault(part.key, part)) is not part:
+                raise BadInputError(
+                    f"both {first.file!r} and {part.file!r} hold its {part.key!r}",
+                    path=self.src,
+                    hint="keep the one the job saved last (move the other away), or convert "
+                    "each on its own",
+                )
         self._index: Index | None = None
 
     @abstractmethod

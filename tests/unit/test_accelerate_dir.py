@@ -242,3 +242,21 @@ def test_the_rng_pickles_are_never_unpickled(saved):
 
     (saved / "random_states_1.pkl").write_bytes(pickle.dumps(Boom()))
     assert api.inspect(saved, trust_pickle=True).index.world_size == 1
+
+
+def test_two_files_holding_one_part_are_refused_naming_both(saved, capsys):
+    torch.save(_model(), saved / "pytorch_model_fsdp.bin")
+    assert run(["inspect", str(saved)]) == 3
+    assert capsys.readouterr().err == (
+        f"shardckpt: error: '{saved}': both 'pytorch_model_fsdp.bin' and "
+        "'pytorch_model_fsdp_0' hold its 'model': keep the one the job saved last (move the "
+        "other away), or convert each on its own\n"
+    )
+
+
+def test_a_model_directory_whose_save_did_not_finish_is_named(saved, capsys):
+    (saved / "optimizer_0" / ".metadata").unlink()
+    assert run(["inspect", str(saved)]) == 3
+    assert capsys.readouterr().err.startswith(
+        f"shardckpt: error: '{saved / 'optimizer_0'}': no '.metadata' in this directory"
+    )
