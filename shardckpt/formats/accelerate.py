@@ -32,7 +32,6 @@ from shardckpt.formats.parts import Part, PartsReader, PartsWriter, SubCheckpoin
 from shardckpt.formats.safetensors_file import SafetensorsReader
 from shardckpt.formats.torch_file import TorchReader
 from shardckpt.tree import is_optimizer
-from shardckpt.words import counted
 
 _MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)")
 _OPTIM_DIR = re.compile(r"optimizer_(\d+)")
@@ -154,14 +153,15 @@ def world_size_note(names: list[str], world_size: int) -> str | None:
     missing = [r for r in range(world_size) if r not in ranks]
     said = []
     if extra:
-        said.append(
-            f"{', '.join(f'random_states_{r}.pkl' for r in extra)} copied unchanged for "
-            f"{counted(len(extra), 'rank')} a job of {world_size} does not have"
-        )
+        files = ", ".join(f"random_states_{r}.pkl" for r in extra)
+        whose = "a rank" if len(extra) == 1 else "ranks"
+        said.append(f"{files} copied unchanged, for {whose} a job of {world_size} does not have")
     if missing:
+        which = ", ".join(map(str, missing))
+        whose = f"rank {which}" if len(missing) == 1 else f"ranks {which}"
         said.append(
-            f"no random_states file for {counted(len(missing), 'rank')} "
-            f"({', '.join(map(str, missing))}): accelerate's load_state leaves their RNG unset"
+            f"no random_states file for {whose} of {world_size}: accelerate's load_state "
+            "leaves that RNG as it is"
         )
     return "; ".join(said) if said else None
 

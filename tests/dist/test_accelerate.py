@@ -179,7 +179,7 @@ def test_output_for_fewer_ranks_names_the_rng_files_of_ranks_it_no_longer_has(
     argv = ["convert", str(saved / "fsdp2-sharded"), str(tmp_path / "one")]
     assert run([*argv, "--to", "sharded", "--format", "accelerate", "--world-size", "1"]) == 0
     assert (
-        "shardckpt: note: random_states_1.pkl copied unchanged for 1 rank a job of 1 does "
+        "shardckpt: note: random_states_1.pkl copied unchanged, for a rank a job of 1 does "
         "not have\n"
     ) in capsys.readouterr().err
     insp = api.inspect(tmp_path / "one")

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from shardckpt import api
 from shardckpt.cli import run
 from shardckpt.formats import detect
+from shardckpt.formats.accelerate import world_size_note
 
 
 def _dcp(path, state: dict) -> None:
@@ -259,4 +260,23 @@ def test_a_model_directory_whose_save_did_not_finish_is_named(saved, capsys):
     assert run(["inspect", str(saved)]) == 3
     assert capsys.readouterr().err.startswith(
         f"shardckpt: error: '{saved / 'optimizer_0'}': no '.metadata' in this directory"
+    )
+
+
+def test_the_note_names_rng_files_of_ranks_gone_and_ranks_without_one():
+    names = ["scheduler.bin", "random_states_0.pkl", "random_states_1.pkl", "random_states_2.pkl"]
+    assert world_size_note(names, 3) is None
+    assert world_size_note(names, 2) == (
+        "random_states_2.pkl copied unchanged, for a rank a job of 2 does not have"
+    )
+    assert world_size_note(names, 1) == (
+        "random_states_1.pkl, random_states_2.pkl copied unchanged, for ranks a job of 1 "
+        "does not have"
+    )
+    assert world_size_note(names[:2], 3) == (
+        "no random_states file for ranks 1, 2 of 3: accelerate's load_state leaves that RNG "
+        "as it is"
+    )
+    assert world_size_note(names[:3], 3) == (
+        "no random_states file for rank 2 of 3: accelerate's load_state leaves that RNG as it is"
     )
