@@ -181,9 +181,11 @@ class PartsWriter(Writer):
             for s in self.subcheckpoints(plan)
         ]
         self.copied = self.copies(plan)
+        # Where ranks write to disks they do not share, the engine copies these files
+        # from the coordinator's disk to the others (a carried directory stays on its).
         self.every_copy = tuple(
             f"{d}/{name}" for d, w in self.subs for name in w.every_copy
-        ) + tuple(name for _, name in self.copied)
+        ) + tuple(name for src, name in self.copied if not src.is_dir())
 
     @abstractmethod
     def subcheckpoints(self, plan) -> list[SubCheckpoint]:
