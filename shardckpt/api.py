@@ -343,6 +343,13 @@ def convert(
                 hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
             )
         index = reader.index()
+        carried = [p.file for p in index.parts if p.key is None]
+        if carried and not form.carries_files and runtime.coordinator:
+            notice(
+                f"not in DST: {', '.join(carried)} ({counted(len(carried), 'file')} SRC "
+                f"carries unread; `shardckpt inspect SRC` says what each holds): copy "
+                "them yourself if the job that loads DST needs them"
+            )
         plan = make_plan(
             index,
             selection,

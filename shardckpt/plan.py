@@ -401,9 +401,11 @@ class ConvertPlan:
     """For FSDP1's flat parameters: the ``FlatModel`` (``--model``/``--wrap``) that lays them out."""
     use_orig_params: bool = False
     """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
-    parts: Mapping[str, str] = field(default_factory=dict)
-    """The file of SRC each top-level key of ``tree`` was read from, where SRC keeps some
-    apart (``Index.parts``); empty when ``--nest``/``--unnest`` moved the top level."""
+    src: str = ""
+    """SRC, for a writer that copies files of it (``Index.parts``)."""
+    parts: tuple = ()
+    """SRC's ``Index.parts``: which file gave which top-level key, and the files carried
+    unread; the keyed ones are left out when ``--nest``/``--unnest`` moved the top level."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:
@@ -466,9 +468,11 @@ def make_plan(
         whole,
         flat_model,
         use_orig_params,
-        MappingProxyType(
-            {}
-            if selection.nest is not None or selection.unnest is not None
-            else {k: v for k, v in index.parts.items() if k in tree}
+        index.src,
+        tuple(
+            p
+            for p in index.parts
+            if p.key is None
+            or (selection.nest is None and selection.unnest is None and p.key in tree)
         ),
     )

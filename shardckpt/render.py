@@ -79,18 +79,12 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
         "optimizers": optimizers,
         "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
         "warnings": insp.warnings,
+        "parts": [
+            {"file": p.file, "format": p.format, "key": p.key, "note": p.note}
+            for p in insp.index.parts
+        ],
     }
-    if insp.index.parts:
-        doc["parts"] = _parts(insp.index.parts)
     return doc
-
-
-def _parts(parts: dict[str, str]) -> dict[str, list[str]]:
-    """Return each file SRC keeps apart (Lightning's meta.pt) with the top-level keys read from it."""
-    files: dict[str, list[str]] = {}
-    for key, file in parts.items():
-        files.setdefault(file, []).append(str(key))
-    return files
 
 
 def inspection_text(insp: Inspection, shards: bool = False) -> str:
@@ -117,8 +111,17 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
             f"state {', '.join(o['state_names']) or '(none yet)'}",
         ]
-    for file, keys in doc.get("parts", {}).items():
-        lines += ["", f"from {file}: {', '.join(keys)}"]
+    if doc["parts"]:
+        lines += ["", "parts:"]
+        lines += [
+            f"  {p['file']}: "
+            + (
+                f"{p['key']} ({p['format']})"
+                if p["key"] is not None
+                else f"carried unread, {p['note']}"
+            )
+            for p in doc["parts"]
+        ]
     t = doc["totals"]
     lines += [
         "",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.flat_layout import FlatModel
+from shardckpt.formats.accelerate import AccelerateReader, AccelerateWriter, looks_like
 from shardckpt.formats.base import Index, Reader, Writer
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
 from shardckpt.formats.dcp_write import DcpWriter
@@ -71,6 +72,8 @@ class Format:
     """The part of a selected tree this format holds (``hf``: model tensors only)."""
     src_local: bool = False
     """Whether a source can be read from files spread over the ranks' own disks (``sight``)."""
+    carries_files: bool = False
+    """Whether it copies the files a source carries unread (``Index.parts``) into DST."""
 
 
 FORMATS: dict[str, Format] = {
@@ -158,6 +161,17 @@ FORMATS: dict[str, Format] = {
             needs_model=True,
             tells_whole=_always,
         ),
+        Format(
+            "accelerate",
+            "sharded",
+            "accelerate",
+            AccelerateReader,
+            AccelerateWriter,
+            directory=True,
+            keys_as_str=True,
+            tells_whole=dcp_tells_whole,
+            carries_files=True,
+        ),
     )
 }
 FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
@@ -187,6 +201,8 @@ def detect(src: Path) -> str:
             return "lightning" if (src / META_FILE).is_file() else "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
+        if looks_like(src):
+            return "accelerate"
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.
         if (fmt := detect_rank_format(src)) is not None:
             return fmt

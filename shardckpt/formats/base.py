@@ -25,6 +25,20 @@ from shardckpt.tree import TensorMeta, tensor_leaves
 Rows = tuple[int, int] | None
 
 
+@dataclass(frozen=True)
+class SourcePart:
+    """One file (or directory) of a source made of several (``formats/parts.py``)."""
+
+    file: str
+    """Relative to SRC."""
+    format: str
+    """The format it is read in, or ``"file"`` for one carried as it is, unread."""
+    key: str | None
+    """The top-level key of the tree it gives; None for a file carried unread."""
+    note: str = ""
+    """Why a carried file is not read (what it holds)."""
+
+
 @dataclass
 class Index:
     """A source as metadata: its format, world size and tree of ``TensorMeta`` and values."""
@@ -33,9 +47,10 @@ class Index:
     src: str
     world_size: int | None
     tree: dict
-    parts: dict[str, str] = field(default_factory=dict)
-    """The file of SRC each top-level key was read from, where a format keeps some keys
-    apart from its tensor data (Lightning's ``meta.pt``); empty for a one-part format."""
+    parts: tuple[SourcePart, ...] = ()
+    """For a source made of several files: which file gives which top-level key, and
+    which files are carried unread (never dropped silently: ``inspect`` lists them);
+    Lightning's ``meta.pt`` is a part beside the DCP data."""
 
     def tensors(self) -> list[tuple[tuple, TensorMeta]]:
         """Return ``(path, meta)`` for every tensor leaf, in tree order."""

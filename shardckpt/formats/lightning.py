@@ -24,7 +24,7 @@ from types import MappingProxyType
 import torch
 
 from shardckpt.errors import SRC_FORMAT, BadInputError
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
 from shardckpt.formats.dcp import DcpReader
 from shardckpt.formats.dcp_write import DcpWriter
 from shardckpt.formats.files import writing
@@ -77,7 +77,7 @@ class LightningReader(Reader):
             )
         # Lightning merges with dict.update: the DCP keys first, then meta.pt's.
         tree.update(meta)
-        parts = {key: META_FILE for key in meta}
+        parts = tuple(SourcePart(META_FILE, "torch", key) for key in meta)
         return Index(self.format, str(self.src), index.world_size, tree, parts)
 
     def read(
@@ -114,15 +114,16 @@ def in_meta(key: object, value: object) -> bool:
     return True
 
 
-def split_parts(tree: dict, parts: Mapping[str, str]) -> tuple[dict, dict]:
+def split_parts(tree: dict, parts: Sequence[SourcePart]) -> tuple[dict, dict]:
     """Return ``tree``'s top level split into the DCP part and the ``meta.pt`` part.
 
-    ``parts`` (a Lightning source's ``Index.parts``) says where each key was read
-    from; without it, ``in_meta`` decides.
+    ``parts`` (a source's ``Index.parts``) says which keys a Lightning source read
+    from its ``meta.pt``; for any other source, ``in_meta`` decides.
     """
+    from_meta = {p.key for p in parts if p.file == META_FILE and p.key is not None}
     dcp_part, meta_part = {}, {}
     for key, value in tree.items():
-        meta = parts.get(key) == META_FILE if parts else in_meta(key, value)
+        meta = key in from_meta if from_meta else in_meta(key, value)
         (meta_part if meta else dcp_part)[key] = value
     return dcp_part, meta_part
 

@@ -40,10 +40,13 @@ def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
     ]
     insp = api.inspect(ckpt)
     assert (insp.index.format, insp.index.world_size) == ("lightning", 2)
-    assert insp.index.parts == {"step": "meta.pt", "note": "meta.pt"}
+    assert [(p.file, p.key) for p in insp.index.parts] == [("meta.pt", "step"), ("meta.pt", "note")]
     assert [o.path for o in insp.optimizers] == [("optimizer",)]
-    assert "\nfrom meta.pt: step, note\n" in render.inspection_text(insp)
-    assert render.inspection_json(insp)["parts"] == {"meta.pt": ["step", "note"]}
+    assert "\nparts:\n  meta.pt: step (torch)\n  meta.pt: note (torch)\n" in render.inspection_text(insp)
+    assert [(p["file"], p["key"]) for p in render.inspection_json(insp)["parts"]] == [
+        ("meta.pt", "step"),
+        ("meta.pt", "note"),
+    ]
 
 
 def test_full_equals_lightnings_own_consolidation(fabric_ckpt, tmp_path):
