@@ -56,6 +56,9 @@ from shardckpt.tree import (
     OptimizerInfo,
     describe_optimizer,
     find_optimizers,
+    flat_hyperparameters,
+    is_flat_optimizer,
+    parse_flat,
     tensor_leaves,
     walk,
 )
@@ -112,13 +115,16 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
         node = tree
         for p in info.path:
             node = node[p]
-        state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
-        params = [
-            p
-            for g in node.get("param_groups", [])
-            if isinstance(g, dict)
-            for p in g.get("params", [])
-        ]
+        if is_flat_optimizer(node):
+            state, params = _flat_listing(node)
+        else:
+            state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
+            params = [
+                p
+                for g in node.get("param_groups", [])
+                if isinstance(g, dict)
+                for p in g.get("params", [])
+            ]
         listed = {str(p) for p in params}
         stray = [k for k in state if str(k) not in listed]
         if params and stray:
@@ -133,6 +139,17 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
                 f"e.g. {stateless[0]!r}"
             )
     return notes
+
+
+def _flat_listing(node: dict) -> tuple[dict, list[str]]:
+    """Return a flattened optimizer's state keys (by FQN, or the whole key) and its parameters."""
+    parsed = parse_flat(node)
+    state = {
+        p.fqn if p.fqn is not None else key: None
+        for key, p in parsed.items()
+        if p.section == "state"
+    }
+    return state, list(flat_hyperparameters(node))
 
 
 # ---------------------------------------------------------------- convert

@@ -97,7 +97,7 @@ class Selection:
         if self.only not in ONLY:
             raise UsageError(f"--only must be all, model or optim, not {self.only!r}")
         if self.optim_keys not in OPTIM_KEYS:
-            raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
+            raise UsageError(f"--optim-keys must be keep, fqn, id or flat, not {self.optim_keys!r}")
 
     def fqn_map(self):
         """Return the function ``--rename`` and ``--drop`` apply to an FQN, or None for neither."""

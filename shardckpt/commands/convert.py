@@ -124,7 +124,8 @@ def convert(
         OptimKeys,
         typer.Option(
             "--optim-keys",
-            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), or keep.",
+            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), "
+            "flat (torch's flatten_optimizer_state_dict form, torchtitan), or keep.",
         ),
     ] = OptimKeys["keep"],
     model: Annotated[
