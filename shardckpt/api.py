@@ -78,6 +78,8 @@ class Inspection:
     leaves: list[tuple[tuple, object]]
     optimizers: list[OptimizerInfo]
     warnings: list[str] = field(default_factory=list)
+    components: list = field(default_factory=list)
+    """A trainer's checkpoint: its parts (``formats.torchtitan.Component``), else empty."""
 
 
 @source_option("--format")
@@ -105,7 +107,14 @@ def inspect(
     index = runtime.agreed(read_index)
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
-    return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
+    parts = format_named(index.format).components
+    return Inspection(
+        index,
+        leaves,
+        optimizers,
+        _optimizer_warnings(index.tree, optimizers),
+        parts(index.tree) if parts is not None else [],
+    )
 
 
 def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str]:
@@ -367,6 +376,9 @@ def convert(
             use_orig_params=use_orig_params,
         )
         reader.check_selected(plan.tree)
+        if runtime.coordinator:
+            for note in form.notes(plan.tree, plan.world_size):
+                notice(note)
         writer = form.writer(destination.tmp, plan)
         # Reading through the cast also makes --verify compare DST with the cast source.
         if plan.read_as:

@@ -79,6 +79,10 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
         "optimizers": optimizers,
         "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
         "warnings": insp.warnings,
+        "components": [
+            {"name": c.name, "kind": c.kind, "keys": list(c.keys), "note": c.note}
+            for c in insp.components
+        ],
     }
 
 
@@ -106,6 +110,11 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
             f"state {', '.join(o['state_names']) or '(none yet)'}",
         ]
+    if doc["components"]:
+        lines += ["", f"{doc['format']} parts:"]
+        for c in doc["components"]:
+            note = f", {c['note']}" if c["note"] else ""
+            lines.append(f"  {c['name']}: {c['kind']}{note}")
     t = doc["totals"]
     lines += [
         "",

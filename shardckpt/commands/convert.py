@@ -71,7 +71,8 @@ def convert(
             metavar="FORMAT",
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
             "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
-            "model state only), fsdp1-sharded, fsdp1-local.",
+            "model state only), fsdp1-sharded, fsdp1-local, torchtitan (a step-N directory "
+            "torchtitan's CheckpointManager loads).",
         ),
     ] = None,
     src_format: Annotated[

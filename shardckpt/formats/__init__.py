@@ -24,6 +24,13 @@ from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
+from shardckpt.formats.torchtitan import (
+    TorchtitanReader,
+    components,
+    titan_tree,
+    world_size_notes,
+)
+from shardckpt.formats.torchtitan import looks_like as looks_like_torchtitan
 from shardckpt.sight import Sight
 
 
@@ -37,6 +44,10 @@ def _always(_index: Index) -> bool:
 
 def _as_is(tree: dict, _src: str) -> dict:
     return tree
+
+
+def _no_notes(_tree: dict, _world_size: int) -> list[str]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,11 @@ class Format:
     """The part of a selected tree this format holds (``hf``: model tensors only)."""
     src_local: bool = False
     """Whether a source can be read from files spread over the ranks' own disks (``sight``)."""
+    components: Callable[[dict], list] | None = None
+    """A trainer's checkpoint: the parts of its tree (model, optimizer, ...) ``inspect`` lists."""
+    notes: Callable[[dict, int], list[str]] = _no_notes
+    """What to tell the user about DST's tree at a world size (parts the trainer will not
+    take as they are there), said once on stderr."""
 
 
 FORMATS: dict[str, Format] = {
@@ -147,6 +163,20 @@ FORMATS: dict[str, Format] = {
             needs_model=True,
             tells_whole=_always,
         ),
+        Format(
+            "torchtitan",
+            "sharded",
+            "torchtitan",
+            TorchtitanReader,
+            DcpWriter,
+            directory=True,
+            keys_as_str=True,
+            tells_whole=dcp_tells_whole,
+            dst_tree=titan_tree,
+            src_local=True,
+            components=components,
+            notes=world_size_notes,
+        ),
     )
 }
 FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
@@ -172,7 +202,7 @@ def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     if stat.S_ISDIR(source_stat(src).st_mode):
         if (src / METADATA_FILE).is_file():
-            return "dcp"
+            return "torchtitan" if looks_like_torchtitan(src) else "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.
