@@ -141,7 +141,8 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
                 f"{'.'.join(map(str, info.path))}: state for {counted(len(stray), 'key')} in no param group, "
                 f"e.g. {stray[0]!r}"
             )
-        stateless = [p for p in params if p not in state and str(p) not in {str(k) for k in state}]
+        keyed = {str(k) for k in state}
+        stateless = [p for p in params if p not in state and str(p) not in keyed]
         if state and stateless:
             notes.append(
                 f"{'.'.join(map(str, info.path))}: {counted(len(stateless), 'parameter')} without state yet, "
@@ -158,7 +159,7 @@ def _flat_listing(node: dict) -> tuple[dict, list[str]]:
         for key, p in parsed.items()
         if p.section == "state"
     }
-    return state, list(flat_hyperparameters(node))
+    return state, list(flat_hyperparameters(node, parsed))
 
 
 # ---------------------------------------------------------------- convert

@@ -59,10 +59,11 @@ def cast_tree(
         return dict(tree), {}
     chosen = {p for p, leaf in model_leaves(tree) if isinstance(leaf, TensorMeta)}
     if cast_optim:
+        optimizers = find_optimizers(tree)
         chosen.update(
             p
             for p, leaf in walk(tree)
-            if isinstance(leaf, TensorMeta) and _optimizer_state(tree, p) and not _is_step(p)
+            if isinstance(leaf, TensorMeta) and _optimizer_state(optimizers, p) and not _is_step(p)
         )
     read_as: dict[str, torch.dtype] = {}
 
@@ -75,9 +76,9 @@ def cast_tree(
     return map_leaves(tree, cast), read_as  # type: ignore[return-value]
 
 
-def _optimizer_state(tree: Mapping, path: tuple) -> bool:
-    """Return whether ``path`` lies in an optimizer's state (``state``, or a flattened ``state.`` key)."""
-    for opt in find_optimizers(tree):
+def _optimizer_state(optimizers: list[tuple], path: tuple) -> bool:
+    """Return whether ``path`` lies in the state of one of ``optimizers`` (``state``, or a flattened ``state.`` key)."""
+    for opt in optimizers:
         if path[: len(opt)] != opt or len(path) == len(opt):
             continue
         here = path[len(opt)]

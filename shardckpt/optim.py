@@ -213,7 +213,7 @@ def unflatten(flat: Mapping, model: ModelParams | None = None) -> dict:
         for part in parents:
             node = node.setdefault(part, {})
         node[last] = flat[key]
-    hyper = flat_hyperparameters(flat)
+    hyper = flat_hyperparameters(flat, parsed)
     groups = _flat_groups(hyper, model)
     param_groups = []
     for fqns in groups:

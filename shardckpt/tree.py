@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -219,9 +219,12 @@ def is_optimizer(node: object) -> bool:
     return is_nested_optimizer(node) or is_flat_optimizer(node)
 
 
-@dataclass(frozen=True)
-class FlatKey:
-    """A key of a flattened optimizer, parsed: its section, the parameter's FQN, the name after it."""
+class FlatKey(NamedTuple):
+    """A key of a flattened optimizer, parsed: its section, the parameter's FQN, the name after it.
+
+    A tuple, not a dataclass: a flattened optimizer has several keys per parameter, and
+    every one is parsed.
+    """
 
     section: str
     """``state`` or ``param_groups``."""
@@ -248,12 +251,16 @@ def parse_flat(node: Mapping) -> dict[str, FlatKey]:
     and a state key belongs to the longest of them it starts with, as torch's own
     unflattening looks state up by each parameter's FQN.
     """
-    fqns = {k[len(FLAT_GROUPS) :].rpartition(".")[0] for k in node if k.startswith(FLAT_GROUPS)}
+    groups = len(FLAT_GROUPS)
     out: dict[str, FlatKey] = {}
+    fqns = set()
     for key in node:
         if key.startswith(FLAT_GROUPS):
-            fqn, _, name = key[len(FLAT_GROUPS) :].rpartition(".")
+            fqn, _, name = key[groups:].rpartition(".")
             out[key] = FlatKey("param_groups", fqn, name)
+            fqns.add(fqn)
+    for key in node:
+        if key in out:
             continue
         rest = key[len(FLAT_STATE) :]
         dot = rest.rfind(".")
@@ -267,12 +274,17 @@ def parse_flat(node: Mapping) -> dict[str, FlatKey]:
     return out
 
 
-def flat_hyperparameters(node: Mapping) -> dict[str, dict[str, object]]:
-    """Return each parameter's hyper-parameters in a flattened optimizer, in key order."""
+def flat_hyperparameters(
+    node: Mapping, parsed: Mapping[str, FlatKey] | None = None
+) -> dict[str, dict[str, object]]:
+    """Return each parameter's hyper-parameters in a flattened optimizer, in key order.
+
+    ``parsed`` is ``parse_flat(node)`` when the caller has it already.
+    """
     out: dict[str, dict[str, object]] = {}
-    for key, parsed in parse_flat(node).items():
-        if parsed.section == "param_groups":
-            out.setdefault(parsed.fqn, {})[parsed.name] = node[key]  # type: ignore[index]
+    for key, p in (parsed if parsed is not None else parse_flat(node)).items():
+        if p.section == "param_groups":
+            out.setdefault(p.fqn, {})[p.name] = node[key]  # type: ignore[index]
     return out
 
 
@@ -338,9 +350,11 @@ def describe_optimizer(tree: object, path: Path) -> OptimizerInfo:
     """
     node: Any = subtree(tree, path)
     if is_flat_optimizer(node):
-        parsed = parse_flat(node).values()
-        names = sorted({k.name for k in parsed if k.section == "state" and k.fqn is not None})
-        hyper = flat_hyperparameters(node)
+        parsed = parse_flat(node)
+        names = sorted(
+            {k.name for k in parsed.values() if k.section == "state" and k.fqn is not None}
+        )
+        hyper = flat_hyperparameters(node, parsed)
         return OptimizerInfo(path, "flat", len(hyper), tuple(names), len(groups_by_value(hyper)))
     state = node["state"] if isinstance(node["state"], Mapping) else {}
     groups = node["param_groups"] if isinstance(node["param_groups"], list) else []
