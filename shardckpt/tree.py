@@ -252,15 +252,16 @@ def parse_flat(node: Mapping) -> dict[str, FlatKey]:
     unflattening looks state up by each parameter's FQN.
     """
     groups = len(FLAT_GROUPS)
+    hyper = {
+        key: FlatKey("param_groups", *key[groups:].rpartition(".")[::2])
+        for key in node
+        if key.startswith(FLAT_GROUPS)
+    }
+    fqns = {p.fqn for p in hyper.values()}
     out: dict[str, FlatKey] = {}
-    fqns = set()
     for key in node:
-        if key.startswith(FLAT_GROUPS):
-            fqn, _, name = key[groups:].rpartition(".")
-            out[key] = FlatKey("param_groups", fqn, name)
-            fqns.add(fqn)
-    for key in node:
-        if key in out:
+        if key in hyper:
+            out[key] = hyper[key]
             continue
         rest = key[len(FLAT_STATE) :]
         dot = rest.rfind(".")
