@@ -32,6 +32,7 @@ from shardckpt.tree import (
     is_nested_optimizer,
     is_tensor_leaf,
 )
+from shardckpt.words import counted
 
 OPTIMIZER = "optimizer"
 LR_SCHEDULER = "lr_scheduler"
@@ -106,9 +107,10 @@ def dataloader_note(node: Mapping) -> str:
     """Return what a torchtitan dataloader state says about the world size it belongs to."""
     ranks = sorted(k for k in node if isinstance(k, str) and k.startswith(_DP_RANK))
     size = node.get("world_size")
+    of = counted(size, "data-parallel rank") if isinstance(size, int) else "data-parallel ranks"
     return (
-        f"per-rank state of {size} data-parallel ranks ({', '.join(ranks)}); torchtitan "
-        "loads it only at that data-parallel degree"
+        f"per-rank state of {of} ({', '.join(ranks)}); torchtitan loads it only at that "
+        "data-parallel degree"
     )
 
 
@@ -158,11 +160,12 @@ def titan_tree(tree: dict, src: str) -> dict:
 def world_size_notes(tree: Mapping, world_size: int) -> list[str]:
     """Return notes on parts of ``tree`` that torchtitan at ``world_size`` will not take as they are."""
     node = tree.get(DATALOADER)
-    if not isinstance(node, Mapping) or node.get("world_size") in (None, world_size):
+    size = node.get("world_size") if isinstance(node, Mapping) else None
+    if not isinstance(size, int) or size == world_size:
         return []
     return [
-        f"'{DATALOADER}' holds the data loader state of {node.get('world_size')} "
-        "data-parallel ranks, carried unchanged: torchtitan does not reshard data loaders, "
+        f"'{DATALOADER}' holds the data loader state of {counted(size, 'data-parallel rank')}, "
+        "carried unchanged: torchtitan does not reshard data loaders, "
         f"so where the data-parallel degree at {world_size} ranks differs, resume with "
         f"--checkpoint.exclude_from_loading {DATALOADER}"
     ]
