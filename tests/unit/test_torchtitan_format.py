@@ -85,3 +85,27 @@ def test_an_id_keyed_optimizer_for_torchtitan_asks_for_optim_keys_flat(capsys, t
     )
     assert run([str(a) for a in [*argv, "--format", "torchtitan", "--optim-keys", "flat"]]) == 0
     assert api.inspect(tmp_path / "o").optimizers[0].key_type == "flat"
+
+
+def test_the_cli_names_the_format_and_lists_the_parts(capsys, tmp_path):
+    tree = titan_tree()
+    tree["dataloader"] = {"dp_rank_0": b"state", "world_size": 1}
+    dcp.save(tree, checkpoint_id=tmp_path / "step-2", no_dist=True)
+    assert run(["inspect", str(tmp_path / "step-2"), "--format", "torchtitan"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"{tmp_path / 'step-2'}: format torchtitan, world size 1"
+    assert (
+        "  dataloader: values, per-rank state of 1 data-parallel rank (dp_rank_0); torchtitan "
+        "loads it only at that data-parallel degree\n" in out
+    )
+    argv = ["convert", tmp_path / "step-2", tmp_path / "o", "--from", "torchtitan", "--to"]
+    assert (
+        run([str(a) for a in [*argv, "sharded", "--format", "torchtitan", "--world-size", "2"]])
+        == 0
+    )
+    assert capsys.readouterr().err.strip().splitlines()[0] == (
+        "shardckpt: note: 'dataloader' holds the data loader state of 1 data-parallel rank, "
+        "carried unchanged: torchtitan does not reshard data loaders, so where the "
+        "data-parallel degree at 2 ranks differs, resume with "
+        "--checkpoint.exclude_from_loading dataloader"
+    )
