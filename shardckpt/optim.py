@@ -48,6 +48,10 @@ class OrderError(RekeyError):
     """Which FQN each param ID is cannot be told without a guess; ``--model`` would tell."""
 
 
+class GroupError(OrderError):
+    """Which param group each parameter of a flattened optimizer is in cannot be told; ``--model`` would tell."""
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """A model's parameters: FQNs in ``named_parameters()`` order, shapes, groups when known; its buffers."""
@@ -237,12 +241,12 @@ def _flat_groups(
         listed = {f for g in groups for f in g}
         unknown = [f for f in hyper if f not in listed]
         if unknown:
-            raise OrderError(
+            raise GroupError(
                 f"'{unknown[0]}' is in the optimizer state but in no param group of the model"
             )
         empty = [i for i, g in enumerate(groups) if not g]
         if empty:
-            raise OrderError(
+            raise GroupError(
                 f"param group {empty[0]} of the model has no parameter in the flattened "
                 "optimizer, which therefore holds none of its hyper-parameters"
             )
@@ -250,7 +254,7 @@ def _flat_groups(
     for fqn, values in hyper.items():
         for name, value in values.items():
             if is_tensor_leaf(value):
-                raise OrderError(
+                raise GroupError(
                     f"hyper-parameter '{name}' of '{fqn}' is a tensor, so parameters cannot "
                     "be grouped by equal hyper-parameters without reading it"
                 )

@@ -207,8 +207,8 @@ def test_a_tensor_learning_rate_asks_for_the_models_groups(capsys, tmp_path):
     argv = ["convert", tmp_path / "t.pt", tmp_path / "n.pt", "--to", "full", "--optim-keys", "fqn"]
     assert run([str(a) for a in argv]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"shardckpt: error: '{tmp_path / 't.pt'}': cannot tell the FQN of each optimizer param "
-        "ID: hyper-parameter 'lr' of 'w' is a tensor, so parameters cannot be grouped by equal "
-        "hyper-parameters without reading it: pass --model pkg.module:factory returning "
+        f"shardckpt: error: '{tmp_path / 't.pt'}': cannot tell the param groups of a flattened "
+        "optimizer: hyper-parameter 'lr' of 'w' is a tensor, so parameters cannot be grouped by "
+        "equal hyper-parameters without reading it: pass --model pkg.module:factory returning "
         "(module, param_groups)"
     )
