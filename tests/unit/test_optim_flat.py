@@ -19,9 +19,11 @@ from shardckpt.optim import OrderError, RekeyError, flatten, key_type, rekey, un
 from shardckpt.tree import (
     FlatKey,
     TensorMeta,
+    clean_fqn,
     is_flat_optimizer,
     is_optimizer,
     parse_flat,
+    rename_keys,
     split_model_optim,
 )
 
@@ -212,3 +214,14 @@ def test_a_tensor_learning_rate_asks_for_the_models_groups(capsys, tmp_path):
         "equal hyper-parameters without reading it: pass --model pkg.module:factory returning "
         "(module, param_groups)"
     )
+
+
+def test_fqn_cleaning_cleans_the_fqn_inside_each_flattened_key():
+    flat = {
+        "state.module._orig_mod.w.exp_avg": 1,
+        "param_groups.module._orig_mod.w.lr": 0.1,
+        "param_groups.module.b.lr": 0.1,
+    }
+    assert rename_keys({"optim": flat}, clean_fqn) == {
+        "optim": {"state.w.exp_avg": 1, "param_groups.w.lr": 0.1, "param_groups.b.lr": 0.1}
+    }
