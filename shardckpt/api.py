@@ -56,6 +56,9 @@ from shardckpt.tree import (
     OptimizerInfo,
     describe_optimizer,
     find_optimizers,
+    flat_hyperparameters,
+    is_flat_optimizer,
+    parse_flat,
     tensor_leaves,
     walk,
 )
@@ -75,6 +78,8 @@ class Inspection:
     leaves: list[tuple[tuple, object]]
     optimizers: list[OptimizerInfo]
     warnings: list[str] = field(default_factory=list)
+    components: list = field(default_factory=list)
+    """A trainer's checkpoint: its parts (``formats.torchtitan.Component``), else empty."""
 
 
 @source_option("--format")
@@ -102,7 +107,14 @@ def inspect(
     index = runtime.agreed(read_index)
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
-    return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
+    parts = format_named(index.format).components
+    return Inspection(
+        index,
+        leaves,
+        optimizers,
+        _optimizer_warnings(index.tree, optimizers),
+        parts(index.tree) if parts is not None else [],
+    )
 
 
 def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str]:
@@ -112,13 +124,16 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
         node = tree
         for p in info.path:
             node = node[p]
-        state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
-        params = [
-            p
-            for g in node.get("param_groups", [])
-            if isinstance(g, dict)
-            for p in g.get("params", [])
-        ]
+        if is_flat_optimizer(node):
+            state, params = _flat_listing(node)
+        else:
+            state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
+            params = [
+                p
+                for g in node.get("param_groups", [])
+                if isinstance(g, dict)
+                for p in g.get("params", [])
+            ]
         listed = {str(p) for p in params}
         stray = [k for k in state if str(k) not in listed]
         if params and stray:
@@ -126,13 +141,25 @@ def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str
                 f"{'.'.join(map(str, info.path))}: state for {counted(len(stray), 'key')} in no param group, "
                 f"e.g. {stray[0]!r}"
             )
-        stateless = [p for p in params if p not in state and str(p) not in {str(k) for k in state}]
+        keyed = {str(k) for k in state}
+        stateless = [p for p in params if p not in state and str(p) not in keyed]
         if state and stateless:
             notes.append(
                 f"{'.'.join(map(str, info.path))}: {counted(len(stateless), 'parameter')} without state yet, "
                 f"e.g. {stateless[0]!r}"
             )
     return notes
+
+
+def _flat_listing(node: dict) -> tuple[dict, list[str]]:
+    """Return a flattened optimizer's state keys (by FQN, or the whole key) and its parameters."""
+    parsed = parse_flat(node)
+    state = {
+        p.fqn if p.fqn is not None else key: None
+        for key, p in parsed.items()
+        if p.section == "state"
+    }
+    return state, list(flat_hyperparameters(node, parsed))
 
 
 # ---------------------------------------------------------------- convert
@@ -363,6 +390,9 @@ def convert(
             use_orig_params=use_orig_params,
         )
         reader.check_selected(plan.tree)
+        if runtime.coordinator:
+            for note in form.notes(plan.tree, plan.world_size):
+                notice(note)
         writer = form.writer(destination.tmp, plan)
         # Reading through the cast also makes --verify compare DST with the cast source.
         if plan.read_as:

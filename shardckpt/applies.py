@@ -123,6 +123,13 @@ CONVERT_RULES: tuple[Rule, ...] = (
         "drop --optim-keys",
     ),
     Rule(
+        "--optim-keys",
+        lambda c: c.optim_keys in ("fqn", "id"),
+        lambda c: c.fmt != "torchtitan",
+        "cannot nest the optimizer of --format torchtitan, which loads it flattened",
+        "drop --optim-keys, or pass --optim-keys flat",
+    ),
+    Rule(
         "--dtype",
         lambda c: c.dtype != "keep",
         lambda c: c.only != "optim" or c.cast_optim,

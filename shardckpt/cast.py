@@ -20,7 +20,7 @@ import torch
 
 from shardckpt.errors import UsageError
 from shardckpt.formats.base import Index, Reader, Rows
-from shardckpt.tree import TensorMeta, find_optimizers, map_leaves, model_leaves, walk
+from shardckpt.tree import FLAT_STATE, TensorMeta, find_optimizers, map_leaves, model_leaves, walk
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # torch's own names are accepted too: bfloat16, float16/half, float32/float, also as torch.X.
@@ -59,13 +59,11 @@ def cast_tree(
         return dict(tree), {}
     chosen = {p for p, leaf in model_leaves(tree) if isinstance(leaf, TensorMeta)}
     if cast_optim:
-        states = [(*opt, "state") for opt in find_optimizers(tree)]
+        optimizers = find_optimizers(tree)
         chosen.update(
             p
             for p, leaf in walk(tree)
-            if isinstance(leaf, TensorMeta)
-            and any(p[: len(s)] == s for s in states)
-            and p[-1] != "step"  # see the module docstring
+            if isinstance(leaf, TensorMeta) and _optimizer_state(optimizers, p) and not _is_step(p)
         )
     read_as: dict[str, torch.dtype] = {}
 
@@ -76,6 +74,27 @@ def cast_tree(
         return dataclasses.replace(leaf, dtype=dtype)
 
     return map_leaves(tree, cast), read_as  # type: ignore[return-value]
+
+
+def _optimizer_state(optimizers: list[tuple], path: tuple) -> bool:
+    """Return whether ``path`` lies in the state of one of ``optimizers`` (``state``, or a flattened ``state.`` key)."""
+    for opt in optimizers:
+        if path[: len(opt)] != opt or len(path) == len(opt):
+            continue
+        here = path[len(opt)]
+        if here == "state" or (
+            isinstance(here, str) and here.startswith(FLAT_STATE) and len(path) == len(opt) + 1
+        ):
+            return True
+    return False
+
+
+def _is_step(path: tuple) -> bool:
+    """Return whether ``path`` is a ``step`` counter (see the module docstring), flattened or not."""
+    last = path[-1]
+    return last == "step" or (
+        isinstance(last, str) and last.startswith(FLAT_STATE) and last.endswith(".step")
+    )
 
 
 class CastReader(Reader):

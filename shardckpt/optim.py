@@ -13,17 +13,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shardckpt.tree import (
+    FLAT_GROUPS,
+    FLAT_STATE,
     Path,
     dotted,
     find_optimizers,
+    flat_hyperparameters,
+    groups_by_value,
+    hyperparameter_key,
+    is_flat_optimizer,
     is_optimizer,
     is_tensor_leaf,
     optimizer_key_type,
     param_id,
+    parse_flat,
+    rename_flat,
     subtree,
 )
 
-OPTIM_KEYS = ("keep", "fqn", "id")
+OPTIM_KEYS = ("keep", "fqn", "id", "flat")
 
 # A rename that returns None drops the FQN.
 FqnMap = Callable[[str], "str | None"]
@@ -40,6 +48,10 @@ class OrderError(RekeyError):
     """Which FQN each param ID is cannot be told without a guess; ``--model`` would tell."""
 
 
+class GroupError(OrderError):
+    """Which param group each parameter of a flattened optimizer is in cannot be told; ``--model`` would tell."""
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """A model's parameters: FQNs in ``named_parameters()`` order, shapes, groups when known; its buffers."""
@@ -54,7 +66,9 @@ class ModelParams:
 
 
 def key_type(optim: Mapping) -> str:
-    """Return ``"id"``, ``"fqn"`` or ``"empty"`` for an optimizer state dict."""
+    """Return ``"id"``, ``"fqn"``, ``"flat"`` or ``"empty"`` for an optimizer state dict."""
+    if is_flat_optimizer(optim):
+        return "flat"
     return optimizer_key_type(
         [*optim["state"], *(p for g in optim["param_groups"] for p in g.get("params", []))]
     )
@@ -140,6 +154,111 @@ def _position(key: object, names: Mapping[int, str]) -> int:
     """Return where ``key`` sorts: in ID order, unknown IDs last (they are reported)."""
     pid = param_id(key)
     return pid if pid in names else len(names) + 1  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------- the flattened form
+
+
+def flatten(optim: Mapping) -> dict:
+    """Return an FQN-keyed optimizer in torch's flattened form, as ``_flatten_optim_state_dict`` writes it.
+
+    State first (``state.<fqn>.<name>``, nested state dotted further), then each group's
+    hyper-parameters once per parameter (``param_groups.<fqn>.<name>``). A parameter
+    whose state is empty has no key: unflattening gives it no state, which is the same.
+    A group without parameters has nowhere to keep its hyper-parameters, so it is refused.
+    """
+    out: dict = {}
+    for fqn, entry in optim["state"].items():
+        if not isinstance(entry, Mapping):
+            raise RekeyError(f"the state of '{fqn}' is a {type(entry).__name__}, not a dict")
+        _flatten_state(entry, f"{FLAT_STATE}{fqn}", out)
+    for g, group in enumerate(optim["param_groups"]):
+        params = list(group.get("params", []))
+        if not params:
+            raise RekeyError(
+                f"param group {g} has no parameters, and the flattened form keeps "
+                "hyper-parameters only beside a parameter"
+            )
+        for fqn in params:
+            for name, value in group.items():
+                if name != "params":
+                    out[f"{FLAT_GROUPS}{fqn}.{name}"] = value
+    return out
+
+
+def _flatten_state(entry: Mapping, prefix: str, out: dict) -> None:
+    for name, value in entry.items():
+        key = f"{prefix}.{name}"
+        if isinstance(value, Mapping) and value:
+            _flatten_state(value, key, out)
+        else:
+            out[key] = value
+
+
+def unflatten(flat: Mapping, model: ModelParams | None = None) -> dict:
+    """Return a flattened optimizer in the nested FQN form ``get_optimizer_state_dict`` gives.
+
+    torch's ``_unflatten_optim_state_dict`` takes group membership from the live
+    optimizer and each group's hyper-parameters from its first parameter. Offline, the
+    groups are ``--model``'s param groups when it gives them, else the parameters
+    grouped by equal hyper-parameters (in order of first appearance); either way every
+    parameter of a group must have the same ones. Nested state (``state.<fqn>.a.b``)
+    is rebuilt by splitting the name at dots, as torch does.
+    """
+    parsed = parse_flat(flat)
+    state: dict[str, dict] = {}
+    for key, p in parsed.items():
+        if p.section != "state":
+            continue
+        if p.fqn is None:
+            raise RekeyError(f"optimizer state '{key}' names no parameter in param_groups")
+        node = state.setdefault(p.fqn, {})
+        *parents, last = p.name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = flat[key]
+    hyper = flat_hyperparameters(flat, parsed)
+    groups = _flat_groups(hyper, model)
+    param_groups = []
+    for fqns in groups:
+        first = hyper[fqns[0]]
+        for fqn in fqns[1:]:
+            if hyperparameter_key(hyper[fqn]) != hyperparameter_key(first):
+                raise RekeyError(
+                    f"'{fqns[0]}' and '{fqn}' are in one param group but their "
+                    "hyper-parameters differ"
+                )
+        param_groups.append({**first, "params": list(fqns)})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _flat_groups(
+    hyper: Mapping[str, Mapping[str, object]], model: ModelParams | None
+) -> list[list[str]]:
+    """Return the FQNs of each param group of a flattened optimizer (see ``unflatten``)."""
+    if model is not None and model.groups is not None:
+        groups = [[f for f in g if f in hyper] for g in model.groups]
+        listed = {f for g in groups for f in g}
+        unknown = [f for f in hyper if f not in listed]
+        if unknown:
+            raise GroupError(
+                f"'{unknown[0]}' is in the optimizer state but in no param group of the model"
+            )
+        empty = [i for i, g in enumerate(groups) if not g]
+        if empty:
+            raise GroupError(
+                f"param group {empty[0]} of the model has no parameter in the flattened "
+                "optimizer, which therefore holds none of its hyper-parameters"
+            )
+        return groups
+    for fqn, values in hyper.items():
+        for name, value in values.items():
+            if is_tensor_leaf(value):
+                raise GroupError(
+                    f"hyper-parameter '{name}' of '{fqn}' is a tensor, so parameters cannot "
+                    "be grouped by equal hyper-parameters without reading it"
+                )
+    return groups_by_value(hyper)
 
 
 # ---------------------------------------------------------------- which FQN each ID is
@@ -299,6 +418,8 @@ def map_fqns(tree: object, fn: FqnMap, prefix: Path = ()) -> object:
     """
     if not isinstance(tree, Mapping):
         return tree
+    if is_flat_optimizer(tree):
+        return rename_flat(tree, fn, prefix)
     if is_optimizer(tree) and key_type(tree) == "fqn":
         state = _rename_mapping(tree["state"], fn, prefix + ("state",), lambda _k, _v: True)
         params = [[n for n in map(fn, p) if n is not None] for p in _groups(tree)]
@@ -336,14 +457,16 @@ def rekey(
 ) -> dict:
     """Return ``tree`` with FQNs mapped and every optimizer keyed as ``optim_keys`` asks.
 
-    ID-keyed optimizers go through FQNs when renaming, dropping or asked for ``fqn``;
-    ``keep`` returns them to IDs afterwards, renumbered. The parameter order comes from
-    ``model`` or, without it, from the model state beside each optimizer.
+    ID-keyed optimizers go through FQNs when renaming, dropping or asked for ``fqn`` or
+    ``flat``; ``keep`` returns them to IDs afterwards, renumbered. The parameter order
+    comes from ``model`` or, without it, from the model state beside each optimizer.
+    Flattened optimizers are renamed key by key, and nested (``unflatten``) for ``fqn``
+    and ``id``; ``flat`` flattens every other one.
     """
     paths = find_optimizers(tree)
     was_id = {p: key_type(subtree(tree, p)) == "id" for p in paths}
     out: dict = dict(tree)
-    if fqn_map is not None or optim_keys == "fqn":
+    if fqn_map is not None or optim_keys in ("fqn", "flat"):
         for path in (p for p in paths if was_id[p]):
             optim = subtree(out, path)
             fqns = (
@@ -356,12 +479,19 @@ def rekey(
         out = map_fqns(out, fqn_map)  # type: ignore[assignment]
     for path in paths:
         optim = subtree(out, path)
+        if not is_optimizer(optim):
+            continue  # a flattened optimizer whose every parameter --drop removed
+        if optim_keys in ("fqn", "id") and is_flat_optimizer(optim):
+            optim = unflatten(optim, model)
+            out = _replace(out, path, optim)
         kind = key_type(optim)
         want = "id" if optim_keys == "id" or (optim_keys == "keep" and was_id[path]) else None
         if want == "id" and kind == "fqn":
             out = _replace(out, path, fqns_to_ids(optim, model))
         elif optim_keys == "id" and kind == "id":
             out = _replace(out, path, normalize_ids(optim))
+        elif optim_keys == "flat" and kind in ("fqn", "empty"):
+            out = _replace(out, path, flatten(optim))
     return out
 
 

@@ -20,7 +20,7 @@ from shardckpt.cast import cast_tree
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index, Rows
-from shardckpt.optim import OPTIM_KEYS, ModelParams, OrderError, RekeyError, rekey
+from shardckpt.optim import OPTIM_KEYS, GroupError, ModelParams, OrderError, RekeyError, rekey
 from shardckpt.regions import dim0_rows
 from shardckpt.tree import (
     Path,
@@ -110,7 +110,7 @@ class Selection:
             if key is not None and not key:
                 raise UsageError(f"{option} needs a key", hint=f"write it like {option} model")
         if self.optim_keys not in OPTIM_KEYS:
-            raise UsageError(f"--optim-keys must be keep, fqn or id, not {self.optim_keys!r}")
+            raise UsageError(f"--optim-keys must be keep, fqn, id or flat, not {self.optim_keys!r}")
 
     def fqn_map(self):
         """Return the function ``--rename`` and ``--drop`` apply to an FQN, or None for neither."""
@@ -231,9 +231,12 @@ def _rekey(src: str, tree: dict, selection: Selection) -> dict:
             if selection.model is not None
             else "pass --model pkg.module:factory returning (module, param_groups)"
         )
-        raise UsageError(
-            f"cannot tell the FQN of each optimizer param ID: {exc}", path=src, hint=hint
-        ) from None
+        what = (
+            "the param groups of a flattened optimizer"
+            if isinstance(exc, GroupError)
+            else "the FQN of each optimizer param ID"
+        )
+        raise UsageError(f"cannot tell {what}: {exc}", path=src, hint=hint) from None
     except RekeyError as exc:
         raise BadInputError(
             f"inconsistent optimizer state: {exc}",

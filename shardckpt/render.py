@@ -83,6 +83,10 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
             {"file": p.file, "format": p.format, "key": p.key, "note": p.note}
             for p in insp.index.parts
         ],
+        "components": [
+            {"name": c.name, "kind": c.kind, "keys": list(c.keys), "note": c.note}
+            for c in insp.components
+        ],
     }
     return doc
 
@@ -112,7 +116,7 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             f"state {', '.join(o['state_names']) or '(none yet)'}",
         ]
     if doc["parts"]:
-        lines += ["", "parts:"]
+        lines += ["", "files:"]
         lines += [
             f"  {p['file']}: "
             + (
@@ -122,6 +126,11 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             )
             for p in doc["parts"]
         ]
+    if doc["components"]:
+        lines += ["", f"{doc['format']} parts:"]
+        for c in doc["components"]:
+            note = f", {c['note']}" if c["note"] else ""
+            lines.append(f"  {c['name']}: {c['kind']}{note}")
     t = doc["totals"]
     lines += [
         "",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -185,9 +185,128 @@ class OptimizerInfo:
     num_groups: int
 
 
-def is_optimizer(node: object) -> bool:
-    """Return whether ``node`` is an optimizer state dict (``state`` + ``param_groups``)."""
+def is_nested_optimizer(node: object) -> bool:
+    """Return whether ``node`` is an optimizer state dict as ``torch.optim`` nests it (``state`` + ``param_groups``)."""
     return isinstance(node, Mapping) and "state" in node and "param_groups" in node
+
+
+# torch's flattened optimizer form (``get_state_dict`` with ``flatten_optimizer_state_dict``,
+# torchtitan's optimizer): ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<hyper-parameter>``,
+# the hyper-parameters of a parameter's group repeated for every parameter.
+FLAT_STATE = "state."
+FLAT_GROUPS = "param_groups."
+
+
+def is_flat_optimizer(node: object) -> bool:
+    """Return whether ``node`` is an optimizer state dict in torch's flattened form.
+
+    Every key starts with ``state.`` or ``param_groups.``, at least one with the latter
+    (a parameter always has its group's hyper-parameters, state only after a step), and
+    no value is a non-empty mapping (flattening leaves none).
+    """
+    if not isinstance(node, Mapping) or not node:
+        return False
+    return all(
+        isinstance(k, str)
+        and k.startswith((FLAT_STATE, FLAT_GROUPS))
+        and not (isinstance(v, Mapping) and v)
+        for k, v in node.items()
+    ) and any(k.startswith(FLAT_GROUPS) for k in node)
+
+
+def is_optimizer(node: object) -> bool:
+    """Return whether ``node`` is an optimizer state dict, nested or flattened."""
+    return is_nested_optimizer(node) or is_flat_optimizer(node)
+
+
+class FlatKey(NamedTuple):
+    """A key of a flattened optimizer, parsed: its section, the parameter's FQN, the name after it.
+
+    A tuple, not a dataclass: a flattened optimizer has several keys per parameter, and
+    every one is parsed.
+    """
+
+    section: str
+    """``state`` or ``param_groups``."""
+    fqn: str | None
+    """None for a state key that names no parameter of ``param_groups``."""
+    name: str
+    """The state name (dotted for nested state) or hyper-parameter; the whole rest when ``fqn`` is None."""
+
+    def key(self, fqn: str | None = None) -> str:
+        """Return the flattened key, with ``fqn`` in place of this one's when given."""
+        fqn = fqn if fqn is not None else self.fqn
+        return (
+            f"{self.section}.{fqn}.{self.name}"
+            if fqn is not None
+            else f"{self.section}.{self.name}"
+        )
+
+
+def parse_flat(node: Mapping) -> dict[str, FlatKey]:
+    """Return every key of a flattened optimizer, parsed.
+
+    FQNs hold dots, so a key is never split blindly: the FQNs are those of the
+    ``param_groups.<fqn>.<hyper-parameter>`` keys (hyper-parameter names hold no dots),
+    and a state key belongs to the longest of them it starts with, as torch's own
+    unflattening looks state up by each parameter's FQN.
+    """
+    groups = len(FLAT_GROUPS)
+    hyper = {
+        key: FlatKey("param_groups", *key[groups:].rpartition(".")[::2])
+        for key in node
+        if key.startswith(FLAT_GROUPS)
+    }
+    fqns = {p.fqn for p in hyper.values()}
+    out: dict[str, FlatKey] = {}
+    for key in node:
+        if key in hyper:
+            out[key] = hyper[key]
+            continue
+        rest = key[len(FLAT_STATE) :]
+        dot = rest.rfind(".")
+        while dot > 0 and rest[:dot] not in fqns:
+            dot = rest.rfind(".", 0, dot)
+        out[key] = (
+            FlatKey("state", rest[:dot], rest[dot + 1 :])
+            if dot > 0
+            else FlatKey("state", None, rest)
+        )
+    return out
+
+
+def flat_hyperparameters(
+    node: Mapping, parsed: Mapping[str, FlatKey] | None = None
+) -> dict[str, dict[str, object]]:
+    """Return each parameter's hyper-parameters in a flattened optimizer, in key order.
+
+    ``parsed`` is ``parse_flat(node)`` when the caller has it already.
+    """
+    out: dict[str, dict[str, object]] = {}
+    for key, p in (parsed if parsed is not None else parse_flat(node)).items():
+        if p.section == "param_groups":
+            out.setdefault(p.fqn, {})[p.name] = node[key]  # type: ignore[index]
+    return out
+
+
+def _value_key(value: object) -> object:
+    """Return what makes two hyper-parameter values equal: type and exact repr (``-0.0`` is not ``0.0``)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_value_key(v) for v in value))
+    return (type(value).__name__, repr(value))
+
+
+def hyperparameter_key(values: Mapping[str, object]) -> tuple:
+    """Return what makes two parameters' hyper-parameters equal: names in order, exact values."""
+    return tuple((k, _value_key(v)) for k, v in values.items())
+
+
+def groups_by_value(hyper: Mapping[str, Mapping[str, object]]) -> list[list[str]]:
+    """Return the FQNs grouped by equal hyper-parameters (names and values), in order of first appearance."""
+    groups: dict[object, list[str]] = {}
+    for fqn, values in hyper.items():
+        groups.setdefault(hyperparameter_key(values), []).append(fqn)
+    return list(groups.values())
 
 
 def find_optimizers(tree: object, prefix: Path = ()) -> list[Path]:
@@ -225,8 +344,19 @@ def optimizer_key_type(keys: list) -> str:
 
 
 def describe_optimizer(tree: object, path: Path) -> OptimizerInfo:
-    """Return the summary of the optimizer subtree at ``path``."""
+    """Return the summary of the optimizer subtree at ``path``.
+
+    A flattened one has key type ``flat``; its groups are its parameters grouped by
+    equal hyper-parameters, as converting it to the nested form groups them.
+    """
     node: Any = subtree(tree, path)
+    if is_flat_optimizer(node):
+        parsed = parse_flat(node)
+        names = sorted(
+            {k.name for k in parsed.values() if k.section == "state" and k.fqn is not None}
+        )
+        hyper = flat_hyperparameters(node, parsed)
+        return OptimizerInfo(path, "flat", len(hyper), tuple(names), len(groups_by_value(hyper)))
     state = node["state"] if isinstance(node["state"], Mapping) else {}
     groups = node["param_groups"] if isinstance(node["param_groups"], list) else []
     params = [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
@@ -266,8 +396,11 @@ def clean_fqn(fqn: str) -> str:
 def rename_keys(tree: object, rename: Callable[[str], str], prefix: Path = ()) -> object:
     """Return ``tree`` with ``rename`` applied to str mapping keys and optimizer ``params`` lists.
 
-    Raises ``KeyError`` naming both originals when two keys of one mapping collide.
+    In a flattened optimizer only the FQN inside each key is renamed. Raises
+    ``KeyError`` naming both originals when two keys of one mapping collide.
     """
+    if is_flat_optimizer(tree):
+        return rename_flat(tree, rename, prefix)  # type: ignore[arg-type]
     if isinstance(tree, Mapping):
         out: dict = {}
         origin: dict = {}
@@ -284,6 +417,29 @@ def rename_keys(tree: object, rename: Callable[[str], str], prefix: Path = ()) -
     if prefix and _enters(tree):
         return [rename_keys(v, rename, prefix + (i,)) for i, v in enumerate(tree)]  # type: ignore[arg-type]
     return tree
+
+
+def rename_flat(node: Mapping, rename: Callable[[str], str | None], prefix: Path = ()) -> dict:
+    """Return a flattened optimizer with ``rename`` applied to the FQN in each key, order kept.
+
+    A None from ``rename`` drops every key of that parameter; a key that names no
+    parameter is kept as it is. Raises ``KeyError`` naming both originals on a collision.
+    """
+    out: dict = {}
+    origin: dict = {}
+    for key, parsed in parse_flat(node).items():
+        if parsed.fqn is None:
+            new_key: str | None = key
+        else:
+            fqn = rename(parsed.fqn)
+            new_key = parsed.key(fqn) if fqn is not None else None
+        if new_key is None:
+            continue
+        if new_key in out:
+            raise KeyError((dotted(prefix + (origin[new_key],)), dotted(prefix + (key,)), new_key))
+        origin[new_key] = key
+        out[new_key] = node[key]
+    return out
 
 
 # ---------------------------------------------------------------- model state

@@ -77,7 +77,8 @@ def convert(
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
             "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
             "model state only), lightning (sharded: DCP plus Lightning's meta.pt), "
-            "fsdp1-sharded, fsdp1-local.",
+            "fsdp1-sharded, fsdp1-local, torchtitan (a step-N directory torchtitan's "
+            "CheckpointManager loads).",
         ),
     ] = None,
     src_format: Annotated[
@@ -130,7 +131,8 @@ def convert(
         OptimKeys,
         typer.Option(
             "--optim-keys",
-            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), or keep.",
+            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), "
+            "flat (torch's flatten_optimizer_state_dict form, torchtitan), or keep.",
         ),
     ] = OptimKeys["keep"],
     model: Annotated[

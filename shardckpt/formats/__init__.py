@@ -26,6 +26,13 @@ from shardckpt.formats.lightning import META_FILE, LightningReader, LightningWri
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
+from shardckpt.formats.torchtitan import (
+    TorchtitanReader,
+    components,
+    titan_tree,
+    world_size_notes,
+)
+from shardckpt.formats.torchtitan import looks_like as looks_like_torchtitan
 from shardckpt.sight import Sight
 
 
@@ -39,6 +46,10 @@ def _always(_index: Index) -> bool:
 
 def _as_is(tree: dict, _src: str) -> dict:
     return tree
+
+
+def _no_notes(_tree: dict, _world_size: int) -> list[str]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,11 @@ class Format:
     """Whether a source can be read from files spread over the ranks' own disks (``sight``)."""
     carries_files: bool = False
     """Whether it copies the files a source carries unread (``Index.parts``) into DST."""
+    components: Callable[[dict], list] | None = None
+    """A trainer's checkpoint: the parts of its tree (model, optimizer, ...) ``inspect`` lists."""
+    notes: Callable[[dict, int], list[str]] = _no_notes
+    """What to tell the user about DST's tree at a world size (parts the trainer will not
+    take as they are there), said once on stderr."""
 
 
 FORMATS: dict[str, Format] = {
@@ -172,6 +188,20 @@ FORMATS: dict[str, Format] = {
             tells_whole=dcp_tells_whole,
             carries_files=True,
         ),
+        Format(
+            "torchtitan",
+            "sharded",
+            "torchtitan",
+            TorchtitanReader,
+            DcpWriter,
+            directory=True,
+            keys_as_str=True,
+            tells_whole=dcp_tells_whole,
+            dst_tree=titan_tree,
+            src_local=True,
+            components=components,
+            notes=world_size_notes,
+        ),
     )
 }
 FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
@@ -198,7 +228,9 @@ def detect(src: Path) -> str:
     if stat.S_ISDIR(source_stat(src).st_mode):
         if (src / METADATA_FILE).is_file():
             # Lightning's sharded checkpoints keep what is not DCP's beside it.
-            return "lightning" if (src / META_FILE).is_file() else "dcp"
+            if (src / META_FILE).is_file():
+                return "lightning"
+            return "torchtitan" if looks_like_torchtitan(src) else "dcp"
         if (src / INDEX_FILE).is_file():
             return "hf"
         if looks_like(src):

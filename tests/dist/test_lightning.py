@@ -42,7 +42,7 @@ def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
     assert (insp.index.format, insp.index.world_size) == ("lightning", 2)
     assert [(p.file, p.key) for p in insp.index.parts] == [("meta.pt", "step"), ("meta.pt", "note")]
     assert [o.path for o in insp.optimizers] == [("optimizer",)]
-    assert "\nparts:\n  meta.pt: step (torch)\n  meta.pt: note (torch)\n" in render.inspection_text(insp)
+    assert "\nfiles:\n  meta.pt: step (torch)\n  meta.pt: note (torch)\n" in render.inspection_text(insp)
     assert [(p["file"], p["key"]) for p in render.inspection_json(insp)["parts"]] == [
         ("meta.pt", "step"),
         ("meta.pt", "note"),

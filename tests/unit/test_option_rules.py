@@ -77,6 +77,11 @@ NOT_APPLYING = [
         "--format hf): drop --optim-keys",
     ),
     (
+        ["--to", "sharded", "--world-size", "2", "--format", "torchtitan", "--optim-keys", "fqn"],
+        "--optim-keys cannot nest the optimizer of --format torchtitan, which loads it "
+        "flattened: drop --optim-keys, or pass --optim-keys flat",
+    ),
+    (
         ["--to", "full", "--dtype", "bf16", "--only", "optim"],
         "--dtype casts model tensors, and --only optim writes none: add --cast-optim to cast "
         "optimizer state, or drop --dtype",
@@ -170,6 +175,7 @@ def test_an_option_that_applies_is_accepted(src, tmp_path):
         (CONVERT_RULES, Choice(to="full", fmt="torch", cast_optim=True), "--cast-optim"),
         (CONVERT_RULES, Choice(to="full", fmt="hf", dtype="bf16", cast_optim=True), "--cast-optim"),
         (CONVERT_RULES, Choice(to="full", fmt="hf", optim_keys="id"), "--optim-keys"),
+        (CONVERT_RULES, Choice(to="sharded", fmt="torchtitan", optim_keys="id"), "--optim-keys"),
         (CONVERT_RULES, Choice(to="full", fmt="torch", only="optim", dtype="fp16"), "--dtype"),
         (CONVERT_RULES, Choice(to="full", fmt="torch", src_local=True), "--src-local"),
         (INSPECT_RULES, Choice(wraps=("m:C",)), "--wrap"),
@@ -203,6 +209,7 @@ def test_the_table_refuses_each_option_where_it_does_not_apply(rules, choice, op
             Choice(to="full", fmt="torch", only="optim", dtype="fp16", cast_optim=True),
         ),
         (CONVERT_RULES, Choice(to="full", fmt="torch", src_local=True, distributed=True)),
+        (CONVERT_RULES, Choice(to="sharded", fmt="torchtitan", optim_keys="flat")),
         (INSPECT_RULES, Choice(src_format="fsdp1-local", model="m:f", wraps=("m:C",))),
     ],
 )
