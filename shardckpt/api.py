@@ -39,6 +39,8 @@ from shardckpt.formats import (
     open_reader,
 )
 from shardckpt.formats.dcp import as_stored
+from shardckpt.formats.hf_config import HfConfig, check_names, config_beside
+from shardckpt.formats.hf_config import hf_config as read_hf_config
 from shardckpt.model import model_params
 from shardckpt.placement import Placement, open_destination
 from shardckpt.plan import (
@@ -258,6 +260,7 @@ def convert(
     trust_pickle: bool = False,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     src_local: bool = False,
+    hf_config: str | os.PathLike | None = None,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
@@ -270,6 +273,8 @@ def convert(
     DST appears only complete: written beside it, checked with ``verify``, then renamed.
     Under ``torchrun`` each rank reads only the files of SRC it sees (``shardckpt.sight``);
     ``src_local`` says SRC is on the nodes' own disks, so that is no news worth a notice.
+    ``hf_config`` (``--format hf``) is a directory whose ``config.json`` and friends DST
+    gets (``shardckpt.formats.hf_config``); without it, one in or beside SRC is used.
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
@@ -300,9 +305,11 @@ def convert(
             wraps=tuple(wraps),
             use_orig_params=use_orig_params,
             src_local=src_local,
+            hf_config=None if hf_config is None else str(hf_config),
             distributed=runtime.distributed,
         )
         applies.check(applies.CONVERT_RULES, choice)
+        companions = read_hf_config(hf_config) if hf_config is not None else None
         _check_dst_name(dst, form)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
@@ -349,6 +356,8 @@ def convert(
             flat_model=flat_model,
             use_orig_params=use_orig_params,
         )
+        if form.name == "hf":
+            plan = _with_hf_config(plan, companions, src, runtime)
         reader.check_selected(plan.tree)
         writer = form.writer(destination.tmp, plan)
         # Reading through the cast also makes --verify compare DST with the cast source.
@@ -396,6 +405,36 @@ def convert(
         verified,
         plan,
     )
+
+
+def _with_hf_config(
+    plan: ConvertPlan, companions: HfConfig | None, src, runtime: Runtime
+) -> ConvertPlan:
+    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found beside SRC."""
+
+    def note(text: str) -> None:
+        if runtime.coordinator:
+            notice(text)
+
+    if companions is None:
+        found = config_beside(src)
+        if found is None:
+            return plan
+        try:
+            companions = read_hf_config(found, detected=True)
+        except ShardckptError as exc:
+            note(f"not copying config.json from '{found}': {exc.line()}")
+            return plan
+    if not check_names(companions, plan.tree["model"], note):
+        return plan
+    if companions.detected:
+        more = len(companions.files) - 1
+        others = f" and {counted(more, 'other file')}" if more else ""
+        note(
+            f"copying config.json{others} from '{companions.root}', where SRC is "
+            "(pass --hf-config DIR for another model's)"
+        )
+    return replace(plan, hf_config=companions)
 
 
 def _check_placement(

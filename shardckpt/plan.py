@@ -349,6 +349,8 @@ class ConvertPlan:
     """For FSDP1's flat parameters: the ``FlatModel`` (``--model``/``--wrap``) that lays them out."""
     use_orig_params: bool = False
     """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
+    hf_config: object | None = None
+    """For ``hf``: the ``formats.hf_config.HfConfig`` whose files DST gets beside the weights."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:
@@ -378,6 +380,7 @@ def make_plan(
     max_shard_size: int | None = None,
     flat_model: object | None = None,
     use_orig_params: bool = False,
+    hf_config: object | None = None,
 ) -> ConvertPlan:
     """Return the plan that moves ``index``'s selected part into format ``fmt`` at ``world_size``."""
     form = format_named(fmt)
@@ -411,4 +414,5 @@ def make_plan(
         whole,
         flat_model,
         use_orig_params,
+        hf_config,
     )

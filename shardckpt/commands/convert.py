@@ -37,6 +37,7 @@ EPILOG = (
     "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
     "  shardckpt convert full.pt ckpt-at-8 --to sharded --world-size 8\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
+    " --hf-config base-model"
     "\n\n"
     "  shardckpt convert ckpt/step-100 plain.pt --to full --optim-keys id --model train:build\n\n"
     "  shardckpt convert fsdp1-local-ckpt full.pt --to full --model train:build --wrap train:Block\n\n"
@@ -118,6 +119,16 @@ def convert(
             "--max-shard-size",
             metavar="SIZE",
             help="For --format hf: the most tensor bytes per shard (default 5GB).",
+        ),
+    ] = None,
+    hf_config: Annotated[
+        str | None,
+        typer.Option(
+            "--hf-config",
+            metavar="DIR",
+            help="For --format hf: copy config.json (and generation, tokenizer and processor "
+            "files) from DIR into DST, so from_pretrained loads it; default: a config.json in "
+            "or beside SRC.",
         ),
     ] = None,
     optim_keys: Annotated[
@@ -232,6 +243,7 @@ def convert(
             trust_pickle=trust_pickle,
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
             src_local=src_local,
+            hf_config=hf_config,
             runtime=runtime,
             progress=Progress(
                 enabled=runtime.coordinator and not quiet and not json_out, desc="convert"
