@@ -349,6 +349,8 @@ class ConvertPlan:
     """For FSDP1's flat parameters: the ``FlatModel`` (``--model``/``--wrap``) that lays them out."""
     use_orig_params: bool = False
     """For ``fsdp1-local``: the layout of FSDP1 with ``use_orig_params=True``."""
+    serializations: Mapping[str, str] = field(default_factory=dict)
+    """For ``torch-checkpointing`` from itself: how the source serialized each item."""
     hf_config: object | None = None
     """For ``hf``: the ``formats.hf_config.HfConfig`` whose files DST gets beside the weights."""
 
@@ -414,5 +416,6 @@ def make_plan(
         whole,
         flat_model,
         use_orig_params,
+        MappingProxyType(dict(index.serializations or {}) if index.format == form.name else {}),
         hf_config,
     )

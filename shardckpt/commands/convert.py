@@ -36,6 +36,7 @@ EPILOG = (
     "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local\n\n"
     "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
     "  shardckpt convert full.pt ckpt-at-8 --to sharded --world-size 8\n\n"
+    "  shardckpt convert step-2 step-2-at-3 --to sharded --format torch-checkpointing --world-size 3\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     " --hf-config base-model"
     "\n\n"
@@ -60,7 +61,8 @@ def convert(
         Layout,
         typer.Option(
             "--to",
-            help="Layout of DST: full (one file), sharded (DCP, one file per rank of --world-size) "
+            help="Layout of DST: full (one file), sharded (DCP, or --format torch-checkpointing; "
+            "one file per rank of --world-size) "
             "or local (per-rank files of one world size: --format fsdp2-ranks (default), "
             "fsdp1-sharded, fsdp1-local).",
         ),
@@ -72,7 +74,8 @@ def convert(
             metavar="FORMAT",
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
             "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
-            "model state only), fsdp1-sharded, fsdp1-local.",
+            "model state only), torch-checkpointing (sharded: torch_checkpointing's "
+            "CheckpointManager directory), fsdp1-sharded, fsdp1-local.",
         ),
     ] = None,
     src_format: Annotated[

@@ -23,6 +23,11 @@ from shardckpt.formats.fsdp2_ranks_write import Fsdp2RanksWriter
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
+from shardckpt.formats.torch_checkpointing import (
+    TorchCheckpointingReader,
+    is_torch_checkpointing_dir,
+)
+from shardckpt.formats.torch_checkpointing_write import TorchCheckpointingWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
 from shardckpt.sight import Sight
 
@@ -86,6 +91,15 @@ FORMATS: dict[str, Format] = {
             keys_as_str=True,
             tells_whole=dcp_tells_whole,
             src_local=True,
+        ),
+        Format(
+            "torch-checkpointing",
+            "sharded",
+            "torch_checkpointing",
+            TorchCheckpointingReader,
+            TorchCheckpointingWriter,
+            directory=True,
+            tells_whole=_always,
         ),
         Format(
             "torch",
@@ -173,6 +187,8 @@ def detect(src: Path) -> str:
     if stat.S_ISDIR(source_stat(src).st_mode):
         if (src / METADATA_FILE).is_file():
             return "dcp"
+        if is_torch_checkpointing_dir(src):
+            return "torch-checkpointing"
         if (src / INDEX_FILE).is_file():
             return "hf"
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.

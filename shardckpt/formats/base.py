@@ -33,6 +33,9 @@ class Index:
     src: str
     world_size: int | None
     tree: dict
+    serializations: dict[str, str] | None = None
+    """For a format that stores each top-level item in files of its own (torch-checkpointing):
+    how each item is serialized, so an output in the same format stores it alike."""
 
     def tensors(self) -> list[tuple[tuple, TensorMeta]]:
         """Return ``(path, meta)`` for every tensor leaf, in tree order."""
