@@ -176,8 +176,14 @@ def _path(text) -> tuple:
     return tuple(path)
 
 
+def plain_file_name(name: str) -> bool:
+    """Return whether ``name`` names a file directly inside a directory (no path, not . or ..)."""
+    return name not in ("", ".", "..") and Path(name).name == name
+
+
 def _item(key: str, raw, world_size: int) -> Item:
     _need(isinstance(raw, dict), f"item {key!r} is not a mapping")
+    _need(plain_file_name(f"{key}_0.pt"), f"item key {key!r} cannot name a file in the directory")
     layouts = raw.get("rank_to_layout_info")
     _need(
         isinstance(layouts, dict) and set(layouts) == set(range(world_size)),
@@ -192,7 +198,7 @@ def _item(key: str, raw, world_size: int) -> Item:
             file, form = layout.get("file_path"), layout.get("serialization_format")
             kind = form.get("type") if isinstance(form, dict) else None
             _need(
-                isinstance(file, str) and file not in ("", ".", "..") and Path(file).name == file,
+                isinstance(file, str) and plain_file_name(file),
                 f"item {key!r}: rank {rank}'s file {file!r} is not a file name in the directory",
             )
             _need(

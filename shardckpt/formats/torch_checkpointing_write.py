@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from shardckpt.errors import UsageError
 from shardckpt.formats.base import Frame
 from shardckpt.formats.files import writing
 from shardckpt.formats.rank_file import Fills, dtensor_placeholders, frame_rank_file
@@ -30,6 +31,7 @@ from shardckpt.formats.torch_checkpointing_metadata import (
     SAFETENSORS,
     TORCH,
     metadata_bytes,
+    plain_file_name,
     sharding_dict,
 )
 from shardckpt.regions import Region, dim0_rows, row_elements
@@ -45,6 +47,22 @@ class TorchCheckpointingWriter(TargetRanksWriter):
     """Each target rank's item files, then ``metadata.pkl``."""
 
     every_copy = (METADATA_FILE,)
+
+    def __init__(self, root, plan):
+        super().__init__(root, plan)
+        for key, value in plan.tree.items():
+            if not isinstance(key, str) or not plain_file_name(f"{key}_0.pt"):
+                raise UsageError(
+                    f"top-level key {key!r} cannot name torch_checkpointing item files",
+                    hint="rename it, or write --format dcp",
+                )
+            if isinstance(value, TensorMeta):
+                raise UsageError(
+                    f"'{key}' is a tensor at the top level, and torch_checkpointing items are "
+                    "the top-level keys of a state dict",
+                    hint="convert a checkpoint that nests its tensors under items such as "
+                    "'model' and 'optim', or write --format dcp",
+                )
 
     def _serialization(self, key: str) -> str:
         return self.plan.serializations.get(key, TORCH)
