@@ -11,6 +11,7 @@ import pickle
 import shutil
 
 import pytest
+import ranks
 import torch
 import torch_checkpointing_jobs as jobs
 from harness import run_ranks
@@ -122,3 +123,13 @@ def test_an_item_that_differs_between_ranks_is_refused_when_selected(copy, capsy
         "select the other items with --filter 'ITEM.*' (repeatable)",
     )
     assert run([str(a) for a in [*argv, "--filter", "model.*", "-q"]]) == 0
+
+
+def test_two_ranks_write_the_same_bytes_as_one(saved, tmp_path):
+    root, _ = saved
+    kwargs = {"fmt": "torch-checkpointing", "world_size": 3}
+    api.convert(root, tmp_path / "one", to="sharded", **kwargs)
+    run_ranks(ranks.convert, 2, str(root), str(tmp_path / "two"), "sharded", kwargs)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "two").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()
+    }
