@@ -48,8 +48,6 @@ from shardckpt.torch_internals import local_chunk
 from shardckpt.tree import Chunk, TensorMeta, dotted, map_leaves, subtree, walk
 
 _ITEM_FILE = re.compile(r"^(?P<item>.+)_(?P<rank>\d+)\.pt$")
-# What a finished save leaves besides items: nothing. A half-done one is a tmp_ directory beside it.
-STAGING_PREFIX = "tmp_"
 
 
 @dataclass(frozen=True)
@@ -61,8 +59,12 @@ class _Source:
     chunks: tuple[Chunk, ...]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
 def _equal(a: object, b: object) -> bool:
-    """Return whether two loaded values are the same, tensors compared bit for bit."""
+    """Return whether two loaded values are the same, tensors compared bit for bit (NaN too)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -70,13 +72,14 @@ def _equal(a: object, b: object) -> bool:
             and not isinstance(a, DTensor)
             and a.shape == b.shape
             and a.dtype == b.dtype
-            and torch.equal(a, b)
+            and torch.equal(_bytes(a), _bytes(b))
         )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
-    return type(a) is type(b) and a == b
+    # A float NaN is not equal to itself, but two of them are the same value here.
+    return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
 def _label(sharding: Sharding) -> str:
@@ -102,7 +105,8 @@ class TorchCheckpointingReader(Reader):
         self._objects: dict[str, dict[int, object]] = {}
         self._sources: dict[str, _Source] = {}
         self.differing: set[str] = set()
-        """Items without tensors whose value differs between ranks (refused when selected)."""
+        """Items outside the metadata, holding no DTensor, whose value differs between ranks
+        (per-rank state: refused when selected)."""
         self._tree = {key: self._describe(key) for key in sorted(self._files)}
 
     # ------------------------------------------------------------ files
