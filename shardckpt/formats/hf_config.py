@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -189,7 +190,7 @@ def check_names(config: HfConfig, names: Iterable[str], note: Callable[[str], No
     where = config.root / CONFIG_FILE
     if missing:
         first = missing[0]
-        hint = _rename_hint(first, unexpected)
+        hint = _rename_hint(missing, unexpected)
         what = (
             f"the {config.config['architectures'][0]} model of '{where}' has "
             f"{counted(len(missing), 'weight')} DST would lack, e.g. '{first}'"
@@ -206,13 +207,21 @@ def check_names(config: HfConfig, names: Iterable[str], note: Callable[[str], No
     return True
 
 
-def _rename_hint(missing: str, unexpected: list[str]) -> str:
-    """Return how to make a name DST lacks: a prefix ``--rename`` when one fits."""
+def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Return how to make the names DST lacks: the prefix ``--rename`` that fits the most of them."""
+    lacking, extra = set(missing), set(unexpected)
+    counts: dict[str, int] = {}
     for name in unexpected:
-        if missing.endswith("." + name):
-            prefix = missing[: -len(name)]
-            return f"add the prefix with --rename '^={prefix}'"
-        if name.endswith("." + missing):
-            prefix = name[: -len(missing)].replace(".", "\\.")
-            return f"strip the prefix with --rename '^{prefix}='"
-    return "check that these weights belong to that model, or --rename them to its names"
+        # DST's name is a model name with a prefix cut off (add it), or with one more (strip it).
+        for i, ch in enumerate(name):
+            if ch == "." and name[i + 1 :] in lacking:
+                hint = f"strip the prefix with --rename '^{re.escape(name[: i + 1])}='"
+                counts[hint] = counts.get(hint, 0) + 1
+    for name in missing:
+        for i, ch in enumerate(name):
+            if ch == "." and name[i + 1 :] in extra:
+                hint = f"add the prefix with --rename '^={name[: i + 1]}'"
+                counts[hint] = counts.get(hint, 0) + 1
+    if not counts:
+        return "check that these weights belong to that model, or --rename them to its names"
+    return max(sorted(counts), key=counts.__getitem__)
