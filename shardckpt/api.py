@@ -94,17 +94,18 @@ def inspect(
     runtime = runtime or Runtime()
     flat_model = FlatModel(model, tuple(wraps)) if model else None
 
-    def read_index() -> Index:
+    def read_index() -> tuple[Index, list[str]]:
         choice = applies.Choice(src_format=fmt, model=model, wraps=tuple(wraps))
         applies.check(applies.INSPECT_RULES, choice)
         reader = open_reader(src, fmt, trust_pickle, flat_model)
         applies.check(applies.INSPECT_RULES, replace(choice, src_format=reader.format))
-        return reader.index()
+        return reader.index(), reader.notes()
 
-    index = runtime.agreed(read_index)
+    index, notes = runtime.agreed(read_index)
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
-    return Inspection(index, leaves, optimizers, _optimizer_warnings(index.tree, optimizers))
+    warnings = notes + _optimizer_warnings(index.tree, optimizers)
+    return Inspection(index, leaves, optimizers, warnings)
 
 
 def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str]:

@@ -80,6 +80,10 @@ class Reader(ABC):
         """
         raise NotImplementedError(f"{self.format} sources are read from one shared filesystem")
 
+    def notes(self) -> list[str]:
+        """Return what ``inspect`` should warn about this source that its index cannot show."""
+        return []
+
     def check_selected(self, tree: dict) -> None:
         """Raise when this source cannot give what ``tree`` (the part of its index to be read) holds.
 

@@ -333,6 +333,13 @@ class TorchCheckpointingReader(Reader):
         }
         return Index(self.format, str(self.src), self.world_size, self._tree, serializations)
 
+    def notes(self) -> list[str]:
+        return [
+            f"item '{key}' differs between ranks (per-rank state): rank 0's is shown, and "
+            "convert refuses it unless --filter leaves it out"
+            for key in sorted(self.differing)
+        ]
+
     def check_selected(self, tree: dict) -> None:
         for key in sorted(self.differing & set(tree)):
             raise BadInputError(

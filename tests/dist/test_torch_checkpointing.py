@@ -115,6 +115,10 @@ def test_a_file_that_is_no_part_of_the_checkpoint_is_named_not_skipped(copy, cap
 
 def test_an_item_that_differs_between_ranks_is_refused_when_selected(copy, capsys, tmp_path):
     torch.save(3, copy / "step_1.pt")
+    assert api.inspect(copy).warnings == [
+        "item 'step' differs between ranks (per-rank state): rank 0's is shown, and convert "
+        "refuses it unless --filter leaves it out"
+    ]
     argv = ["convert", copy, tmp_path / "full.pt", "--to", "full"]
     assert error_of(capsys, argv) == (
         3,
