@@ -36,7 +36,7 @@ EPILOG = (
     "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local\n\n"
     "  shardckpt convert ckpt/step-100 ranks-at-2 --to local --world-size 2\n\n"
     "  shardckpt convert full.pt ckpt-at-8 --to sharded --world-size 8\n\n"
-    "  shardckpt convert step-2 step-2-at-3 --to sharded --format torch-checkpointing --world-size 3\n\n"
+    "  shardckpt convert step-2 at-3 --to sharded --world-size 3 --format torch-checkpointing\n\n"
     "  shardckpt convert ckpt/step-100 hf-model --to full --format hf --dtype bf16"
     " --hf-config base-model"
     "\n\n"
