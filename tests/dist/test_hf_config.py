@@ -47,6 +47,7 @@ def saved(tmp_path_factory):
     run_ranks(hf_export_jobs.save_fsdp2_dcp, 2, str(root / "base"), str(ckpt / "pytorch_model_fsdp_0"))
     for name in ("config.json", "generation_config.json"):
         shutil.copy(root / "base" / name, ckpt / name)
+    torch.save(model.state_dict(), ckpt / "pytorch_model.bin")  # flat, tied weights shared
     (ckpt / "optimizer.pt").write_bytes(b"not copied")
     (ckpt / "trainer_state.json").write_text("{}")
     return root / "base", ckpt, logits
@@ -92,6 +93,14 @@ def test_the_trainer_checkpoints_config_is_found_beside_src(saved, tmp_path, cap
         "where SRC is (pass --hf-config DIR for another model's)"
     )
     assert not (out / "optimizer.pt").exists() and not (out / "trainer_state.json").exists()
+    assert loads_identically(out, logits)
+
+
+def test_a_flat_state_dict_beside_its_config_exports_the_same_names(saved, tmp_path):
+    _, ckpt, logits = saved
+    out = tmp_path / "hf"
+    assert run(["convert", str(ckpt / "pytorch_model.bin"), str(out), "--to", "full"]
+               + ["--format", "hf", "-q"]) == 0  # fmt: skip
     assert loads_identically(out, logits)
 
 
