@@ -107,6 +107,12 @@ def _auto_map_code(config: dict, root: Path) -> list[str]:
 def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
     """Return what to copy from ``root``; refuse a directory without ``config.json``."""
     root = Path(root)
+    if root.is_file():
+        raise UsageError(
+            "--hf-config: is a file; the option takes the directory holding config.json",
+            path=root,
+            hint=f"pass --hf-config '{root.parent}'",
+        )
     if not (root / CONFIG_FILE).exists():
         raise UsageError(
             f"--hf-config: no '{CONFIG_FILE}' in this directory",
@@ -159,8 +165,10 @@ def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:
         import transformers
     except ImportError:
         return None
+    # Only a model class of transformers' own is built: the name comes from a file.
     cls = getattr(transformers, archs[0], None)
-    if cls is None or config.config.get("auto_map"):
+    model_class = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+    if not model_class or config.config.get("auto_map"):
         return None
     try:
         conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)

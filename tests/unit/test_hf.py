@@ -402,6 +402,16 @@ def test_hf_config_without_config_json_is_refused_before_anything_is_read(capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_hf_config_naming_the_file_asks_for_its_directory(capsys, src, tmp_path):
+    base = model_dir(tmp_path / "base")
+    argv = ["convert", src, tmp_path / "out", "--to", "full", "--format", "hf"]
+    assert error_of(capsys, [*argv, "--hf-config", base / "config.json"]) == (
+        2,
+        f"shardckpt: error: '{base / 'config.json'}': --hf-config: is a file; the option takes "
+        f"the directory holding config.json: pass --hf-config '{base}'",
+    )
+
+
 def test_a_config_json_that_is_not_json_is_named(capsys, src, tmp_path):
     base = model_dir(tmp_path / "base")
     (base / "config.json").write_text("{not json")
