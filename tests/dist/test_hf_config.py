@@ -9,6 +9,7 @@ FSDP2 and save it with ``dcp.save({"model": get_model_state_dict(model)})``, in 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import hf_export_jobs
@@ -19,6 +20,8 @@ from harness import run_ranks
 from shardckpt.cli import run
 
 pytestmark = pytest.mark.trainers
+# No download: the model is built here, and every load names a local directory.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 INPUT = torch.tensor([[1, 5, 7, 3, 30, 2, 0]])
 
