@@ -39,6 +39,8 @@ from shardckpt.formats import (
     open_reader,
 )
 from shardckpt.formats.dcp import as_stored
+from shardckpt.formats.hf_config import HfConfig, check_names, config_beside
+from shardckpt.formats.hf_config import hf_config as read_hf_config
 from shardckpt.model import model_params
 from shardckpt.placement import Placement, open_destination
 from shardckpt.plan import (
@@ -97,14 +99,14 @@ def inspect(
     runtime = runtime or Runtime()
     flat_model = FlatModel(model, tuple(wraps)) if model else None
 
-    def read_index() -> Index:
+    def read_index() -> tuple[Index, list[str]]:
         choice = applies.Choice(src_format=fmt, model=model, wraps=tuple(wraps))
         applies.check(applies.INSPECT_RULES, choice)
         reader = open_reader(src, fmt, trust_pickle, flat_model)
         applies.check(applies.INSPECT_RULES, replace(choice, src_format=reader.format))
-        return reader.index()
+        return reader.index(), reader.notes()
 
-    index = runtime.agreed(read_index)
+    index, notes = runtime.agreed(read_index)
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
     parts = format_named(index.format).components
@@ -112,7 +114,7 @@ def inspect(
         index,
         leaves,
         optimizers,
-        _optimizer_warnings(index.tree, optimizers),
+        notes + _optimizer_warnings(index.tree, optimizers),
         parts(index.tree) if parts is not None else [],
     )
 
@@ -287,6 +289,7 @@ def convert(
     trust_pickle: bool = False,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     src_local: bool = False,
+    hf_config: str | os.PathLike | None = None,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
@@ -300,6 +303,8 @@ def convert(
     DST appears only complete: written beside it, checked with ``verify``, then renamed.
     Under ``torchrun`` each rank reads only the files of SRC it sees (``shardckpt.sight``);
     ``src_local`` says SRC is on the nodes' own disks, so that is no news worth a notice.
+    ``hf_config`` (``--format hf``) is a directory whose ``config.json`` and friends DST
+    gets (``shardckpt.formats.hf_config``); without it, one in or beside SRC is used.
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
@@ -330,10 +335,12 @@ def convert(
             wraps=tuple(wraps),
             use_orig_params=use_orig_params,
             src_local=src_local,
+            hf_config=None if hf_config is None else str(hf_config),
             distributed=runtime.distributed,
             nest=nest,
         )
         applies.check(applies.CONVERT_RULES, choice)
+        companions = read_hf_config(hf_config) if hf_config is not None else None
         _check_dst_name(dst, form)
         if buffer_bytes <= 0:
             raise UsageError("--buffer-size must be positive")
@@ -389,6 +396,8 @@ def convert(
             flat_model=flat_model,
             use_orig_params=use_orig_params,
         )
+        if form.name == "hf":
+            plan = _with_hf_config(plan, companions, src, runtime)
         reader.check_selected(plan.tree)
         if runtime.coordinator:
             for note in form.notes(plan.tree, plan.world_size):
@@ -439,6 +448,36 @@ def convert(
         verified,
         plan,
     )
+
+
+def _with_hf_config(
+    plan: ConvertPlan, companions: HfConfig | None, src, runtime: Runtime
+) -> ConvertPlan:
+    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found beside SRC."""
+
+    def note(text: str) -> None:
+        if runtime.coordinator:
+            notice(text)
+
+    if companions is None:
+        found = config_beside(src)
+        if found is None:
+            return plan
+        try:
+            companions = read_hf_config(found, detected=True)
+        except ShardckptError as exc:
+            note(f"not copying config.json from '{found}': {exc.line()}")
+            return plan
+    if not check_names(companions, plan.tree["model"], note):
+        return plan
+    if companions.detected:
+        more = len(companions.files) - 1
+        others = f" and {counted(more, 'other file')}" if more else ""
+        note(
+            f"copying config.json{others} from '{companions.root}', where SRC is "
+            "(pass --hf-config DIR for another model's)"
+        )
+    return replace(plan, hf_config=companions)
 
 
 def _check_placement(

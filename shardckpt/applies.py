@@ -36,6 +36,7 @@ class Choice:
     wraps: tuple[str, ...] = ()
     use_orig_params: bool = False
     src_local: bool = False
+    hf_config: str | None = None
     distributed: bool = False
     """Whether the run is under torchrun."""
     quiet: bool = False
@@ -85,6 +86,13 @@ CONVERT_RULES: tuple[Rule, ...] = (
         lambda c: c.fmt == "hf",
         "applies to --format hf only",
         "drop --max-shard-size, or pass --format hf",
+    ),
+    Rule(
+        "--hf-config",
+        lambda c: c.hf_config is not None,
+        lambda c: c.fmt == "hf",
+        "applies to --format hf only (it copies config.json beside the weights)",
+        "drop --hf-config, or pass --format hf",
     ),
     Rule(
         "--use-orig-params",

@@ -409,6 +409,10 @@ class ConvertPlan:
     parts: tuple = ()
     """SRC's ``Index.parts``: which file gave which top-level key, and the files carried
     unread; the keyed ones are left out when ``--nest``/``--unnest`` moved the top level."""
+    serializations: Mapping[str, str] = field(default_factory=dict)
+    """For ``torch-checkpointing`` from itself: how the source serialized each item."""
+    hf_config: object | None = None
+    """For ``hf``: the ``formats.hf_config.HfConfig`` whose files DST gets beside the weights."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:
@@ -438,6 +442,7 @@ def make_plan(
     max_shard_size: int | None = None,
     flat_model: object | None = None,
     use_orig_params: bool = False,
+    hf_config: object | None = None,
 ) -> ConvertPlan:
     """Return the plan that moves ``index``'s selected part into format ``fmt`` at ``world_size``."""
     form = format_named(fmt)
@@ -478,4 +483,6 @@ def make_plan(
             if p.key is None
             or (selection.nest is None and selection.unnest is None and p.key in tree)
         ),
+        MappingProxyType(dict(index.serializations or {}) if index.format == form.name else {}),
+        hf_config,
     )

@@ -149,6 +149,28 @@ def local_chunk(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
 
 
+def shard_chunk(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: list[int],
+    placements: Sequence[str],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Return ``(sizes, offsets)`` of the chunk the rank at ``coordinate`` holds, DTensor's way.
+
+    ``placements`` are labels, ``Shard(d)`` or ``Replicate``, one per mesh dimension.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    compute = private(
+        "torch.distributed.tensor._utils",
+        "_compute_local_shape_and_global_offset",
+        "reading torch_checkpointing shards needs",
+    )
+    placed = [Replicate() if p == "Replicate" else Shard(int(p[6:-1])) for p in placements]
+    sizes, offsets = compute(torch.Size(shape), tuple(mesh_shape), coordinate, placed)
+    return tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
+
+
 def mesh_world_size(mesh: Any) -> int:
     """Return how many ranks the job had whose device mesh (or a slice of it) was pickled as ``mesh``.
 

@@ -64,7 +64,8 @@ def convert(
         Layout,
         typer.Option(
             "--to",
-            help="Layout of DST: full (one file), sharded (DCP, one file per rank of --world-size) "
+            help="Layout of DST: full (one file), sharded (DCP, or --format torch-checkpointing; "
+            "one file per rank of --world-size) "
             "or local (per-rank files of one world size: --format fsdp2-ranks (default), "
             "fsdp1-sharded, fsdp1-local).",
         ),
@@ -76,7 +77,8 @@ def convert(
             metavar="FORMAT",
             help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
             "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
-            "model state only), lightning (sharded: DCP plus Lightning's meta.pt), "
+            "model state only), torch-checkpointing (sharded: torch_checkpointing's "
+            "CheckpointManager directory), lightning (sharded: DCP plus Lightning's meta.pt), "
             "fsdp1-sharded, fsdp1-local, torchtitan (a step-N directory torchtitan's "
             "CheckpointManager loads).",
         ),
@@ -125,6 +127,16 @@ def convert(
             "--max-shard-size",
             metavar="SIZE",
             help="For --format hf: the most tensor bytes per shard (default 5GB).",
+        ),
+    ] = None,
+    hf_config: Annotated[
+        str | None,
+        typer.Option(
+            "--hf-config",
+            metavar="DIR",
+            help="For --format hf: copy config.json (and generation, tokenizer and processor "
+            "files) from DIR into DST, so from_pretrained loads it; default: a config.json in "
+            "or beside SRC.",
         ),
     ] = None,
     optim_keys: Annotated[
@@ -244,6 +256,7 @@ def convert(
             trust_pickle=trust_pickle,
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
             src_local=src_local,
+            hf_config=hf_config,
             runtime=runtime,
             progress=Progress(
                 enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

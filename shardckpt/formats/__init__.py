@@ -25,6 +25,11 @@ from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
 from shardckpt.formats.lightning import META_FILE, LightningReader, LightningWriter
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
+from shardckpt.formats.torch_checkpointing import (
+    TorchCheckpointingReader,
+    is_torch_checkpointing_dir,
+)
+from shardckpt.formats.torch_checkpointing_write import TorchCheckpointingWriter
 from shardckpt.formats.torch_file import TorchReader, TorchWriter
 from shardckpt.formats.torchtitan import (
     TorchtitanReader,
@@ -106,6 +111,15 @@ FORMATS: dict[str, Format] = {
             keys_as_str=True,
             tells_whole=dcp_tells_whole,
             src_local=True,
+        ),
+        Format(
+            "torch-checkpointing",
+            "sharded",
+            "torch_checkpointing",
+            TorchCheckpointingReader,
+            TorchCheckpointingWriter,
+            directory=True,
+            tells_whole=_always,
         ),
         Format(
             "torch",
@@ -231,6 +245,8 @@ def detect(src: Path) -> str:
             if (src / META_FILE).is_file():
                 return "lightning"
             return "torchtitan" if looks_like_torchtitan(src) else "dcp"
+        if is_torch_checkpointing_dir(src):
+            return "torch-checkpointing"
         if (src / INDEX_FILE).is_file():
             return "hf"
         if looks_like(src):

@@ -51,6 +51,9 @@ class Index:
     """For a source made of several files: which file gives which top-level key, and
     which files are carried unread (never dropped silently: ``inspect`` lists them);
     Lightning's ``meta.pt`` is a part beside the DCP data."""
+    serializations: dict[str, str] | None = None
+    """For a format that stores each top-level item in files of its own (torch-checkpointing):
+    how each item is serialized, so an output in the same format stores it alike."""
 
     def tensors(self) -> list[tuple[tuple, TensorMeta]]:
         """Return ``(path, meta)`` for every tensor leaf, in tree order."""
@@ -94,6 +97,10 @@ class Reader(ABC):
         spread over the ranks' own disks says (``Format.src_local``).
         """
         raise NotImplementedError(f"{self.format} sources are read from one shared filesystem")
+
+    def notes(self) -> list[str]:
+        """Return what ``inspect`` should warn about this source that its index cannot show."""
+        return []
 
     def check_selected(self, tree: dict) -> None:
         """Raise when this source cannot give what ``tree`` (the part of its index to be read) holds.

@@ -9,7 +9,8 @@ FSDP2 training starts from, and ``dcp -> hf`` takes the ``model`` subtree back o
 Writing works like ``safetensors``: shards are planned from metadata alone (filled
 in tree order up to ``--max-shard-size``; a bigger tensor gets a shard of its own, as
 ``huggingface_hub.split_torch_state_dict_into_shards`` does), the coordinator writes
-each shard's header, every rank writes its rows into them, and the index comes last.
+each shard's header, every rank writes its rows into them, and the index comes last,
+after the model's ``config.json`` and friends (``shardckpt.formats.hf_config``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from safetensors import safe_open
 from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.files import os_error, source_file, writing
+from shardckpt.formats.hf_config import copy_files
 from shardckpt.formats.safetensors_file import layout, tensor_meta
 from shardckpt.regions import spread
 from shardckpt.tree import TensorMeta, dotted, model_leaves, model_prefix
@@ -109,6 +111,8 @@ class HfWriter(Writer):
         return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))
 
     def finish(self) -> None:
+        if self.plan.hf_config is not None:
+            copy_files(self.plan.hf_config, self.root)
         # Written last, so a directory with an index has all its shards.
         index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
         with writing(self.root / INDEX_FILE), open(self.root / INDEX_FILE, "w") as f:

@@ -329,3 +329,96 @@ def test_dtype_on_an_int_only_checkpoint_changes_nothing(tmp_path):
     argv = ["convert", tmp_path / "i.pt", tmp_path / "b.pt", "--to", "full", "--dtype", "bf16"]
     assert run([str(a) for a in argv]) == 0
     assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+
+
+# --hf-config (issue 11 item 3): config.json and friends beside the weights. These
+# configs name no architecture, so nothing is checked against transformers here
+# (tests/dist/test_hf_config.py loads real exports with from_pretrained).
+CONFIG = {"model_type": "tiny", "hidden_size": 48}
+
+
+def model_dir(path, **extra_files):
+    """Return ``path`` made into a model directory: config.json plus ``extra_files``."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    for name, text in extra_files.items():
+        (path / name).write_text(text)
+    return path
+
+
+def test_hf_config_copies_config_and_tokenizer_files_but_no_weights_or_trainer_state(src, tmp_path):
+    files = {
+        "generation_config.json": "{}",
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": "{}",
+        "special_tokens_map.json": "{}",
+        "merges.txt": "",
+        "model.safetensors": "weights",
+        "optimizer.pt": "state",
+        "trainer_state.json": "{}",
+        "train.py": "",
+    }
+    base = model_dir(tmp_path / "base", **files)
+    assert run(["convert", str(src), str(tmp_path / "out"), "--to", "full"]
+               + ["--format", "hf", "--hf-config", str(base), "-q"]) == 0  # fmt: skip
+    copied = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    expected = ["config.json", "generation_config.json", "merges.txt", "special_tokens_map.json"]
+    expected += ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(copied) == sorted([*expected, INDEX_FILE, "model-00001-of-00001.safetensors"])
+    assert all(copied[name] == (base / name).read_bytes() for name in expected)
+
+
+def test_code_that_auto_map_names_is_copied(src, tmp_path):
+    base = model_dir(tmp_path / "base", **{"modeling_tiny.py": "X = 1\n", "other.py": ""})
+    config = {**CONFIG, "auto_map": {"AutoModel": "modeling_tiny.Tiny"}}
+    (base / "config.json").write_text(json.dumps(config))
+    api.convert(src, tmp_path / "out", to="full", fmt="hf", hf_config=base)
+    assert (tmp_path / "out" / "modeling_tiny.py").read_text() == "X = 1\n"
+    assert not (tmp_path / "out" / "other.py").exists()
+
+
+def test_a_config_in_the_directory_src_sits_in_is_used_with_a_note(capsys, tmp_path):
+    ckpt = model_dir(tmp_path / "checkpoint-7", **{"optimizer.pt": "state"})
+    torch.save(training_tree(), ckpt / "full.pt")
+    assert run(["convert", str(ckpt / "full.pt"), str(tmp_path / "out"), "--to", "full"]
+               + ["--format", "hf", "-q"]) == 0  # fmt: skip
+    assert capsys.readouterr().err.strip() == (
+        f"shardckpt: note: copying config.json from '{ckpt}', where SRC is (pass "
+        "--hf-config DIR for another model's)"
+    )
+    assert (tmp_path / "out" / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
+    assert not (tmp_path / "out" / "optimizer.pt").exists()
+
+
+def test_hf_config_without_config_json_is_refused_before_anything_is_read(capsys, src, tmp_path):
+    (tmp_path / "empty").mkdir()
+    argv = ["convert", src, tmp_path / "out", "--to", "full", "--format", "hf"]
+    assert error_of(capsys, [*argv, "--hf-config", tmp_path / "empty"]) == (
+        2,
+        f"shardckpt: error: '{tmp_path / 'empty'}': --hf-config: no 'config.json' in this "
+        "directory: pass the directory of the model's config.json (its original directory or "
+        "a hub snapshot)",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_config_naming_the_file_asks_for_its_directory(capsys, src, tmp_path):
+    base = model_dir(tmp_path / "base")
+    argv = ["convert", src, tmp_path / "out", "--to", "full", "--format", "hf"]
+    assert error_of(capsys, [*argv, "--hf-config", base / "config.json"]) == (
+        2,
+        f"shardckpt: error: '{base / 'config.json'}': --hf-config: is a file; the option takes "
+        f"the directory holding config.json: pass --hf-config '{base}'",
+    )
+
+
+def test_a_config_json_that_is_not_json_is_named(capsys, src, tmp_path):
+    base = model_dir(tmp_path / "base")
+    (base / "config.json").write_text("{not json")
+    argv = ["convert", src, tmp_path / "out", "--to", "full", "--format", "hf"]
+    assert error_of(capsys, [*argv, "--hf-config", base]) == (
+        3,
+        f"shardckpt: error: '{base / 'config.json'}': is not a JSON object, so not a "
+        "transformers model config: copy config.json again from the model's directory or hub "
+        "repository",
+    )

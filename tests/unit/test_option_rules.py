@@ -43,6 +43,11 @@ NOT_APPLYING = [
         "--max-shard-size applies to --format hf only: drop --max-shard-size, or pass --format hf",
     ),
     (
+        ["--to", "full", "--hf-config", "."],
+        "--hf-config applies to --format hf only (it copies config.json beside the weights): "
+        "drop --hf-config, or pass --format hf",
+    ),
+    (
         ["--to", "full", "--use-orig-params"],
         "--use-orig-params applies to --format fsdp1-local output only (an fsdp1-local SRC says "
         "which layout it has): drop --use-orig-params",
@@ -161,6 +166,7 @@ def test_an_option_that_applies_is_accepted(src, tmp_path):
     [
         (CONVERT_RULES, Choice(to="full", fmt="torch", world_size=2), "--world-size"),
         (CONVERT_RULES, Choice(to="full", fmt="torch", max_shard_size=1), "--max-shard-size"),
+        (CONVERT_RULES, Choice(to="full", fmt="safetensors", hf_config="d"), "--hf-config"),
         (
             CONVERT_RULES,
             Choice(to="local", fmt="fsdp2-ranks", use_orig_params=True),
@@ -193,6 +199,7 @@ def test_the_table_refuses_each_option_where_it_does_not_apply(rules, choice, op
     [
         (CONVERT_RULES, Choice(to="sharded", fmt="dcp", world_size=2)),
         (CONVERT_RULES, Choice(to="full", fmt="hf", max_shard_size=1)),
+        (CONVERT_RULES, Choice(to="full", fmt="hf", hf_config="d")),
         (
             CONVERT_RULES,
             Choice(
