@@ -80,6 +80,11 @@ log "installing shardckpt (editable) with the extras: $extras"
 # pyproject's range becomes a resolver error instead of a silent multi-GB download.
 printf 'torch==%s\n' "$torch_version" >"$constraints"
 pip_install -c "$constraints" -e ".[$extras]"
+if [[ ",$extras," == *",trainers,"* ]]; then
+    # torchtitan's checkpoint code needs only what the trainers extra lists; its own
+    # requirements would pull ~1.5 GB of data and logging packages (see pyproject.toml).
+    pip_install -c "$constraints" --no-deps torchtitan==0.3.0
+fi
 "$venv/bin/python" -c 'import torch' || {
     log "torch $torch_version is installed but does not import (error above)"
     exit 1

@@ -29,3 +29,11 @@ def fsdp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Fsdp2Checkpoint:
     """Return a DCP checkpoint saved by FSDP2 at world size 4 and its full reference."""
     root = tmp_path_factory.mktemp("fsdp2_ckpt")
     return make_fsdp2_dcp(root / "dcp", root / "ref.pt", world_size=4, steps=2)
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Return the demo's checkpoint as ``bash scripts/demo.sh`` makes it: FSDP2, 2 ranks, 3 steps."""
+    root = tmp_path_factory.mktemp("demo")
+    make_fsdp2_dcp(root / "ckpt-dcp", root / "ref.pt", world_size=2, steps=3)
+    return root / "ckpt-dcp"

@@ -34,7 +34,7 @@ from shardckpt.progress import Progress
 EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
     "  shardckpt convert .demo/ckpt-dcp .demo/full.pt --to full\n\n"
-    "  torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/ckpt-dcp .demo/model.safetensors --to full --only model\n\n"
+    "  shardckpt convert .demo/ckpt-dcp .demo/model.safetensors --to full --only model\n\n"
     "  torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/full.pt .demo/ckpt-2 --to sharded\n\n"
     "  shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2\n\n"
     "  shardckpt convert .demo/full.pt .demo/ckpt-at-8 --to sharded --world-size 8\n\n"

@@ -78,7 +78,7 @@ class LightningReader(Reader):
         # Lightning merges with dict.update: the DCP keys first, then meta.pt's.
         tree.update(meta)
         parts = tuple(SourcePart(META_FILE, "torch", key) for key in meta)
-        return Index(self.format, str(self.src), index.world_size, tree, parts)
+        return Index(self.format, str(self.src), index.world_size, tree, parts=parts)
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime

@@ -101,7 +101,9 @@ class PartsReader(Reader):
         described = tuple(SourcePart(p.file, p.reader.format, p.key) for p in self.parts) + tuple(
             self.carried
         )
-        self._index = Index(self.format, str(self.src), self.world_size(indexes), tree, described)
+        self._index = Index(
+            self.format, str(self.src), self.world_size(indexes), tree, parts=described
+        )
         return self._index
 
     def read(

@@ -331,7 +331,9 @@ class TorchCheckpointingReader(Reader):
             key: (item.serialization if item is not None else TORCH)
             for key, item in self.items.items()
         }
-        return Index(self.format, str(self.src), self.world_size, self._tree, serializations)
+        return Index(
+            self.format, str(self.src), self.world_size, self._tree, serializations=serializations
+        )
 
     def notes(self) -> list[str]:
         return [

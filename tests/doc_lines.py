@@ -1,0 +1,70 @@
+"""Run documented command lines as a user pastes them, most of them in this process.
+
+A plain ``shardckpt …`` line runs in-process (``cli.run``): a few seconds of Python and
+torch start-up saved per line. A line that needs a shell or a launch (``torchrun``,
+``&&``, a pipe) runs in bash with the user's PATH (``user_shell.user_env``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from user_shell import REPO, user_env
+
+from shardckpt.cli import run
+
+
+def workspace(tmp_path: Path, demo: Path) -> Path:
+    """Return a checkout-like directory: examples/ and a fresh .demo/ holding the checkpoint."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / ".demo").mkdir()
+    (tmp_path / ".demo" / "ckpt-dcp").symlink_to(demo)
+    return tmp_path
+
+
+def run_line(line: str, cwd: Path, env: dict[str, str], capfd) -> tuple[int, str]:
+    """Run one command line as a user would; return its exit code and output."""
+    words = shlex.split(line, comments=True)
+    assignments = {}
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        assignments[name] = value
+    in_process = words[0] == "shardckpt" and not re.search(r"[|&;<>]", line)
+    if not in_process:
+        done = subprocess.run(
+            ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+        )
+        return done.returncode, done.stdout + done.stderr
+    added = [os.path.join(cwd, p) for p in assignments.pop("PYTHONPATH", "").split(":") if p]
+    assert not assignments, f"{line}: only PYTHONPATH= is understood in-process"
+    old_cwd, old_path = os.getcwd(), list(sys.path)
+    os.chdir(cwd)
+    sys.path[:0] = added
+    try:
+        code = run(words[1:])
+    finally:
+        os.chdir(old_cwd)
+        sys.path[:] = old_path
+    out, err = capfd.readouterr()
+    return code, out + err
+
+
+def run_all(lines: list[str], cwd: Path, capfd, outputs: list[str] | None = None) -> list[str]:
+    """Run ``lines`` in order in ``cwd``; return a report of each line that failed.
+
+    Each line's output is appended to ``outputs`` when given.
+    """
+    env = user_env(cwd / ".bin", OMP_NUM_THREADS="1")
+    failed = []
+    for line in lines:
+        code, output = run_line(line, cwd, env, capfd)
+        if outputs is not None:
+            outputs.append(output)
+        if code != 0:
+            failed.append(f"{line}\n  -> exit {code}\n{output}")
+    return failed
