@@ -28,7 +28,7 @@ from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.files import os_error, source_file, writing
 from shardckpt.formats.hf_config import copy_files
-from shardckpt.formats.safetensors_file import layout, tensor_meta
+from shardckpt.formats.safetensors_file import layout, opened, tensor_meta
 from shardckpt.regions import spread
 from shardckpt.tree import TensorMeta, dotted, model_leaves, model_prefix
 
@@ -196,22 +196,11 @@ class HfReader(Reader):
                 hint="copy every *.safetensors shard of the checkpoint",
             )
         source_file(path)
-        try:
-            with safe_open(path, framework="pt") as f:
-                # File order: the writer's tree order for our own output.
-                keys = list(f.offset_keys())
-                present = [k for k in keys if k in wanted]
-                metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
-        except BadInputError:
-            raise
-        except OSError as exc:
-            raise os_error(exc, path) from None
-        except Exception as exc:
-            raise BadInputError(
-                f"not a readable safetensors file ({type(exc).__name__}: {exc})",
-                path=path,
-                hint="the shard is truncated or damaged; re-copy it",
-            ) from None
+        with opened(path, "the shard is truncated or damaged; re-copy it") as f:
+            # File order: the writer's tree order for our own output.
+            keys = list(f.offset_keys())
+            present = [k for k in keys if k in wanted]
+            metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
         missing = sorted(wanted - set(present))
         if missing:
             raise BadInputError(

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,22 @@ def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
     return TensorMeta(key, tuple(sl.get_shape()), dtype)
 
 
+@contextmanager
+def opened(path: Path, hint: str) -> Iterator:
+    """Yield ``safe_open(path)``; a failure while it is open becomes one line naming ``path``."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except BadInputError:
+        raise
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    except Exception as exc:
+        raise BadInputError(
+            f"not a readable safetensors file ({type(exc).__name__}: {exc})", path=path, hint=hint
+        ) from None
+
+
 class SafetensorsReader(Reader):
     """Reads a ``.safetensors`` file: the header for metadata, ``get_slice`` for rows."""
 
@@ -73,20 +90,10 @@ class SafetensorsReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         source_file(self.src)
-        try:
-            with safe_open(self.src, framework="pt") as f:
-                self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
-                self._header_metadata = f.metadata() or {}
-        except BadInputError:
-            raise
-        except OSError as exc:
-            raise os_error(exc, self.src) from None
-        except Exception as exc:
-            raise BadInputError(
-                f"not a readable safetensors file ({type(exc).__name__}: {exc})",
-                path=self.src,
-                hint=f"the file is truncated or in another format; name its format with {SRC_FORMAT}",
-            ) from None
+        hint = f"the file is truncated or in another format; name its format with {SRC_FORMAT}"
+        with opened(self.src, hint) as f:
+            self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
+            self._header_metadata = f.metadata() or {}
 
     def index(self) -> Index:
         encoded = self._header_metadata.get(TREE_KEY)

@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
-from shardckpt.formats.files import os_error, source_file
+from shardckpt.formats.files import source_file
 from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
-from shardckpt.formats.safetensors_file import tensor_meta
+from shardckpt.formats.safetensors_file import opened, tensor_meta
 from shardckpt.formats.torch_checkpointing_metadata import (
     METADATA_FILE,
     SAFETENSORS,
@@ -182,19 +182,8 @@ class TorchCheckpointingReader(Reader):
         tree: dict = {}
         for rank in range(self.world_size):
             path = source_file(self._path(key, rank))
-            try:
-                with safe_open(path, framework="pt") as f:
-                    held = {k: tensor_meta(path, k, f.get_slice(k)) for k in f.keys()}
-            except BadInputError:
-                raise
-            except OSError as exc:
-                raise os_error(exc, path) from None
-            except Exception as exc:
-                raise BadInputError(
-                    f"not a readable safetensors file ({type(exc).__name__}: {exc})",
-                    path=path,
-                    hint="the file is truncated or damaged; re-copy it",
-                ) from None
+            with opened(path, "the file is truncated or damaged; re-copy it") as f:
+                held = {k: tensor_meta(path, k, f.get_slice(k)) for k in f.keys()}
             for tpath, sharding in item.tensors.items():
                 name, sizes = dotted(tpath), sharding.chunks[rank][0]
                 meta = held.pop(name, None)
