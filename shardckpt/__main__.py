@@ -2,7 +2,7 @@
 
 The CLI imports torch, which takes seconds. A signal in that time must end the process
 with the shell's code and one line, not a traceback from inside an import, so signals
-are recorded (``shardckpt.signals.defer``) before anything heavy is imported.
+are recorded (``shardckpt.core.signals.defer``) before anything heavy is imported.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 def main() -> None:
     """Run the CLI; a signal while it starts up ends it as soon as it can act on it."""
     try:
-        from shardckpt import signals
+        from shardckpt.core import signals
 
         signals.defer()
-        from shardckpt.cli import main as cli_main
+        from shardckpt.cli.app import main as cli_main
     except KeyboardInterrupt:  # before defer() took over: a fraction of a millisecond
         print("shardckpt: interrupted by SIGINT", file=sys.stderr)
         sys.exit(130)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from user_shell import REPO, user_env
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 def workspace(tmp_path: Path, demo: Path) -> Path:

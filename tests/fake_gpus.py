@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from shardckpt import dist as shardckpt_dist
-from shardckpt.cli import run
+from shardckpt.cli.app import run
+from shardckpt.core import dist as shardckpt_dist
 
 _real_join = shardckpt_dist._join_device
 

@@ -11,9 +11,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
-from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
-from shardckpt.tree import subtree, walk
+from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
+from shardckpt.formats.ranks.sharded_tensor_load import StoredShardedTensor, load_rank_file
+from shardckpt.state.tree import subtree, walk
 
 
 def tensor_bytes(file: Path) -> tuple[int, int]:

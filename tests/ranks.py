@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardckpt import api
-from shardckpt.dist import Runtime
-from shardckpt.errors import ShardckptError
+from shardckpt.api import library as api
+from shardckpt.core.dist import Runtime
+from shardckpt.core.errors import ShardckptError
 
 
 def world_runtime() -> Runtime:

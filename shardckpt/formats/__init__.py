@@ -9,36 +9,36 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.flat_layout import FlatModel
-from shardckpt.formats.accelerate import AccelerateReader, AccelerateWriter, looks_like
+from shardckpt.core.errors import SRC_FORMAT, BadInputError, ShardckptError, UsageError
+from shardckpt.core.files import os_error, source_file, source_stat
+from shardckpt.core.sight import Sight
 from shardckpt.formats.base import Index, Reader, Writer
-from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
-from shardckpt.formats.dcp_write import DcpWriter
-from shardckpt.formats.files import os_error, source_file, source_stat
-from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
-from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
-from shardckpt.formats.fsdp1_write import Fsdp1LocalWriter, Fsdp1ShardedWriter
-from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
-from shardckpt.formats.fsdp2_ranks_write import Fsdp2RanksWriter
-from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
-from shardckpt.formats.lightning import META_FILE, LightningReader, LightningWriter
-from shardckpt.formats.rank_names import is_rank_dir
-from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
-from shardckpt.formats.torch_checkpointing import (
+from shardckpt.formats.dcp.reader import METADATA_FILE, DcpReader, dcp_tells_whole
+from shardckpt.formats.dcp.writer import DcpWriter
+from shardckpt.formats.fsdp1.flat_layout import FlatModel
+from shardckpt.formats.fsdp1.local import Fsdp1LocalReader, detect_rank_format
+from shardckpt.formats.fsdp1.sharded import Fsdp1ShardedReader
+from shardckpt.formats.fsdp1.writer import Fsdp1LocalWriter, Fsdp1ShardedWriter
+from shardckpt.formats.fsdp2.reader import Fsdp2RanksReader
+from shardckpt.formats.fsdp2.writer import Fsdp2RanksWriter
+from shardckpt.formats.hf.safetensors_file import SafetensorsReader, SafetensorsWriter
+from shardckpt.formats.hf.sharded import INDEX_FILE, HfReader, HfWriter, model_tree
+from shardckpt.formats.ranks.rank_names import is_rank_dir
+from shardckpt.formats.torch_save.file import TorchReader, TorchWriter
+from shardckpt.formats.trainers.accelerate import AccelerateReader, AccelerateWriter, looks_like
+from shardckpt.formats.trainers.lightning import META_FILE, LightningReader, LightningWriter
+from shardckpt.formats.trainers.torch_checkpointing.reader import (
     TorchCheckpointingReader,
     is_torch_checkpointing_dir,
 )
-from shardckpt.formats.torch_checkpointing_write import TorchCheckpointingWriter
-from shardckpt.formats.torch_file import TorchReader, TorchWriter
-from shardckpt.formats.torchtitan import (
+from shardckpt.formats.trainers.torch_checkpointing.writer import TorchCheckpointingWriter
+from shardckpt.formats.trainers.torchtitan import (
     TorchtitanReader,
     components,
     titan_tree,
     world_size_notes,
 )
-from shardckpt.formats.torchtitan import looks_like as looks_like_torchtitan
-from shardckpt.sight import Sight
+from shardckpt.formats.trainers.torchtitan import looks_like as looks_like_torchtitan
 
 
 def _never(_index: Index) -> bool:
@@ -292,6 +292,17 @@ def detect(src: Path) -> str:
     )
 
 
+def holds_checkpoint(directory: Path) -> bool:
+    """Return whether ``directory`` is empty or holds a checkpoint of a format shardckpt detects."""
+    try:
+        if not any(directory.iterdir()):
+            return True
+        detect(directory)
+    except (ShardckptError, OSError):
+        return False
+    return True
+
+
 def open_reader(
     src: str | os.PathLike,
     fmt: str | None = None,
@@ -341,5 +352,6 @@ __all__ = [
     "default_format",
     "detect",
     "format_named",
+    "holds_checkpoint",
     "open_reader",
 ]

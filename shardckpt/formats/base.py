@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.errors import BadInputError
-from shardckpt.placement import shared
-from shardckpt.regions import Piece, Record, Region
-from shardckpt.tree import TensorMeta, tensor_leaves
+from shardckpt.core.errors import BadInputError
+from shardckpt.core.placement import shared
+from shardckpt.state.regions import Piece, Record, Region
+from shardckpt.state.tree import TensorMeta, tensor_leaves
 
 # Rows [start, stop) of dim 0, or None for the whole tensor.
 Rows = tuple[int, int] | None
@@ -93,7 +93,7 @@ class Reader(ABC):
         """Return ``rows`` of ``meta`` cut where the files holding them change, with those files.
 
         File names are relative to SRC (``""`` is a one-file SRC itself), as
-        ``shardckpt.sight`` lists them. Only a format that can be read from files
+        ``shardckpt.core.sight`` lists them. Only a format that can be read from files
         spread over the ranks' own disks says (``Format.src_local``).
         """
         raise NotImplementedError(f"{self.format} sources are read from one shared filesystem")
@@ -116,7 +116,7 @@ class Frame:
     """What framing left for one process to do: regions to fill, and the checksums it owes."""
 
     regions: list[Region] = field(default_factory=list)
-    """The regions this process fills (``shardckpt.regions``)."""
+    """The regions this process fills (``shardckpt.state.regions``)."""
     records: list[Record] = field(default_factory=list)
     """The zip records this process framed, whose CRC-32 is patched once every rank wrote."""
     pieces: list[Piece] = field(default_factory=list)
@@ -124,7 +124,7 @@ class Frame:
 
 
 class Writer(ABC):
-    """Writes one output format from a plan, in three steps the engine (``shardckpt/engine.py``) runs:
+    """Writes one output format from a plan, in three steps the engine (``shardckpt/engine/fill.py``) runs:
 
     1) ``frame(runtime)`` (every process): lay the files out from the plan alone
        (headers, ``torch.save`` skeletons) and return this process's ``Frame``;
@@ -136,7 +136,7 @@ class Writer(ABC):
     def __init__(self, root: Path, plan):
         self.root = root
         self.plan = plan
-        # Which target ranks' files each process writes (``shardckpt.placement``); set by
+        # Which target ranks' files each process writes (``shardckpt.core.placement``); set by
         # ``api.convert`` once DST is open, None for a DST every rank sees.
         self.placement = None
 
@@ -179,17 +179,6 @@ def read_grouped(
             out[i] = t
         left = later
     return out  # type: ignore[return-value]
-
-
-def contiguous_bytes(tensor: torch.Tensor) -> memoryview:
-    """Return the raw bytes of ``tensor`` (on CPU, contiguous) without copying when possible."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def too_deep(path: str | os.PathLike) -> BadInputError:

@@ -21,9 +21,9 @@ import torch
 from harness import run_ranks
 from rank_bytes import file_hashes
 
-from shardckpt import api
-from shardckpt.cli import run
-from shardckpt.render import inspection_json
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
+from shardckpt.cli.render import inspection_json
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.trainers

@@ -15,8 +15,8 @@ import meshes
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 
 DAMAGED = (
     "the .metadata is damaged or was not written by torch.distributed.checkpoint; "

@@ -18,8 +18,8 @@ import fake_gpus
 import pytest
 import torch
 
-from shardckpt.dist import device_for
-from shardckpt.errors import UsageError
+from shardckpt.core.dist import device_for
+from shardckpt.core.errors import UsageError
 
 WORLD = 2
 ONLY_ONE = (

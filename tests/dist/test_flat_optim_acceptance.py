@@ -10,7 +10,7 @@ import torch
 import flat_optim_ranks
 from harness import run_ranks
 from reference import assert_trees_equal, example
-from shardckpt import api
+from shardckpt.api import library as api
 
 
 @pytest.fixture(scope="module")

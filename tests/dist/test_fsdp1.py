@@ -14,13 +14,13 @@ import ranks
 from harness import run_ranks
 from rank_bytes import assert_each_file_holds_only_its_own_bytes
 from reference import assert_trees_equal
-from shardckpt import api
-from shardckpt.errors import BadInputError, UsageError
-from shardckpt.formats.sharded_tensor_load import StoredShardedTensor, load_rank_file
-from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
+from shardckpt.api import library as api
+from shardckpt.core.errors import BadInputError, UsageError
+from shardckpt.formats.ranks.sharded_tensor_load import StoredShardedTensor, load_rank_file
+from shardckpt.formats.fsdp1.sharded_tensor_record import ShardedTensorRecord
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor.shard import Shard
-from shardckpt.tree import subtree, walk
+from shardckpt.state.tree import subtree, walk
 
 MODEL = "fsdp1_jobs:build_model"
 WRAP = ["fsdp1_jobs:Block"]

@@ -15,10 +15,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal, dcp_to_torch_save_reference, load_dcp_into_fsdp2
-from shardckpt import api
-from shardckpt.cli import run
-from shardckpt.formats.safetensors_file import TREE_KEY
-from shardckpt.formats.json_values import decode_tree
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
+from shardckpt.formats.hf.safetensors_file import TREE_KEY
+from shardckpt.codecs.json_values import decode_tree
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from harness import run_ranks
 from reference import assert_trees_equal, load_dcp_model_into_fsdp2
 from safetensors.torch import load_file
 
-from shardckpt import api
-from shardckpt.formats.hf import INDEX_FILE
+from shardckpt.api import library as api
+from shardckpt.formats.hf.sharded import INDEX_FILE
 
 LIMIT = 8000  # bytes per shard: the example model needs several
 

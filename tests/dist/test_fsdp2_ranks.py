@@ -17,10 +17,10 @@ import fsdp2_ranks_jobs as jobs
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal, load_dcp_into_fsdp2
-from shardckpt import api
-from shardckpt.cli import run
-from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
-from shardckpt.tree import walk
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
+from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
+from shardckpt.state.tree import walk
 
 
 @dataclass(frozen=True)

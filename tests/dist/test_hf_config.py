@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness import run_ranks
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 pytestmark = pytest.mark.trainers
 # No download: the model is built here, and every load names a local directory.

@@ -15,7 +15,7 @@ import ranks
 from harness import run_ranks
 from rank_bytes import file_hashes
 
-from shardckpt import api
+from shardckpt.api import library as api
 
 MODEL = {
     "only": "model",

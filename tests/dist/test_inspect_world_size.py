@@ -14,8 +14,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from reference import make_fsdp2_dcp
 
-from shardckpt.cli import run
-from shardckpt.formats.dim0_split import torch_split
+from shardckpt.cli.app import run
+from shardckpt.formats.ranks.dim0_split import torch_split
 
 
 def inspected(capsys, src) -> dict:

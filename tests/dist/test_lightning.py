@@ -15,7 +15,8 @@ from reference import assert_trees_equal
 
 import lightning_jobs
 from harness import run_ranks
-from shardckpt import api, render
+from shardckpt.api import library as api
+from shardckpt.cli import render
 
 pytestmark = pytest.mark.trainers
 lightning_load = pytest.importorskip("lightning.fabric.utilities.load")

@@ -23,8 +23,8 @@ import fsdp2_ranks_jobs as jobs
 from harness import run_ranks
 from rank_bytes import assert_each_file_holds_only_its_own_bytes
 from reference import assert_trees_equal, load_dcp_into_fsdp2
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 
 MODEL = "fsdp2_ranks_jobs:build_model"
 

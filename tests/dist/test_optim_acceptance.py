@@ -11,9 +11,9 @@ import optim_ranks
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal, example, load_dcp_into_fsdp2
-from shardckpt import api
-from shardckpt.model import params_of
-from shardckpt.optim import fqns_to_ids, groups_from_model, ids_to_fqns, rekey
+from shardckpt.api import library as api
+from shardckpt.state.model import params_of
+from shardckpt.state.optim import fqns_to_ids, groups_from_model, ids_to_fqns, rekey
 
 MODEL = "optim_models:tinylm_with_groups"
 

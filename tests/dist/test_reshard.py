@@ -19,7 +19,7 @@ from reference import (
     load_dcp_into_fsdp2,
     make_fsdp2_dcp,
 )
-from shardckpt import api
+from shardckpt.api import library as api
 
 _DATA_FILE = re.compile(r"^__(\d+)_0\.distcp$")
 

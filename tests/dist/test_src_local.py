@@ -24,8 +24,8 @@ import ranks
 from harness import run_ranks
 from rank_bytes import assert_rank_files_hold_torchs_shards, file_hashes
 from reference import assert_trees_equal, load_dcp_into_fsdp2
-from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
-from shardckpt.tree import subtree, walk
+from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
+from shardckpt.state.tree import subtree, walk
 
 pytestmark = pytest.mark.timeout(300)
 

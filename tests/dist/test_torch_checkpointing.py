@@ -17,8 +17,8 @@ import torch_checkpointing_jobs as jobs
 from harness import run_ranks
 from reference import assert_trees_equal
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 
 pytestmark = pytest.mark.trainers
 pytest.importorskip("torch_checkpointing")

@@ -16,8 +16,8 @@ import torch
 import titan_ranks
 from harness import run_ranks
 from reference import assert_trees_equal, dcp_to_torch_save_reference, example
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 
 
 @pytest.fixture(scope="module")

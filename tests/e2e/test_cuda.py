@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 pytestmark = [
     pytest.mark.cuda,

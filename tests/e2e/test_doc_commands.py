@@ -19,7 +19,7 @@ import pytest
 from doc_lines import run_all, workspace
 from user_shell import REPO
 
-from shardckpt.commands import convert, diff, inspect
+from shardckpt.cli import convert, diff, inspect
 
 DOCS = REPO / "docs"
 # Pages about a trainer's own directory run on what that trainer saves, not on the

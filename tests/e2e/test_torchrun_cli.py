@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
@@ -84,7 +84,7 @@ def test_torchrun_failure_prints_the_error_once_and_fails(tmp_path, argv):
     ]
     # torchrun's root-cause summary carries our line, not a Python stack of ours.
     root_cause = proc.stderr.split("Root Cause")[-1]
-    assert "shardckpt: error:" in root_cause and "shardckpt/cli.py" not in root_cause
+    assert "shardckpt: error:" in root_cause and "shardckpt/cli/app.py" not in root_cause
     assert not (tmp_path / "out.pt").exists()
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 from shardckpt.formats import detect
-from shardckpt.formats.accelerate import world_size_note
+from shardckpt.formats.trainers.accelerate import world_size_note
 
 
 def _dcp(path, state: dict) -> None:

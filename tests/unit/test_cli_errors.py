@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 class Evil:

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 import typer
 from optim_models import tiny
 
-from shardckpt.cli import app, run
-from shardckpt.errors import SRC_FORMAT
+from shardckpt.cli.app import app, run
+from shardckpt.core.errors import SRC_FORMAT
 
 _OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from shardckpt.cli import run
-from shardckpt.progress import Progress, human_bytes
+from shardckpt.cli.app import run
+from shardckpt.core.progress import Progress, human_bytes
 
 
 def test_convert_json_is_one_document_with_the_spec_keys(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardckpt import __version__
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 @pytest.fixture

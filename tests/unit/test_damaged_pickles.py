@@ -15,7 +15,7 @@ import pickle_payloads as payloads
 import pytest
 import torch
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 RECOPY = "re-copy it from where it was written"
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from shardckpt.formats.dcp_check import _first_overlap
+from shardckpt.formats.dcp.check import _first_overlap
 
 
 def _overlap_by_brute_force(boxes) -> bool:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 
 DAMAGED = (
     "the .metadata is damaged or was not written by torch.distributed.checkpoint; "

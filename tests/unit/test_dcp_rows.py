@@ -1,6 +1,6 @@
 """Rows of a DCP source are read from the chunks' own bytes, bit-exact with DCP's loader.
 
-``shardckpt.formats.dcp_rows`` reads a batch of rows with ``preadv`` from where torch's
+``shardckpt.formats.dcp.rows`` reads a batch of rows with ``preadv`` from where torch's
 loader says a chunk's storage lies; a chunk it cannot place (not stored row after row)
 goes through ``dcp.load``. Both are checked against ``dcp_to_torch_save``, torch's own
 reading of the same directory.
@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardckpt import api
-from shardckpt.formats import dcp as dcp_format
-from shardckpt.formats.dcp import DcpReader
+from shardckpt.api import library as api
+from shardckpt.formats.dcp import reader as dcp_format
+from shardckpt.formats.dcp.reader import DcpReader
 
 
 def _source(tmp_path):

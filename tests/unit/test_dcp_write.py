@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 from shardckpt.formats import open_reader
 
 # ---------------------------------------------------------------- empty mappings

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardckpt.cli import run
-from shardckpt.lock import FileLock
+from shardckpt.cli.app import run
+from shardckpt.core.lock import FileLock
 
 
 def lines_of(capsys, argv):
@@ -298,7 +298,7 @@ def test_a_dst_suffix_that_contradicts_the_format_is_a_usage_error(capsys, small
 
 
 def test_a_failed_verify_leaves_no_dst_and_says_where(capsys, small, monkeypatch):
-    from shardckpt import engine
+    from shardckpt.engine import fill as engine
 
     real = engine.contiguous_bytes
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 def diff_json(capsys, a, b):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from optim_models import trained
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 @pytest.fixture(scope="module")

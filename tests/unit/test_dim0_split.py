@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardckpt.formats.dim0_split import (
+from shardckpt.formats.ranks.dim0_split import (
     WorldSizes,
     consistent_world_sizes,
     describe_chunks,
     infer_world_sizes,
     torch_split,
 )
-from shardckpt.tree import Chunk
+from shardckpt.state.tree import Chunk
 
 
 def chunks_of(n: int, world_size: int, cols: int = 3) -> tuple[Chunk, ...]:

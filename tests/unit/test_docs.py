@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from shardckpt.cli import app, run
+from shardckpt.cli.app import app, run
 from shardckpt.formats import FORMATS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

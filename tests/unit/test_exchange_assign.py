@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardckpt.dist import Runtime
-from shardckpt.errors import BadInputError
-from shardckpt.exchange import assign
-from shardckpt.sight import Sight, listing
-from shardckpt.tree import TensorMeta
+from shardckpt.core.dist import Runtime
+from shardckpt.core.errors import BadInputError
+from shardckpt.core.sight import Sight, listing
+from shardckpt.engine.exchange import assign
+from shardckpt.state.tree import TensorMeta
 
 # A 10 x 4 fp32 tensor stored as rows 0-4 in "a" and rows 5-9 in "b" (16 bytes a row).
 META = {"w": TensorMeta("w", (10, 4), torch.float32)}

@@ -9,15 +9,16 @@ import torch
 from reference import assert_trees_equal
 from safetensors.torch import load_file, save_file
 
-from shardckpt import api, engine
-from shardckpt.dist import Runtime
+from shardckpt.api import library as api
+from shardckpt.core.dist import Runtime
+from shardckpt.core.progress import Progress
+from shardckpt.engine import fill as engine
 from shardckpt.formats import detect, open_reader
 from shardckpt.formats.base import Reader
-from shardckpt.formats.safetensors_file import SafetensorsWriter
-from shardckpt.formats.torch_file import TorchWriter
-from shardckpt.plan import ConvertPlan
-from shardckpt.progress import Progress
-from shardckpt.tree import TensorMeta, map_leaves, walk
+from shardckpt.formats.hf.safetensors_file import SafetensorsWriter
+from shardckpt.formats.torch_save.file import TorchWriter
+from shardckpt.plan.plan import ConvertPlan
+from shardckpt.state.tree import TensorMeta, map_leaves, walk
 
 
 def odd_tree() -> dict:

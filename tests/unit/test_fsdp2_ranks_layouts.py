@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
 
-from shardckpt.formats.fsdp2_ranks import describe_placements
+from shardckpt.formats.fsdp2.reader import describe_placements
 
 
 def test_layouts_name_each_placement_over_each_mesh_dimension():

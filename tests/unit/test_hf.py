@@ -10,11 +10,11 @@ from reference import assert_trees_equal
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 from shardckpt.formats import detect
-from shardckpt.formats.hf import INDEX_FILE, plan_shards
-from shardckpt.tree import TensorMeta
+from shardckpt.formats.hf.sharded import INDEX_FILE, plan_shards
+from shardckpt.state.tree import TensorMeta
 
 LIMIT = 4000  # bytes per shard: small enough that the tree below needs several
 

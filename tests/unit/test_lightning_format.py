@@ -16,11 +16,11 @@ import pytest
 import torch
 from reference import assert_trees_equal
 
-from shardckpt import api
-from shardckpt.errors import BadInputError, UnsafePickleError
+from shardckpt.api import library as api
+from shardckpt.core.errors import BadInputError, UnsafePickleError
 from shardckpt.formats import detect
-from shardckpt.formats.lightning import in_meta
-from shardckpt.tree import TensorMeta
+from shardckpt.formats.trainers.lightning import in_meta
+from shardckpt.state.tree import TensorMeta
 
 pytestmark = pytest.mark.trainers
 

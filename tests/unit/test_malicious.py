@@ -17,7 +17,7 @@ from pathlib import Path
 import pickle_payloads as payloads
 import pytest
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 HINT = ": pass --trust-pickle only if you trust this file"
 

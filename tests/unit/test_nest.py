@@ -8,12 +8,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardckpt import api
-from shardckpt.cli import run
-from shardckpt.errors import UsageError
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
+from shardckpt.core.errors import UsageError
 from shardckpt.formats.base import Index
-from shardckpt.plan import Selection, select
-from shardckpt.tree import TensorMeta
+from shardckpt.plan.plan import Selection, select
+from shardckpt.state.tree import TensorMeta
 
 W = TensorMeta("w", (7, 3), torch.float32)
 B = TensorMeta("b", (7,), torch.float32)

@@ -10,8 +10,8 @@ from optim_models import groups, tiny, trained
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from shardckpt.model import params_of
-from shardckpt.optim import (
+from shardckpt.state.model import params_of
+from shardckpt.state.optim import (
     Candidate,
     OrderError,
     RekeyError,

@@ -11,7 +11,7 @@ from optim_models import trained
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 
 
 def error_of(capsys, argv):

@@ -12,11 +12,11 @@ from optim_models import groups, trained
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from shardckpt.cast import cast_tree
-from shardckpt.cli import run
-from shardckpt.model import params_of
-from shardckpt.optim import OrderError, RekeyError, flatten, key_type, rekey, unflatten
-from shardckpt.tree import (
+from shardckpt.cli.app import run
+from shardckpt.plan.cast import cast_tree
+from shardckpt.state.model import params_of
+from shardckpt.state.optim import OrderError, RekeyError, flatten, key_type, rekey, unflatten
+from shardckpt.state.tree import (
     FlatKey,
     TensorMeta,
     clean_fqn,

@@ -1,7 +1,7 @@
 """One rule for options (issue 10, item 5): an option that does not apply is a usage error.
 
 So is a single-valued option given twice. The table of which option applies where is
-``shardckpt/applies.py``; these cases run the real CLI on real files.
+``shardckpt/api/applies.py``; these cases run the real CLI on real files.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from optim_models import tiny
 
-from shardckpt.applies import CONVERT_RULES, INSPECT_RULES, Choice, check
-from shardckpt.cli import run
-from shardckpt.errors import UsageError
+from shardckpt.api.applies import CONVERT_RULES, INSPECT_RULES, Choice, check
+from shardckpt.cli.app import run
+from shardckpt.core.errors import UsageError
 
 
 @pytest.fixture(scope="module")

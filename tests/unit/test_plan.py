@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardckpt.errors import BadInputError, UsageError
+from shardckpt.core.errors import BadInputError, UsageError
+from shardckpt.core.placement import Placement, shared
 from shardckpt.formats.base import Index
-from shardckpt.optim import ModelParams
-from shardckpt.placement import Placement, shared
-from shardckpt.plan import (
+from shardckpt.plan.plan import (
     SKIP,
     Selection,
     batches,
@@ -19,7 +18,8 @@ from shardckpt.plan import (
     select,
     stays_whole,
 )
-from shardckpt.tree import Chunk, TensorMeta
+from shardckpt.state.optim import ModelParams
+from shardckpt.state.tree import Chunk, TensorMeta
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 7, 97])

@@ -13,8 +13,8 @@ import fsdp1_jobs
 import pytest
 import torch
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 
 # FSDP splits optimizer state as it splits parameters, so no --model is needed here.
 EXP_AVG = 256 * 1024  # float32 elements: 1 MiB, 512 KiB per rank at 2
@@ -67,7 +67,7 @@ def test_a_full_disk_while_writing_a_rank_file_is_one_line(optim_only, small_fs,
 _INSPECT_ALL = textwrap.dedent(
     """
     import contextlib, io, json, sys
-    from shardckpt.cli import run
+    from shardckpt.cli.app import run
     out = []
     for src in sys.argv[1:]:
         err = io.StringIO()

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shardckpt.errors import BadInputError
+from shardckpt.core.errors import BadInputError
 from shardckpt.formats import detect
-from shardckpt.formats.rank_names import find_rank_files, rank_file_name, rank_files
+from shardckpt.formats.ranks.rank_names import find_rank_files, rank_file_name, rank_files
 
 
 def touch(directory: Path, *names: str) -> Path:

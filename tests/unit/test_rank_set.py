@@ -8,9 +8,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from shardckpt import api
-from shardckpt.cli import run
-from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
+from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
 
 
 @pytest.fixture

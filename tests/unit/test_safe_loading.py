@@ -18,17 +18,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 
-from shardckpt.cli import run
+from shardckpt.cli.app import run
 from shardckpt.formats import detect
-from shardckpt.formats.dcp import _VOCABULARY, _MetadataUnpickler, read_metadata
-from shardckpt.formats.sharded_tensor_load import (
+from shardckpt.formats.dcp.reader import _VOCABULARY, _MetadataUnpickler, read_metadata
+from shardckpt.formats.fsdp1.sharded_tensor_record import ShardedTensorRecord
+from shardckpt.formats.ranks.sharded_tensor_load import (
     StoredShardedTensor,
     _process_group_state,
     _ProcessGroupState,
     load_rank_file,
     safe_globals,
 )
-from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
 
 
 def error_of(capsys, argv) -> tuple[int, str]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from reference import assert_trees_equal
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 from shardckpt.formats import detect
 
 

@@ -1,6 +1,6 @@
 """torch's private names: found on the torch under test, and each one's fallback when it is gone.
 
-``shardckpt.torch_internals`` looks every private torch name up when it is first used.
+``shardckpt.core.torch_internals`` looks every private torch name up when it is first used.
 Each test here takes one away as a torch release might (``monkeypatch``) and checks that
 the conversion gives the same bytes by another path, or stops with one line that names
 the torch release (exit 2).
@@ -20,23 +20,23 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, placement_types
 
-from shardckpt import torch_internals
-from shardckpt.cli import run
-from shardckpt.errors import UnsupportedTorchError
-from shardckpt.formats import dcp as dcp_format
-from shardckpt.formats.dcp import DcpReader, read_metadata
-from shardckpt.formats.dcp_rows import StoredRows
-from shardckpt.formats.fsdp2_ranks import describe_placements
-from shardckpt.formats.sharded_tensor_load import load_rank_file
-from shardckpt.formats.sharded_tensor_record import ShardedTensorRecord
-from shardckpt.formats.torch_file import load
-from shardckpt.torch_internals import (
+from shardckpt.cli.app import run
+from shardckpt.core import torch_internals
+from shardckpt.core.errors import UnsupportedTorchError
+from shardckpt.core.torch_internals import (
     TESTED_TORCH,
     local_chunk,
     mesh_without_group,
     missing_safe_globals,
     strided_shard,
 )
+from shardckpt.formats.dcp import reader as dcp_format
+from shardckpt.formats.dcp.reader import DcpReader, read_metadata
+from shardckpt.formats.dcp.rows import StoredRows
+from shardckpt.formats.fsdp1.sharded_tensor_record import ShardedTensorRecord
+from shardckpt.formats.fsdp2.reader import describe_placements
+from shardckpt.formats.ranks.sharded_tensor_load import load_rank_file
+from shardckpt.formats.torch_save.file import load
 
 HINT = f"install a torch release shardckpt is tested with ({TESTED_TORCH})"
 
@@ -400,7 +400,7 @@ def test_shardckpt_starts_and_converts_safetensors_without_torchs_private_module
         "import torch.distributed.fsdp\n"
         f"for name in {_GONE!r}:\n"
         "    sys.modules[name] = None\n"
-        "from shardckpt.cli import run\n"
+        "from shardckpt.cli.app import run\n"
         "sys.exit(run(sys.argv[1:]))\n"
     )
     out = tmp_path / "out.safetensors"

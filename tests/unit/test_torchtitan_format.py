@@ -8,8 +8,8 @@ import torch.distributed.checkpoint as dcp
 from optim_models import trained
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from shardckpt import api
-from shardckpt.cli import run
+from shardckpt.api import library as api
+from shardckpt.cli.app import run
 from shardckpt.formats import detect
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from shardckpt.tree import (
+from shardckpt.state.tree import (
     build,
     clean_fqn,
     describe_optimizer,

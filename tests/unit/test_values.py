@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from shardckpt.formats.json_values import (
+from shardckpt.codecs.json_values import (
     UnencodableValue,
     decode_tree,
     decode_value,
     encode_tree,
     encode_value,
 )
-from shardckpt.tree import TensorMeta
+from shardckpt.state.tree import TensorMeta
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardckpt.api import _target_world_size
-from shardckpt.cli import run
-from shardckpt.dist import Runtime
+from shardckpt.api.library import _target_world_size
+from shardckpt.cli.app import run
+from shardckpt.core.dist import Runtime
 
 
 @pytest.fixture

@@ -1,0 +1,142 @@
+"""The Typer app: wires the subcommands of ``shardckpt/commands/``, runs them, reports errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+
+import typer
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from shardckpt.cli import convert as convert_command
+from shardckpt.cli import diff as diff_command
+from shardckpt.cli import inspect as inspect_command
+from shardckpt.cli.options import HELP_OPTIONS, RawArgsCommand, Version
+from shardckpt.core.dist import env_rank
+from shardckpt.core.errors import (
+    BadInputError,
+    CollectiveFailure,
+    IOFailure,
+    RemoteRankError,
+    ShardckptError,
+)
+from shardckpt.core.signals import Interrupted, interruptible
+
+app = typer.Typer(
+    name="shardckpt",
+    help="Convert PyTorch training checkpoints between layouts, formats and world sizes.\n\n"
+    "Run standalone, or under torchrun to spread the work over ranks:\n\n"
+    "  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full\n\n"
+    "An option that does not apply to the run, or one that takes one value given twice, "
+    "is a usage error (exit 2).",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings=HELP_OPTIONS,
+)
+
+
+@app.callback()
+def _main(version: Version = False) -> None:
+    """Convert PyTorch training checkpoints between layouts, formats and world sizes."""
+
+
+app.command(epilog=inspect_command.EPILOG, cls=RawArgsCommand)(inspect_command.inspect)
+app.command(epilog=convert_command.EPILOG, cls=RawArgsCommand)(convert_command.convert)
+app.command(epilog=diff_command.EPILOG, cls=RawArgsCommand)(diff_command.diff)
+
+
+def report(error: ShardckptError) -> None:
+    """Print ``error`` once: by the rank it started on, or by rank 0 when every rank saw it."""
+    # torchrun's root cause is whichever rank exited first, so every rank leaves the line.
+    _record_for_torchrun(error)
+    if isinstance(error, RemoteRankError):
+        return
+    # A broken group cannot agree on who reports, so every rank that saw it does.
+    reported_here = getattr(error, "agreed", False) or isinstance(error, CollectiveFailure)
+    if env_rank() != 0 and not reported_here:
+        return
+    print(f"shardckpt: error: {error.line()}", file=sys.stderr)
+
+
+def _record_for_torchrun(error: ShardckptError) -> None:
+    """Give torchrun's root-cause summary our one-line error instead of a Python stack."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    line = f"shardckpt: error: {error.line()}"
+    record = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+        }
+    }
+    # The summary is a courtesy: the error line is already on stderr, so a failed write is ignored.
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(record, f)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` and return the exit code (for tests and ``main``)."""
+    try:
+        with interruptible():
+            code = app(args=argv, prog_name="shardckpt", standalone_mode=False)
+        return code if isinstance(code, int) else 0
+    except ShardckptError as exc:
+        report(exc)
+        return exc.exit_code
+    except OSError as exc:
+        failure = IOFailure(
+            exc.strerror or str(exc), path=exc.filename, hint="check free space and permissions"
+        )
+        failure.agreed = getattr(exc, "agreed", False)
+        report(failure)
+        return failure.exit_code
+    except typer.Exit as exc:
+        return exc.exit_code
+    except (Interrupted, KeyboardInterrupt, typer.Abort) as exc:
+        return _interrupted(exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT))
+    except Exception as exc:
+        # Typer's usage errors (bad option, missing argument) know how to show themselves.
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
+            if env_rank() == 0:
+                exc.show()
+            return exc.exit_code
+        if os.environ.get("SHARDCKPT_DEBUG"):
+            raise
+        failure = _unexpected(exc)
+        report(failure)
+        return failure.exit_code
+
+
+def _interrupted(exc: Interrupted) -> int:
+    """Say once (rank 0) that a signal stopped the run, and what became of DST."""
+    if env_rank() == 0:
+        notes = "".join(f": {n}" for n in getattr(exc, "__notes__", ()))
+        print(f"shardckpt: interrupted by {exc.name}{notes}", file=sys.stderr)
+    return exc.exit_code
+
+
+def _unexpected(exc: Exception) -> ShardckptError:
+    """Return the one-line error for an exception no part of shardckpt turned into one."""
+    if isinstance(exc, RecursionError):
+        return BadInputError(
+            "the checkpoint's tree is nested too deeply to walk",
+            hint="shardckpt reads trees of nested dicts and lists a few hundred levels deep",
+        )
+    text = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return IOFailure(
+        f"internal error ({detail})",
+        hint="please report this; SHARDCKPT_DEBUG=1 shows the traceback",
+    )
+
+
+def main() -> None:
+    """Console-script entry point; torchrun's ``@record`` names a crashing rank's traceback."""
+    sys.exit(record(run)())

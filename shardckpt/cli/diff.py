@@ -1,0 +1,134 @@
+"""``shardckpt diff``: leaf-by-leaf comparison of two checkpoints."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from shardckpt.api import applies
+from shardckpt.api import library as api
+from shardckpt.cli import render
+from shardckpt.cli.options import (
+    CleanFqns,
+    DeviceOpt,
+    Filters,
+    JsonOut,
+    Only,
+    TrustPickle,
+    Version,
+    emit,
+)
+from shardckpt.core.dist import launch
+from shardckpt.core.errors import EXIT_DIFFERENT
+from shardckpt.core.progress import Progress
+
+EPILOG = (
+    "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
+    "  shardckpt diff .demo/ckpt-dcp .demo/full.pt\n\n"
+    "  shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --filter 'optim.*' --json\n\n"
+    "  shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6\n\n"
+    "  shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2\n\n"
+    "  shardckpt diff .demo/weights.pt .demo/ckpt-dcp --nest-a model --only model\n\n"
+    "  shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same"
+)
+
+
+def diff(
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
+    atol: Annotated[
+        float, typer.Option("--atol", metavar="X", help="Absolute tolerance (default: exact).")
+    ] = 0.0,
+    rtol: Annotated[
+        float, typer.Option("--rtol", metavar="X", help="Relative tolerance (default: exact).")
+    ] = 0.0,
+    fmt_a: Annotated[
+        str | None,
+        typer.Option("--format-a", metavar="FORMAT", help="Format of A (default: detected)."),
+    ] = None,
+    fmt_b: Annotated[
+        str | None,
+        typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected)."),
+    ] = None,
+    only: Annotated[
+        Only,
+        typer.Option(
+            "--only",
+            help="Compare all, model (everything but optimizers) or optim, as convert --only "
+            "selects them (e.g. --only model against a model-only export).",
+        ),
+    ] = Only["all"],
+    filters: Filters = None,
+    cast: Annotated[
+        bool,
+        typer.Option(
+            "--cast",
+            help="Compare floating tensors of different dtypes in the wider one (fp32 vs its "
+            "bf16 export: --cast --atol 1e-2); each dtype change is reported once.",
+        ),
+    ] = False,
+    unnest_a: Annotated[
+        str | None,
+        typer.Option(
+            "--unnest-a",
+            metavar="KEY",
+            help="Compare A's subtree at top-level KEY as its root (as convert --unnest).",
+        ),
+    ] = None,
+    nest_a: Annotated[
+        str | None,
+        typer.Option(
+            "--nest-a",
+            metavar="KEY",
+            help="Compare A as if under top-level KEY (as convert --nest): a flat state_dict "
+            "against a {'model': ...} checkpoint.",
+        ),
+    ] = None,
+    unnest_b: Annotated[
+        str | None,
+        typer.Option("--unnest-b", metavar="KEY", help="As --unnest-a, for B."),
+    ] = None,
+    nest_b: Annotated[
+        str | None, typer.Option("--nest-b", metavar="KEY", help="As --nest-a, for B.")
+    ] = None,
+    clean_fqns: CleanFqns = True,
+    json_out: JsonOut = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="Print nothing: the exit code says equal (0) or different (1)."
+        ),
+    ] = False,
+    trust_pickle: TrustPickle = False,
+    device: DeviceOpt = None,
+    version: Version = False,
+) -> int:
+    """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
+    applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
+    with launch(device.value if device else None) as runtime:
+        result = api.diff(
+            a,
+            b,
+            fmt_a=fmt_a,
+            fmt_b=fmt_b,
+            atol=atol,
+            rtol=rtol,
+            clean_fqns=clean_fqns,
+            only=only.value,
+            filters=filters or (),
+            cast=cast,
+            unnest_a=unnest_a,
+            nest_a=nest_a,
+            unnest_b=unnest_b,
+            nest_b=nest_b,
+            trust_pickle=trust_pickle,
+            runtime=runtime,
+            progress=Progress(
+                enabled=runtime.coordinator and not quiet and not json_out, desc="diff"
+            ),
+        )
+    if not quiet:
+        emit(json.dumps(render.diff_json(result)) if json_out else render.diff_text(result))
+    return 0 if result.equal else EXIT_DIFFERENT

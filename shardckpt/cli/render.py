@@ -1,0 +1,250 @@
+"""Turning results into what rank 0 prints: readable tables, or one JSON document."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from shardckpt.api.library import ConvertResult, Inspection
+from shardckpt.core.progress import human_bytes
+from shardckpt.core.words import counted
+from shardckpt.engine.compare import DiffResult
+from shardckpt.state.tree import TensorMeta, dotted, path_to_json
+
+SCHEMA_VERSION = 1
+
+
+def dtype_name(dtype) -> str:
+    """Return ``float32`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def jsonable(value: object) -> object:
+    """Return ``value`` in a form ``json.dumps`` writes as strict JSON (tuples as lists)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def inspection_json(insp: Inspection, shards: bool = False) -> dict:
+    """Return the ``inspect --json`` document (schema 1)."""
+    entries = []
+    by_dtype: dict[str, int] = defaultdict(int)
+    count = total = 0
+    for path, leaf in insp.leaves:
+        if isinstance(leaf, TensorMeta):
+            entry = {
+                "path": path_to_json(path),
+                "kind": "tensor",
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "nbytes": leaf.nbytes,
+                "layout": leaf.layout,
+            }
+            if shards:
+                entry["shards"] = [
+                    {"rank": c.rank, "offsets": list(c.offsets), "sizes": list(c.sizes)}
+                    for c in (leaf.chunks or ())
+                ] or [{"rank": 0, "offsets": [0] * len(leaf.shape), "sizes": list(leaf.shape)}]
+            entries.append(entry)
+            by_dtype[dtype_name(leaf.dtype)] += leaf.nbytes
+            count += 1
+            total += leaf.nbytes
+        else:
+            entries.append({"path": path_to_json(path), "kind": "value", "value": jsonable(leaf)})
+    optimizers = [
+        {
+            "path": path_to_json(o.path),
+            "key_type": o.key_type,
+            "num_params": o.num_params,
+            "state_names": list(o.state_names),
+            "num_groups": o.num_groups,
+        }
+        for o in insp.optimizers
+    ]
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "format": insp.index.format,
+        "world_size": insp.index.world_size,
+        "entries": entries,
+        "optimizers": optimizers,
+        "totals": {"tensors": count, "nbytes": total, "by_dtype": dict(sorted(by_dtype.items()))},
+        "warnings": insp.warnings,
+        "parts": [
+            {"file": p.file, "format": p.format, "key": p.key, "note": p.note}
+            for p in insp.index.parts
+        ],
+        "components": [
+            {"name": c.name, "kind": c.kind, "keys": list(c.keys), "note": c.note}
+            for c in insp.components
+        ],
+    }
+    return doc
+
+
+def inspection_text(insp: Inspection, shards: bool = False) -> str:
+    """Return the readable ``inspect`` report: leaves table, optimizers, totals."""
+    doc = inspection_json(insp, shards)
+    lines = [f"{insp.index.src}: format {doc['format']}, world size {doc['world_size'] or '-'}", ""]
+    rows = [("PATH", "SHAPE", "DTYPE", "BYTES", "LAYOUT / VALUE")]
+    for e, (_, leaf) in zip(doc["entries"], insp.leaves):
+        name = dotted(tuple(e["path"]))
+        if e["kind"] == "tensor":
+            shape = "x".join(map(str, e["shape"])) or "()"
+            rows.append((name, shape, e["dtype"], human_bytes(e["nbytes"]), e["layout"]))
+            for s in e.get("shards", []):
+                rows.append(
+                    ("", f"  rank {s['rank']}", f"at {s['offsets']}", f"size {s['sizes']}", "")
+                )
+        else:
+            rows.append((name, "", "", "", _short(repr(leaf))))
+    lines += _table(rows)
+    for o in doc["optimizers"]:
+        lines += [
+            "",
+            f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "
+            f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
+            f"state {', '.join(o['state_names']) or '(none yet)'}",
+        ]
+    if doc["parts"]:
+        lines += ["", "files:"]
+        lines += [
+            f"  {p['file']}: "
+            + (
+                f"{p['key']} ({p['format']})"
+                if p["key"] is not None
+                else f"carried unread, {p['note']}"
+            )
+            for p in doc["parts"]
+        ]
+    if doc["components"]:
+        lines += ["", f"{doc['format']} parts:"]
+        for c in doc["components"]:
+            note = f", {c['note']}" if c["note"] else ""
+            lines.append(f"  {c['name']}: {c['kind']}{note}")
+    t = doc["totals"]
+    lines += [
+        "",
+        f"total: {counted(t['tensors'], 'tensor')}, {human_bytes(t['nbytes'])}"
+        + "".join(f"; {k} {human_bytes(v)}" for k, v in t["by_dtype"].items()),
+    ]
+    lines += [f"warning: {w}" for w in doc["warnings"]]
+    return "\n".join(lines)
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+# ---------------------------------------------------------------- convert
+
+
+def convert_json(result: ConvertResult) -> dict:
+    """Return the ``convert --json`` summary."""
+    doc = {
+        "src": result.src,
+        "dst": result.dst,
+        "format": result.format,
+        "layout": result.layout,
+        "world_size": result.world_size,
+        "tensors": result.tensors,
+        "nbytes": result.nbytes,
+        "values": result.values,
+        "seconds": round(result.seconds, 3),
+        "dry_run": result.dry_run,
+    }
+    if result.verified is not None:
+        doc["verified"] = result.verified
+    if result.dry_run and result.plan is not None:
+        doc["batches"] = len(result.plan.batches)
+    return doc
+
+
+def convert_text(result: ConvertResult) -> str:
+    """Return the one-paragraph ``convert`` summary (or the plan, for ``--dry-run``)."""
+    what = (
+        f"{counted(result.tensors, 'tensor')} ({human_bytes(result.nbytes)}) and "
+        f"{counted(result.values, 'value')}, {_output(result)}"
+    )
+    if result.dry_run:
+        batches = len(result.plan.batches) if result.plan else 0
+        return (
+            f"would write {result.dst}: {what}, in {counted(batches, 'batch', 'batches')} "
+            "(dry run: nothing written)"
+        )
+    text = f"wrote {result.dst}: {what} in {result.seconds:.1f} s"
+    return text + ("; verified equal to the source" if result.verified else "")
+
+
+def _output(result: ConvertResult) -> str:
+    """Return what DST is: ``one torch file``, ``a full hf directory``, ``sharded dcp for 8 ranks``."""
+    if result.layout == "full":
+        # Whole tensors are for any world size: the launch's size says nothing about DST.
+        return "a full hf directory" if result.format == "hf" else f"one {result.format} file"
+    return f"{result.layout} {result.format} for world size {result.world_size}"
+
+
+# ---------------------------------------------------------------- diff
+
+
+def diff_json(result: DiffResult) -> dict:
+    """Return the ``diff --json`` document (``casts`` only after ``--cast``)."""
+    doc = {
+        "equal": result.equal,
+        "compared": result.compared,
+        "differences": [
+            {"path": path_to_json(d.path), "reason": d.reason, "max_abs_diff": d.max_abs_diff}
+            for d in result.differences
+        ],
+    }
+    if result.casts:
+        doc["casts"] = [
+            {
+                "a": dtype_name(c.dtype_a),
+                "b": dtype_name(c.dtype_b),
+                "as": dtype_name(c.wider),
+                "tensors": n,
+            }
+            for c, n in result.casts.items()
+        ]
+    return doc
+
+
+def _cast_lines(result: DiffResult) -> list[str]:
+    """Return one line per dtype change ``--cast`` made: what was compared as what."""
+    return [
+        f"compared {counted(n, 'tensor')} of {dtype_name(c.dtype_a)} in A and {dtype_name(c.dtype_b)} "
+        f"in B as {dtype_name(c.wider)}"
+        for c, n in result.casts.items()
+    ]
+
+
+def diff_text(result: DiffResult) -> str:
+    """Return the readable ``diff`` report: 'equal', or each differing path."""
+    if result.equal:
+        return "\n".join(
+            [*_cast_lines(result), f"equal: {counted(result.compared, 'leaf', 'leaves')} compared"]
+        )
+    n = len(result.differences)
+    lines = [
+        *_cast_lines(result),
+        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}:",
+    ]
+    for d in result.differences:
+        extra = f", max abs diff {d.max_abs_diff:g}" if d.max_abs_diff is not None else ""
+        lines.append(f"  {dotted(d.path)}: {d.reason}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,16 @@
+"""A tensor's raw bytes, as the writers and the collective move them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def contiguous_bytes(tensor: torch.Tensor) -> memoryview:
+    """Return the raw bytes of ``tensor`` (on CPU, contiguous) without copying when possible."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,245 @@
+"""``torch.save`` files laid out before their data exists: skeletons, and where each storage's bytes go.
+
+``torch.save`` under ``skip_data`` writes the whole file (the real pickle, one zip
+record per storage, central directory) but seeks over every storage's bytes, so a
+skeleton of a state dict of fake tensors costs no memory and leaves a sparse file of
+the final size. What is left is to put each storage's bytes at its record's offset
+and the record's CRC-32 into the two places the zip keeps it (``regions.Record``).
+
+Which record holds which storage: ``torch.save`` numbers storages in the order its
+pickler meets them. ``storages_in_order`` pickles the same object with the same
+``persistent_id`` rule to see that order, so each fake tensor's record is known, and
+a real storage the object carries besides (a DTensor's device mesh holds a tensor of
+ranks) is written here with its own bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from shardckpt.codecs.tensor_bytes import contiguous_bytes
+from shardckpt.core.torch_internals import (
+    fake_tensor_mode,
+    is_placeholder,
+    storage_key,
+    untyped_storage,
+)
+from shardckpt.state.regions import Piece, Record, crc32
+
+_LOCAL_HEADER = 30
+_CENTRAL_HEADER = 46
+_DATA_DESCRIPTOR = 0x08  # general-purpose flag bit 3
+
+
+def fake_mode():
+    """Return the mode that makes placeholder tensors: shape and dtype, no memory."""
+    return fake_tensor_mode()
+
+
+def _skeleton_save(obj, stream) -> None:
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(obj, stream)
+
+
+def storages_in_order(obj) -> list[tuple[torch.UntypedStorage, bool]]:
+    """Return the storages ``torch.save(obj)`` records, in the order of its record numbers.
+
+    Each comes with whether it is a placeholder's (a fake tensor's), as ``torch.save``
+    itself tells them apart.
+    """
+    seen: dict[int, tuple[torch.UntypedStorage, bool]] = {}
+
+    class _Recorder(pickle.Pickler):
+        def persistent_id(self, value):
+            if isinstance(value, torch.storage.TypedStorage):
+                storage = untyped_storage(value)
+            elif torch.is_storage(value):
+                storage = value
+            else:
+                return None
+            seen.setdefault(storage_key(storage), (storage, is_placeholder(value)))
+            return ("storage", len(seen))
+
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        _Recorder(io.BytesIO(), protocol=2).dump(obj)
+    return list(seen.values())
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes [start, end) of a file, seekable, as a file of their own (a zip inside a DCP file)."""
+
+    def __init__(self, fd: int, start: int, end: int):
+        self._fd, self._start, self._end, self._pos = fd, start, end, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._end - self._start}[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._end - self._start - self._pos))
+        data = os.pread(self._fd, n, self._start + self._pos)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One data record of a ``torch.save`` zip, relative to the zip's first byte."""
+
+    number: int
+    start: int
+    length: int
+    crc_at: tuple[int, int]
+
+    def placed(self, offset: int, file: str) -> Record:
+        """Return this record as it lies in ``file`` with the zip starting at ``offset``."""
+        return Record(
+            file, offset + self.start, self.length, tuple(offset + at for at in self.crc_at)
+        )
+
+
+def _data_records(fd: int, start: int, end: int) -> list[_Entry]:
+    """Return the ``data/K`` records of the zip at bytes [start, end) of ``fd``, by K."""
+    with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, start, end))) as zf:
+        infos = zf.infolist()
+        central = zf.start_dir
+    out: dict[int, _Entry] = {}
+    pos = central
+    for info in infos:
+        fixed = os.pread(fd, _CENTRAL_HEADER, start + pos)
+        n, m, k = struct.unpack("<HHH", fixed[28:34])
+        head, _, tail = info.filename.partition("/data/")
+        if tail.isdigit() and "/" not in head:
+            local = os.pread(fd, _LOCAL_HEADER, start + info.header_offset)
+            (flags,) = struct.unpack("<H", local[6:8])
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            data = info.header_offset + _LOCAL_HEADER + name_len + extra_len
+            if flags & _DATA_DESCRIPTOR:
+                # torch's writer leaves the local header's CRC 0 and puts it after the
+                # data, in a descriptor that may start with its own signature.
+                after = data + info.file_size
+                signed = os.pread(fd, 4, start + after) == b"PK\x07\x08"
+                crc_at = (after + (4 if signed else 0), pos + 16)
+            else:
+                crc_at = (info.header_offset + 14, pos + 16)
+            out[int(tail)] = _Entry(int(tail), data, info.file_size, crc_at)
+        pos += _CENTRAL_HEADER + n + m + k
+    return [out[k] for k in sorted(out)]
+
+
+def write_skeleton(
+    fd: int, offset: int, obj, file: str
+) -> tuple[dict[int, Record], list[Record], list[Piece]]:
+    """Write ``torch.save(obj)`` at ``offset`` of ``fd`` with no storage bytes; return its layout.
+
+    Returns ``(placeholders, records, pieces)``: the ``Record`` of each fake storage (by
+    the storage's ``storage_key``), every data record, and the ``Piece``s of the real
+    storages written here.
+    """
+    storages = storages_in_order(obj)
+    with os.fdopen(os.dup(fd), "r+b") as stream:
+        stream.seek(offset)
+        _skeleton_save(obj, stream)
+        end = stream.tell()
+    entries = _data_records(fd, offset, end)
+    if len(entries) != len(storages) or any(
+        e.length != s.nbytes() for e, (s, _) in zip(entries, storages)
+    ):
+        raise RuntimeError(f"internal: torch.save's records do not match the storages of {file!r}")
+    placeholders: dict[int, Record] = {}
+    records: list[Record] = []
+    pieces: list[Piece] = []
+    for entry, (storage, fake) in zip(entries, storages):
+        record = entry.placed(offset, file)
+        records.append(record)
+        if fake:
+            placeholders[storage_key(storage)] = record
+            continue
+        data = contiguous_bytes(torch.empty(0, dtype=torch.uint8).set_(storage))
+        pwrite_all(fd, data, record.start)
+        pieces.append(Piece(file, record.start, 0, len(data), crc32(data)))
+    return placeholders, records, pieces
+
+
+@dataclass(frozen=True)
+class TensorBlob:
+    """``torch.save`` of one tensor of a shape and dtype, as DCP stores each item: bytes around the data."""
+
+    head: bytes
+    """Everything before the data (local headers, pickle), with the data's local header last."""
+    data: _Entry
+    """The data record, from the blob's first byte."""
+    tail: bytes
+    """Everything after the data (other records, central directory)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + self.data.length + len(self.tail)
+
+
+@lru_cache(maxsize=4096)
+def tensor_blob(shape: tuple[int, ...], dtype: torch.dtype) -> TensorBlob:
+    """Return the blob layout ``torch.save`` gives a contiguous tensor of ``shape`` and ``dtype``."""
+    with fake_mode():
+        placeholder = torch.empty(shape, dtype=dtype)
+    with tempfile.TemporaryFile() as f:
+        _skeleton_save(placeholder, f)
+        end = f.tell()
+        fd = f.fileno()
+        (entry,) = _data_records(fd, 0, end)
+        head = os.pread(fd, entry.start, 0)
+        tail = os.pread(fd, end - entry.start - entry.length, entry.start + entry.length)
+    return TensorBlob(head, entry, tail)
+
+
+def write_blob(fd: int, offset: int, blob: TensorBlob, file: str) -> Record:
+    """Write ``blob`` at ``offset`` of ``fd`` without its data; return the data's record."""
+    pwrite_all(fd, memoryview(blob.head), offset)
+    pwrite_all(fd, memoryview(blob.tail), offset + blob.data.start + blob.data.length)
+    return blob.data.placed(offset, file)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (``os.pwrite`` may write less)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def patch_crc(fd: int, record: Record, crc: int) -> None:
+    """Write ``crc`` into ``record``'s CRC-32 fields."""
+    packed = struct.pack("<I", crc)
+    for at in record.crc_at:
+        pwrite_all(fd, memoryview(packed), at)
+
+
+__all__ = [
+    "TensorBlob",
+    "pwrite_all",
+    "fake_mode",
+    "patch_crc",
+    "storages_in_order",
+    "tensor_blob",
+    "write_blob",
+    "write_skeleton",
+]

@@ -1,1 +1,0 @@
-"""One module per CLI subcommand; ``shardckpt/cli.py`` wires them into the app."""

@@ -1,0 +1,306 @@
+"""The launch runtime: the only module that creates or destroys process groups.
+
+Standalone runs (no ``torchrun`` environment) get a world of one and no process group.
+Under ``torchrun`` the process group comes from the environment, ``gloo`` on every rank;
+when every rank has a GPU of its own (``--device`` overrides), CUDA tensors go over an
+``nccl`` group made beside it, once the ranks agreed on that over gloo.
+
+Protocol, per command:
+  1) (all ranks) ``launch(device)`` enters; every rank validates its inputs identically.
+  2) (all ranks) each phase that can fail on one rank only is wrapped in ``agreed(...)``,
+     so every rank learns of the first failure instead of waiting in a collective.
+  3) (all ranks) ``launch`` exits: barrier on success, then ``destroy_process_group``.
+
+Every collective runs through a ``Runtime`` method. One that fails (a peer died, or
+did not answer within ``SHARDCKPT_TIMEOUT`` seconds) raises ``CollectiveFailure`` at
+once: the group is broken, so no further collective (agreement, barrier) is tried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardckpt.core.errors import (
+    CollectiveFailure,
+    IOFailure,
+    RemoteRankError,
+    ShardckptError,
+    UsageError,
+    notice,
+)
+
+T = TypeVar("T")
+
+# A rank that dies or wedges must not keep the others waiting for torch's default of
+# 30 minutes; torchrun also kills the survivors once one worker exits non-zero.
+DEFAULT_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process sits in the launch: rank, world size, device, 1-D device mesh."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    mesh: object | None = None  # DeviceMesh over all ranks; None when standalone
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def distributed(self) -> bool:
+        """Return whether a process group is up (launched by torchrun)."""
+        return self.mesh is not None
+
+    @property
+    def coordinator(self) -> bool:
+        """Return whether this rank prints, renames outputs and writes full files."""
+        return self.rank == 0
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Turn the failure of the collective inside into ``CollectiveFailure``, naming the cause."""
+        try:
+            yield
+        except CollectiveFailure:
+            raise
+        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses for both causes
+            raise _lost_contact(exc, self.rank, self.timeout_s) from None
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op standalone)."""
+        if self.distributed:
+            with self.collective():
+                dist.barrier()
+
+    def agreed(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank and fail on every rank if it failed on any."""
+        error: BaseException | None = None
+        result = None
+        try:
+            result = fn()
+        except CollectiveFailure:
+            raise  # the group is broken: there is no agreeing over it
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            error = exc
+        self.raise_if_any_failed(error)
+        return result  # type: ignore[return-value]
+
+    def raise_if_any_failed(self, error: BaseException | None) -> None:
+        """Share ``error`` with all ranks; re-raise the lowest failing rank's error everywhere."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else (self.rank, _one_line(error), _exit_code(error))
+        everyone: list[tuple[int, str, int] | None] = [None] * self.world_size
+        with self.collective():
+            dist.all_gather_object(everyone, mine)
+        failures = [f for f in everyone if f is not None]
+        if not failures:
+            return
+        first_rank, line, code = min(failures)
+        if first_rank == self.rank and error is not None:
+            error.agreed = True  # every rank knows; this rank is the one that reports it
+            raise error
+        raise RemoteRankError(first_rank, line, code)
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Return every rank's picklable ``obj`` in rank order on the coordinator, None elsewhere."""
+        if not self.distributed:
+            return [obj]
+        out: list | None = [None] * self.world_size if self.coordinator else None
+        with self.collective():
+            dist.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Return rank ``src``'s picklable ``obj`` on every rank (the coordinator's by default)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        with self.collective():
+            dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Return every rank's picklable ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        with self.collective():
+            dist.all_gather_object(out, obj)
+        return out
+
+    def all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
+    ) -> torch.Tensor:
+        """Send ``send_sizes[r]`` bytes of ``send`` (in rank order) to each rank r; return what came.
+
+        The bytes travel on this runtime's device: over NCCL between GPUs, gloo on CPU.
+        """
+        if not self.distributed:
+            return send.clone()
+        # CUDA tensors go over the mesh's NCCL group; the default group is gloo's.
+        group = self.mesh.get_group() if self.device.type == "cuda" else None  # type: ignore[attr-defined]
+        send = send.to(self.device)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        with self.collective():
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        return recv.cpu()
+
+    def gather_into(self, tensor: torch.Tensor, blocks: list[torch.Tensor] | None) -> None:
+        """Gather every rank's same-shape ``tensor`` into the coordinator's ``blocks`` (rank order)."""
+        with self.collective():
+            dist.gather(tensor, blocks if self.coordinator else None, dst=0)
+
+    def max_over_ranks(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` in place by its elementwise maximum over every rank."""
+        if self.distributed:
+            with self.collective():
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+def under_torchrun() -> bool:
+    """Return whether the environment was set up by torchrun (or another launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank() -> int:
+    """Return this process's rank from the environment (0 when standalone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def launch(device: str | None = None) -> Iterator[Runtime]:
+    """Yield the runtime for this process, tearing the process group down on every exit path."""
+    if device not in (None, "cpu", "cuda"):
+        raise UsageError(f"unknown --device {device!r}", hint="use --device cpu or --device cuda")
+    if not under_torchrun():
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UsageError(
+                "--device cuda was given but this machine has no CUDA GPU", hint="use --device cpu"
+            )
+        yield Runtime(device=torch.device(device or "cpu"))
+        return
+    # Under torchrun no rank decides alone, not even to fail: a rank that left before the
+    # process group exists would leave the others waiting in it (see device_for).
+
+    rank, world_size = env_rank(), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    has_gpu = (
+        device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    )
+    timeout = timedelta(seconds=float(os.environ.get("SHARDCKPT_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    try:
+        # Every rank asks for the same backend, whatever GPUs it sees: a rank asking for
+        # gloo+nccl and another for gloo alone wait for each other forever. Which ranks
+        # have a GPU is agreed over this group, before any CUDA work.
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    except Exception as exc:
+        raise IOFailure(
+            f"could not join the process group: {_one_line(exc)}",
+            hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
+        ) from exc
+    in_step = False  # whether every rank is known to reach the teardown together
+    runtime = Runtime(rank=rank, world_size=world_size, timeout_s=timeout.total_seconds())
+    try:
+        with_gpu = _count_ranks(runtime, has_gpu)
+        dev_type = device_for(device, with_gpu, world_size)
+        if device is None and 0 < with_gpu < world_size and runtime.coordinator:
+            notice(
+                f"running on CPU: {with_gpu} of the {world_size} ranks have a GPU of their own "
+                "(pass --device cpu to say so and silence this note)"
+            )
+        with runtime.collective():
+            dev, mesh = _join_device(dev_type, local_rank, world_size)
+        yield dataclasses.replace(runtime, device=dev, mesh=mesh)
+        in_step = True
+    except BaseException as exc:
+        # A failure every rank agreed on brings them all here; one only this rank saw
+        # may have left the others in a collective, and a barrier would wait for them.
+        in_step = isinstance(exc, RemoteRankError) or getattr(exc, "agreed", False)
+        raise
+    finally:
+        # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that are
+        # in step leave together.
+        if in_step:
+            with contextlib.suppress(Exception):
+                dist.barrier()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def device_for(requested: str | None, with_gpu: int, world_size: int) -> str:
+    """Return the device type every rank runs on, from ``--device`` and how many ranks have a GPU.
+
+    The same on every rank (its inputs are agreed). ``--device cuda`` needs a GPU on
+    every rank; with no ``--device``, CUDA is used only when every rank has one.
+    """
+    if requested == "cpu":
+        return "cpu"
+    if with_gpu == world_size:
+        return "cuda"
+    if requested == "cuda":
+        raise UsageError(
+            f"--device cuda was given but only {with_gpu} of the {world_size} ranks have a GPU "
+            "of their own",
+            hint="use --device cpu, or launch one process per GPU",
+        )
+    return "cpu"
+
+
+def _count_ranks(runtime: Runtime, flag: bool) -> int:
+    """Return on how many ranks ``flag`` is true (over the gloo group)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    with runtime.collective():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
+def _join_device(dev_type: str, local_rank: int, world_size: int) -> tuple[torch.device, object]:
+    """Return this rank's device and the 1-D mesh over every rank on that device type.
+
+    On CUDA, collectives of CUDA tensors go over an NCCL group made beside the gloo one.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if dev_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        group = dist.new_group(backend="nccl")
+        return torch.device("cuda", local_rank), DeviceMesh.from_group(group, "cuda")
+    return torch.device("cpu"), init_device_mesh("cpu", (world_size,))
+
+
+def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> CollectiveFailure:
+    """Return the one-line error for a failed collective: a timeout, or a peer that went away."""
+    text = str(exc).strip().splitlines()
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        return CollectiveFailure(
+            f"rank {rank} waited {timeout_s:g} s for the other ranks and gave up",
+            hint="a rank stalled or died (its error, if any, is above); "
+            "raise SHARDCKPT_TIMEOUT if a rank is only slow",
+        )
+    return CollectiveFailure(
+        f"rank {rank} lost contact with another rank ({text[0] if text else type(exc).__name__})",
+        hint="another rank died; its error, if it printed one, is above",
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, ShardckptError):
+        return error.line()
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _exit_code(error: BaseException) -> int:
+    return getattr(error, "exit_code", IOFailure.exit_code)

@@ -1,0 +1,164 @@
+"""Source files: what a reader may open, and what an OS error on a file means to the user.
+
+Every reader opens SRC's files through ``source_file``, so a FIFO, a socket or a device
+is refused before ``open`` could block on it, and a symlink loop or a denied permission
+is named as what it is instead of as a missing or truncated file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError
+
+
+def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) -> ShardckptError:
+    """Return the one-line error for ``exc``, raised while reading (or ``writing``) ``path``."""
+    code = exc.errno
+    if code == errno.ENOENT and not writing:
+        return BadInputError(
+            "no such file or directory", path=path, hint="check the path of the checkpoint"
+        )
+    if code == errno.ELOOP:
+        return BadInputError(
+            "is a symlink loop", path=path, hint="point the symlink at the checkpoint itself"
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return IOFailure(
+            "permission denied",
+            path=path,
+            hint="check the permissions of the directory DST goes in"
+            if writing
+            else "check the file's permissions; shardckpt needs to read it",
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return IOFailure(
+            f"{exc.strerror or 'no space left'} while writing",
+            path=path,
+            hint="free some space, or write DST on another filesystem",
+        )
+    what = "writing" if writing else "reading"
+    return IOFailure(
+        f"{what} failed ({exc.strerror or type(exc).__name__})",
+        path=path,
+        hint="check the disk and the filesystem it is on",
+    )
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def source_stat(path: str | os.PathLike) -> os.stat_result:
+    """Return ``os.stat(path)`` (symlinks followed), or raise the one-line error for why not."""
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+def source_file(path: str | os.PathLike) -> Path:
+    """Return ``path`` when it is a readable regular file (symlinks followed); else raise one line.
+
+    The file is opened once here: libraries report a denied read their own way
+    (safetensors says the file does not exist), and a regular file cannot block ``open``.
+    """
+    mode = source_stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise BadInputError(
+            "is a directory, not a file",
+            path=path,
+            hint="pass the checkpoint file itself, or the directory as SRC for a directory format",
+        )
+    if not stat.S_ISREG(mode):
+        raise BadInputError(
+            f"is a {_kind(mode)}, not a regular file",
+            path=path,
+            hint="copy the checkpoint into a regular file first; shardckpt does not read pipes or devices",
+        )
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    return Path(path)
+
+
+def is_source_file(path: Path) -> bool:
+    """Return whether ``path`` is a regular file (symlinks followed); never raises, never blocks."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """Return the OSError that caused ``exc`` (itself, or one it was raised from or during), if any.
+
+    torch.save reports a failed write as a RuntimeError ("unexpected pos ...") raised
+    while handling the OSError (ENOSPC, EIO) the file object raised; that is the cause
+    the user can act on.
+    """
+    seen: set[int] = set()
+    here: BaseException | None = exc
+    while here is not None and id(here) not in seen:
+        if isinstance(here, OSError):
+            return here
+        seen.add(id(here))
+        here = here.__cause__ or here.__context__
+    return None
+
+
+# How torch's zip writer (caffe2's inline_container.cc) words a write that failed.
+_ZIP_WRITER_FAILURES = ("PytorchStreamWriter", "inline_container", "unexpected pos")
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, shown_as: str | os.PathLike | None = None) -> Iterator[None]:
+    """Turn a failed write of ``path`` (disk full, permissions, I/O) into one line naming it.
+
+    The line names ``shown_as`` when given (a temporary name the user never sees).
+    ``torch.save`` reports a failed write as a RuntimeError of its zip writer
+    ("PytorchStreamWriter failed writing file ...", "unexpected pos ..."), raised while
+    handling the OSError behind it when there is one, and without any errno otherwise:
+    a full filesystem, by far the usual cause, is then told from the filesystem itself.
+    """
+    name = shown_as if shown_as is not None else path
+    try:
+        yield
+    except ShardckptError:
+        raise
+    except (OSError, RuntimeError) as exc:
+        cause = os_error_in(exc)
+        if cause is not None:
+            raise os_error(cause, name, writing=True) from None
+        if not any(mark in str(exc) for mark in _ZIP_WRITER_FAILURES):
+            raise
+        if _is_full(Path(path).parent):
+            full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise os_error(full, name, writing=True) from None
+        first = str(exc).strip().splitlines()[0]
+        raise IOFailure(
+            f"writing failed ({first})",
+            path=name,
+            hint="check the free space and the filesystem DST is on",
+        ) from None
+
+
+def _is_full(directory: Path) -> bool:
+    """Return whether the filesystem of ``directory`` has no block left for this process."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail == 0 or st.f_bfree == 0

@@ -1,0 +1,171 @@
+"""Leaf-by-leaf comparison of two checkpoints of any formats (``diff`` and ``--verify``).
+
+Each rank compares only its rows of every tensor, batch by batch; the per-tensor
+verdicts and largest differences are reduced across ranks, so no process reads or
+holds either checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from shardckpt.formats.base import Reader
+from shardckpt.plan.plan import SKIP, batches, rows_to_read
+from shardckpt.state.tree import Path, TensorMeta, containers, walk
+from shardckpt.state.values import tensors_differ, values_equal
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One differing leaf: its path, why it differs and, for tensors, the largest |a - b|."""
+
+    path: Path
+    reason: str
+    max_abs_diff: float | None = None
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Tensors compared in a dtype wider than one side's (``diff --cast``): A's, B's, the one used."""
+
+    dtype_a: torch.dtype
+    dtype_b: torch.dtype
+    wider: torch.dtype
+
+
+@dataclass
+class DiffResult:
+    """What ``diff`` found: the differing leaves, how many were compared, and casts made."""
+
+    differences: list[Difference] = field(default_factory=list)
+    compared: int = 0
+    casts: dict[Cast, int] = field(default_factory=dict)
+    """With ``cast``: each dtype change and how many tensors it was made for."""
+
+    @property
+    def equal(self) -> bool:
+        """Return whether no leaf differs."""
+        return not self.differences
+
+
+def compare(
+    a: Reader,
+    tree_a: dict,
+    b: Reader,
+    tree_b: dict,
+    runtime,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    cast: bool = False,
+    progress=lambda n: None,
+) -> DiffResult:
+    """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``).
+
+    With ``cast``, floating tensors whose dtypes differ are compared in the wider of the
+    two (an fp32 checkpoint against its bf16 export), and the change is counted once per
+    pair of dtypes in ``DiffResult.casts``, not reported per tensor.
+    """
+    leaves_a, leaves_b = dict(walk(tree_a)), dict(walk(tree_b))
+    result = DiffResult(compared=len(set(leaves_a) | set(leaves_b)))
+    # Structure first: a list on one side and a dict with the same keys on the other
+    # hold leaves at the same paths, but they are not the same checkpoint.
+    kinds_b = dict(containers(tree_b))
+    for path, kind in containers(tree_a):
+        if kinds_b.get(path, kind) != kind:
+            result.differences.append(Difference(path, f"a {kind} in A, a {kinds_b[path]} in B"))
+    pairs: list[tuple[Path, TensorMeta, TensorMeta]] = []
+    wider_of: dict[Path, torch.dtype] = {}
+    for path in list(leaves_a) + [p for p in leaves_b if p not in leaves_a]:
+        if path not in leaves_b:
+            result.differences.append(Difference(path, "only in A"))
+        elif path not in leaves_a:
+            result.differences.append(Difference(path, "only in B"))
+        else:
+            x, y = leaves_a[path], leaves_b[path]
+            wider = _wider(x, y) if cast else None
+            if wider is not None:
+                key = Cast(x.dtype, y.dtype, wider)
+                result.casts[key] = result.casts.get(key, 0) + 1
+                wider_of[path] = wider
+                # Compared as metadata in the wider dtype; read in their own.
+                x, y = (dataclasses.replace(m, dtype=wider) for m in (x, y))
+            reason = _leaf_difference(x, y)
+            if reason:
+                result.differences.append(Difference(path, reason))
+            elif isinstance(leaves_a[path], TensorMeta):
+                pairs.append((path, leaves_a[path], leaves_b[path]))
+    for group in batches([ma for _, ma, _ in pairs]):
+        keys = {m.key for m in group}
+        chunk = [(p, ma, mb) for p, ma, mb in pairs if ma.key in keys]
+        worst = _compare_rows(a, b, chunk, runtime, atol, rtol, wider_of)
+        for (path, _, _), (bad, diff) in zip(chunk, worst):
+            if bad:
+                result.differences.append(Difference(path, "values differ", diff))
+        progress(sum(m.nbytes for m in group))
+    order: dict[Path, int] = {}
+    for p in [*(p for p, _ in containers(tree_a)), *leaves_a, *leaves_b]:
+        order.setdefault(p, len(order))
+    result.differences.sort(key=lambda d: order[d.path])
+    return result
+
+
+def _wider(x: object, y: object) -> torch.dtype | None:
+    """Return the dtype two floating tensors of different dtypes are compared in, else None."""
+    if not (isinstance(x, TensorMeta) and isinstance(y, TensorMeta)) or x.dtype == y.dtype:
+        return None
+    if not (x.dtype.is_floating_point and y.dtype.is_floating_point):
+        return None
+    return torch.promote_types(x.dtype, y.dtype)
+
+
+def _leaf_difference(x: object, y: object) -> str:
+    """Return why two leaves differ without reading tensor data ('' when they may be equal)."""
+    tx, ty = isinstance(x, TensorMeta), isinstance(y, TensorMeta)
+    if tx != ty:
+        return "tensor in one, value in the other"
+    if tx:
+        if x.shape != y.shape:
+            return f"shape {list(x.shape)} vs {list(y.shape)}"
+        if x.dtype != y.dtype:
+            return f"dtype {str(x.dtype).removeprefix('torch.')} vs {str(y.dtype).removeprefix('torch.')}"
+        return ""
+    return "" if values_equal(x, y) else f"value {x!r} vs {y!r}"
+
+
+def _compare_rows(
+    a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float, wider_of: dict
+) -> list[tuple[bool, float]]:
+    """Return (differs, max |a-b|) per tensor, each rank comparing its rows, reduced over ranks."""
+    wanted = [
+        rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
+        for _, ma, _ in chunk
+    ]
+    mine = [(ma, mb, r, wider_of.get(p)) for (p, ma, mb), r in zip(chunk, wanted) if r != SKIP]
+
+    def read_both():
+        # Called on every rank even with nothing to read: a reader whose reads are
+        # collectives (exchange.SharedReader) needs every rank in each.
+        xs = a.read([m for m, _, _, _ in mine], [r for _, _, r, _ in mine], runtime)
+        ys = b.read([m for _, m, _, _ in mine], [r for _, _, r, _ in mine], runtime)
+        return xs, ys
+
+    xs, ys = runtime.agreed(read_both)
+    flags = torch.zeros(len(chunk), dtype=torch.float64)
+    diffs = torch.zeros(len(chunk), dtype=torch.float64)
+    it = iter(zip(xs, ys, (wider for *_, wider in mine)))
+    for i, r in enumerate(wanted):
+        if r == SKIP:
+            continue
+        x, y, wider = next(it)
+        if wider is not None:
+            x, y = x.to(wider), y.to(wider)
+        bad, diff = tensors_differ(x.cpu(), y.cpu(), atol, rtol)
+        flags[i] = 1.0 if bad else 0.0
+        diffs[i] = diff
+    runtime.max_over_ranks(flags)
+    runtime.max_over_ranks(diffs)
+    return [(bool(f), float(d)) for f, d in zip(flags.tolist(), diffs.tolist())]

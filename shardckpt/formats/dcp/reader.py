@@ -1,0 +1,493 @@
+"""``dcp``: a torch.distributed.checkpoint directory (``.metadata`` + ``*.distcp``).
+
+Tensor rows are read from the bytes of the stored chunks that overlap them
+(``shardckpt.formats.dcp.rows``), whichever rank (real or virtual, see
+``shardckpt.formats.ranks.target_ranks``) they are read for. Non-tensor values, and a chunk that
+cannot be read that way, go through DCP's own loader: a target of some rows is
+declared to it as one chunk at its row offset. Writing is ``shardckpt.formats.dcp.writer``. Two safety
+changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
+metadata classes, and non-tensor values are loaded with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
+
+from shardckpt.codecs.pickle_scan import (
+    TRUST_HINT,
+    first_line,
+    judge_failed_load,
+    quiet_protocol_warning,
+)
+from shardckpt.core import torch_internals
+from shardckpt.core.errors import (
+    SRC_FORMAT,
+    BadInputError,
+    ShardckptError,
+    UnsafePickleError,
+    UnsupportedTorchError,
+)
+from shardckpt.core.files import os_error, os_error_in
+from shardckpt.core.sight import Sight
+from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.dcp.check import check_metadata
+from shardckpt.formats.dcp.rows import StoredRows
+from shardckpt.formats.ranks.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
+from shardckpt.state.tree import Chunk, TensorMeta, build
+
+METADATA_FILE = ".metadata"
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _metadata_vocabulary() -> dict[tuple[str, str], object]:
+    """Return every ``(module, name)`` that DCP's ``.metadata`` pickle names, and what it stands for.
+
+    Only these exact pairs are looked up: no import by name and no dotted attribute path
+    (protocol 4 would let ``(allowed module, "os.system")`` walk to anything).
+    """
+    classes = (
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+    )
+    vocabulary: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
+    vocabulary.update(torch_internals.dcp_metadata_globals())
+    vocabulary[("torch", "Size")] = torch.Size
+    vocabulary[("collections", "OrderedDict")] = OrderedDict
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            vocabulary[("torch", name)] = value
+    # StorageMeta.checkpoint_id may be the path it was saved to. Python 3.13 names
+    # pathlib's classes from pathlib._local; a pure path reads on any OS (a WindowsPath
+    # cannot be made on Linux) and is all the id needs.
+    for module in ("pathlib", "pathlib._local"):
+        for name, pure in (("Posix", PurePosixPath), ("Windows", PureWindowsPath)):
+            vocabulary[(module, f"{name}Path")] = vocabulary[(module, f"Pure{name}Path")] = pure
+    return vocabulary
+
+
+_VOCABULARY = _metadata_vocabulary()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata; any global outside DCP's metadata vocabulary is refused."""
+
+    def find_class(self, module: str, name: str):
+        try:
+            return _VOCABULARY[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"metadata references {module}.{name}, which DCP metadata never holds",
+                hint=TRUST_HINT,
+            ) from None
+
+
+def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
+    """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted."""
+    file = path / METADATA_FILE
+    if not path.exists():
+        raise BadInputError(
+            "no such file or directory",
+            path=path,
+            hint="check the path of the DCP checkpoint directory",
+        )
+    if not file.is_file():
+        raise BadInputError(
+            f"no '{METADATA_FILE}' in this directory",
+            path=path,
+            hint=f"pass the DCP checkpoint directory itself, or {SRC_FORMAT} for another format",
+        )
+    try:
+        with open(file, "rb") as f:
+            md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
+    except (UnsafePickleError, UnsupportedTorchError) as exc:
+        raise type(exc)(exc.message, path=file, hint=exc.hint) from None
+    except Exception as exc:
+        raise BadInputError(
+            f"cannot read DCP metadata ({first_line(exc)})",
+            path=file,
+            hint="the file is damaged or not written by torch.distributed.checkpoint; "
+            "re-copy the checkpoint from where it was written",
+        ) from None
+    if not isinstance(md, Metadata):
+        raise BadInputError(
+            "not DCP metadata",
+            path=file,
+            hint="pass a directory written by torch.distributed.checkpoint.save",
+        )
+    return md
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, with values loaded ``weights_only`` and row targets as chunks.
+
+    ``row_starts`` maps a key whose target holds only some rows to its first row: DCP
+    gets that target as one chunk at that offset (``create_read_items_for_chunk_list``,
+    the helper DCP itself uses for a DTensor's shard) and fills it from the stored
+    chunks it overlaps.
+    """
+
+    def __init__(self, trust_pickle: bool, where: Path, row_starts: dict[str, int] | None = None):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.trust_pickle = trust_pickle
+        self.where = where
+        self.values: dict[str, object] = {}
+        self.row_starts = row_starts or {}
+
+    def create_local_plan(self) -> LoadPlan:
+        whole = {k: v for k, v in self.state_dict.items() if k not in self.row_starts}
+        items = list(create_default_local_load_plan(whole, self.metadata).items)
+        for key, start in self.row_starts.items():
+            target = self.state_dict[key]
+            offsets = torch.Size((start,) + (0,) * (target.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=target.size())
+            md = self.metadata.state_dict_metadata[key]
+            items += create_read_items_for_chunk_list(key, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # A row target is a plain tensor; its read items name it by its row offset.
+        if index.fqn in self.row_starts:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            with quiet_protocol_warning():
+                self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
+            return
+        except pickle.UnpicklingError as exc:
+            # Refused, or a damaged pickle: only the first may be told to trust the file.
+            # Other failures are DcpReader's "cannot read checkpoint data".
+            failure = judge_failed_load(exc, value, self.trust_pickle)
+        file = self._file_of(read_item)
+        if failure.kind == "refused":
+            raise UnsafePickleError(
+                f"refused to unpickle value {key!r} ({failure.reason})", path=file, hint=TRUST_HINT
+            )
+        raise BadInputError(
+            f"value {key!r} is damaged ({failure.reason})",
+            path=file,
+            hint="re-copy the checkpoint from where it was written",
+        )
+
+    def _file_of(self, read_item) -> Path:
+        """Return the ``.distcp`` file that holds ``read_item`` (the directory if unknown)."""
+        info = (self.metadata.storage_data or {}).get(read_item.storage_index)
+        return self.where / info.relative_path if info is not None else self.where
+
+
+class _Storage(FileSystemReader):
+    """DCP's file reader, given the metadata we already read (and checked) safely.
+
+    A failure while reading a data file names that file and, once its bytes are being
+    read, the key stored there: DCP's own errors ("EOFError", "mismatch sizes") name
+    neither, and a denied permission is not a truncated file.
+    """
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+        self._reading: object = None  # the storage entry whose bytes are being read
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self._metadata
+
+    def _slice_file(self, file, sinfo):
+        self._reading = sinfo
+        return super()._slice_file(file, sinfo)
+
+    def _key_being_read(self) -> str | None:
+        """Return the key whose storage entry is being read (looked up only on failure)."""
+        stored = (self._metadata.storage_data or {}).items()
+        return next((index.fqn for index, info in stored if info is self._reading), None)
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            self._reading = None
+            try:
+                super().read_data(LoadPlan(items), planner).wait()
+            except ShardckptError:
+                raise
+            except Exception as exc:
+                raise _read_error(exc, Path(self.path) / name, self._key_being_read()) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def _read_error(exc: Exception, path: Path, key: str | None) -> ShardckptError:
+    """Return the one-line error for ``exc``, raised while reading data file ``path``."""
+    cause = os_error_in(exc)
+    if cause is not None:
+        error = os_error(cause, path)
+        if key is None:
+            return error
+        return type(error)(f"{error.message} at {key!r}", path=path, hint=error.hint)
+    what = f"the data of {key!r}" if key is not None else "its data"
+    return BadInputError(
+        f"cannot read {what} ({type(exc).__name__}: {_reason(exc)})",
+        path=path,
+        hint="the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written",
+    )
+
+
+def _reason(exc: Exception) -> str:
+    """Return the line of ``exc``'s message that says what was wrong with the bytes."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # weights_only's refusal opens with advice to load with weights_only=False, which
+    # is no fix for damaged bytes; its reason is the line after this marker.
+    marker = "WeightsUnpickler error:"
+    for here, line in enumerate(lines[:-1]):
+        if line.endswith(marker):
+            return lines[here + 1]
+    return lines[0] if lines else ""
+
+
+class DcpReader(Reader):
+    """Reads a DCP directory: metadata from ``.metadata``, rows from the chunks' bytes.
+
+    Rows are read with ``dcp_rows.StoredRows``; a chunk it cannot place goes through
+    ``dcp.load``.
+    """
+
+    format = "dcp"
+
+    def __init__(self, src, trust_pickle: bool = False, sight: Sight | None = None):
+        super().__init__(src, trust_pickle)
+        self.sight = sight
+        if sight is None:
+            self.metadata = read_metadata(self.src, trust_pickle)
+        else:
+            # Where ranks see different files (node-local disks), the coordinator's node
+            # usually holds .metadata: one rank that sees it reads it for all.
+            self.metadata = sight.shared(
+                [METADATA_FILE], lambda: read_metadata(self.src, trust_pickle)
+            )
+        self._rows = StoredRows(self.src, self.metadata)
+        self._checked = False
+
+    def _check(self) -> None:
+        """Refuse a ``.metadata`` that does not describe SRC's files, before any data moves."""
+        if not self._checked:
+            check_metadata(self.metadata, self.src, self.sight.sizes if self.sight else {})
+            self._checked = True
+
+    def files_for(self, meta: TensorMeta, rows: Rows) -> list[tuple[Rows, frozenset[str]]]:
+        """Return ``rows`` cut at the stored chunks' row boundaries, with the files of the chunks each part overlaps."""
+        md = self.metadata
+        entry = md.state_dict_metadata[meta.key]
+        stored = [
+            (tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks if 0 not in tuple(c.sizes)
+        ]
+
+        def file_of(offsets) -> str:
+            return md.storage_data[MetadataIndex(meta.key, offsets)].relative_path
+
+        if not meta.shape:
+            return [(rows, frozenset(file_of(o) for o, _ in stored))]
+        start, stop = rows if rows is not None else (0, meta.shape[0])
+        cuts = {start, stop}
+        for offsets, sizes in stored:
+            cuts.update(c for c in (offsets[0], offsets[0] + sizes[0]) if start < c < stop)
+        edges = sorted(cuts)
+        parts: list[tuple[Rows, frozenset[str]]] = []
+        for lo, hi in zip(edges, edges[1:]):
+            files = frozenset(file_of(o) for o, z in stored if o[0] < hi and lo < o[0] + z[0])
+            if parts and parts[-1][1] == files:
+                parts[-1] = ((parts[-1][0][0], hi), files)  # type: ignore[index]
+            else:
+                parts.append(((lo, hi), files))
+        return parts or [(rows, frozenset())]
+
+    def index(self) -> Index:
+        self._check()
+        md = self.metadata
+        files = {info.relative_path for info in (md.storage_data or {}).values()}
+        ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))]
+        named = (max(ranks) + 1) if ranks else (len(files) or None)
+        rank_of = {}
+        for idx, info in (md.storage_data or {}).items():
+            m = _RANK_FILE.match(info.relative_path)
+            rank_of[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = (
+                int(m.group(1)) if m else None
+            )
+        paths = dict(md.planner_data or {})
+        keys = list(paths) + [k for k in md.state_dict_metadata if k not in paths]
+        byte_keys = [
+            k for k in keys if isinstance(md.state_dict_metadata.get(k), BytesStorageMetadata)
+        ]
+        values = self._read_values(byte_keys)
+        tensors = {
+            key: (
+                tuple(entry.size),
+                tuple(
+                    Chunk(rank_of.get((key, tuple(c.offsets))), tuple(c.offsets), tuple(c.sizes))
+                    for c in entry.chunks
+                ),
+            )
+            for key, entry in md.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+        }
+        # Ranks that held nothing have no data in .metadata, but may have a file of their own.
+        world = infer_world_sizes(tensors.values(), named or 1)
+        if world is not None and (on_disk := self._files_on_disk()):
+            world = (world & WorldSizes(on_disk, None)) or world
+        world_size = world.low if world is not None else named
+        items = []
+        for key in keys:
+            entry = md.state_dict_metadata.get(key)
+            path = tuple(paths.get(key, (key,)))
+            if entry is None:
+                # A path alone: an empty mapping dcp_write kept from torch's loader.
+                items.append((path, {}))
+            elif key in tensors:
+                shape, chunks = tensors[key]
+                layout = describe_chunks(shape, chunks, world or named)
+                items.append((path, TensorMeta(key, shape, entry.properties.dtype, layout, chunks)))
+            else:
+                items.append((path, values[key]))
+        return Index(self.format, str(self.src), world_size, build(items))
+
+    def _files_on_disk(self) -> int | None:
+        """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""
+        try:
+            ranks = [int(m.group(1)) for p in self.src.iterdir() if (m := _RANK_FILE.match(p.name))]
+        except OSError:
+            return None
+        return max(ranks) + 1 if ranks else None
+
+    def _read_values(self, keys: list[str]) -> dict[str, object]:
+        if not keys or self.sight is None:
+            return self._read_values_here(keys)
+        # Each value is read by a rank that sees the file DCP stored it in.
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            info = self.metadata.storage_data[MetadataIndex(key)]
+            by_file.setdefault(info.relative_path, []).append(key)
+        values: dict[str, object] = {}
+        for name, here in sorted(by_file.items()):
+            values.update(self.sight.shared([name], lambda here=here: self._read_values_here(here)))
+        return values
+
+    def _read_values_here(self, keys: list[str]) -> dict[str, object]:
+        if not keys:
+            return {}
+        planner = _SafeLoadPlanner(self.trust_pickle, self.src)
+        self._load(dict.fromkeys(keys), planner)
+        return planner.values
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        self._check()
+        targets: dict[str, torch.Tensor] = {}
+        row_starts: dict[str, int] = {}
+        for meta, r in zip(metas, rows):
+            shape = meta.shape if r is None else (r[1] - r[0],) + meta.shape[1:]
+            targets[meta.key] = torch.empty(shape, dtype=meta.dtype)
+            if r is not None and r != (0, meta.shape[0]):
+                row_starts[meta.key] = r[0]
+        # An empty target has nothing to read (an empty shard, a zero-size tensor); a
+        # target with a chunk StoredRows cannot place is read by DCP's loader.
+        wanted = {}
+        for key, target in targets.items():
+            if target.numel() and not self._rows.read_into(key, target, row_starts.get(key, 0)):
+                wanted[key] = target
+        if wanted:
+            starts = {k: v for k, v in row_starts.items() if k in wanted}
+            self._load(wanted, _SafeLoadPlanner(self.trust_pickle, self.src, starts))
+        return [targets[m.key] for m in metas]
+
+    def _load(self, state_dict: dict, planner: _SafeLoadPlanner) -> None:
+        try:
+            # no_dist: every rank plans and reads on its own; no collective can hang here.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    state_dict,
+                    storage_reader=_Storage(self.src, self.metadata),
+                    planner=planner,
+                    no_dist=True,
+                )
+        except (Exception, CheckpointException) as exc:
+            cause = _first_cause(exc)
+            if isinstance(cause, ShardckptError):
+                raise cause from None
+            text = str(cause).strip().splitlines()
+            raise BadInputError(
+                f"cannot read checkpoint data ({type(cause).__name__}: {text[0] if text else ''})",
+                path=self.src,
+                hint="the checkpoint is truncated or inconsistent; re-copy it from where it was written",
+            ) from None
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    """Return the error behind DCP's CheckpointException (a BaseException that wraps each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    cause = next(iter(failures.values()))
+    return cause[0] if isinstance(cause, tuple) else cause
+
+
+def as_stored(tree: object) -> object:
+    """Return ``tree`` as DCP gives it back: every mapping key a str (ID-keyed state: "0", "1", ...)."""
+    if isinstance(tree, Mapping):
+        return {str(k): as_stored(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [as_stored(v) for v in tree]
+    return tree
+
+
+__all__ = ["DcpReader", "read_metadata"]
+
+
+def dcp_tells_whole(index) -> bool:
+    """Return whether a DCP checkpoint says which tensors every rank held whole.
+
+    One written by several ranks that stores some tensor in several chunks does: DCP
+    stores what every rank held whole (FSDP2's buffers) as one chunk covering the
+    tensor, and a sharded parameter as a chunk per rank, empty ones included. A DCP of
+    one rank, or one whose every tensor is one whole chunk (DDP; FSDP2 over a mesh whose
+    shard dimension has size 1), stores parameters and buffers alike.
+    """
+    return (index.world_size or 1) > 1 and any(
+        m.shape and m.layout != "full" for _, m in index.tensors()
+    )

@@ -1,0 +1,193 @@
+"""Rows of a DCP tensor read straight from the bytes of its stored chunks.
+
+``FileSystemWriter`` stores each chunk of a tensor as a ``torch.save`` zip inside a
+``.distcp`` file (``storage_data``: file, offset, length). DCP's own loader
+``torch.load``s a chunk's whole zip whatever part of it is wanted, so a batch of rows
+of a big chunk would cost the whole chunk in memory, and reading it again for every
+batch. Here torch's loader itself, with ``map_location="meta"``, tells where the
+chunk's storage lies in the zip (``torch_internals.stored_offset``) and the stored tensor's
+shape, dtype and strides, without reading its data; the wanted rows are then read
+into the target with ``preadv``, and nothing else is read.
+
+A chunk this cannot place (an extension transformed its bytes, or the stored tensor is
+not laid out row after row, or in the other byte order, or torch's loader does not say
+where it lies) is left to DCP's loader (``DcpReader``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import sys
+import zipfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from shardckpt.codecs.pickle_scan import first_line
+from shardckpt.codecs.zip_skeleton import FileSlice
+from shardckpt.core.errors import BadInputError
+from shardckpt.core.files import os_error
+from shardckpt.core.torch_internals import stored_offset
+
+_RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where the elements of one stored chunk lie, row after row, in its data file."""
+
+    file: str
+    start: int
+    """Byte offset of the chunk's first element in ``file``."""
+
+
+class StoredRows:
+    """Reads rows of DCP tensors from their chunks' bytes (``read_into``); remembers where chunks lie."""
+
+    def __init__(self, src: Path, metadata: Metadata):
+        self.src = src
+        self.metadata = metadata
+        self._placed: dict[tuple[str, tuple[int, ...]], _Placed | None] = {}
+
+    def read_into(self, key: str, target: torch.Tensor, first_row: int) -> bool:
+        """Fill ``target`` (rows ``first_row``.. of tensor ``key``) from the stored chunks.
+
+        Returns False, having read nothing, when a chunk it overlaps cannot be placed.
+        The chunks of a tensor tile it exactly (``dcp_check``), so every element of
+        ``target`` is written.
+        """
+        entry = self.metadata.state_dict_metadata[key]
+        stop = first_row + (target.shape[0] if target.dim() else 1)
+        parts = []
+        for chunk in entry.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            lo, hi = (
+                (max(first_row, offsets[0]), min(stop, offsets[0] + sizes[0])) if sizes else (0, 1)
+            )
+            if lo >= hi or 0 in sizes:
+                continue
+            placed = self._place(key, offsets, sizes, target.dtype)
+            if placed is None:
+                return False
+            parts.append((placed, offsets, sizes, lo, hi))
+        with ExitStack() as files:
+            fds: dict[str, int] = {}
+            for placed, offsets, sizes, lo, hi in parts:
+                if placed.file not in fds:
+                    fds[placed.file] = _open(self.src / placed.file, files)
+                row_bytes = math.prod(sizes[1:]) * target.element_size()
+                at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
+                dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
+                self._read(fds[placed.file], dest, at, key, placed.file)
+        return True
+
+    def _read(self, fd: int, dest: torch.Tensor, at: int, key: str, file: str) -> None:
+        """Read ``dest``'s bytes from byte ``at`` of ``fd``; through a buffer if ``dest`` is strided."""
+        buffer = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
+        view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(fd, [view[done:]], at + done)
+            except OSError as exc:
+                raise os_error(exc, self.src / file) from None
+            if n == 0:
+                raise BadInputError(
+                    f"truncated: the data of {key!r} ends at byte {at + done}, "
+                    f"{len(view) - done} bytes short",
+                    path=self.src / file,
+                    hint=_RECOPY,
+                )
+            done += n
+        if buffer is not dest:
+            dest.copy_(buffer)
+
+    def _place(
+        self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
+    ) -> _Placed | None:
+        if (key, offsets) not in self._placed:
+            info = self.metadata.storage_data[MetadataIndex(key, offsets)]
+            self._placed[(key, offsets)] = (
+                None
+                if info.transform_descriptors
+                else _locate(self.src, info, key, offsets, sizes, dtype)
+            )
+        return self._placed[(key, offsets)]
+
+
+def _locate(
+    src: Path, info, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype
+) -> _Placed | None:
+    """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
+
+    None when it is not laid out row after row in this machine's byte order, or when
+    torch's loader does not say where its storage lies.
+    """
+    file, offset, length = info.relative_path, info.offset, info.length
+    path = src / file
+    with ExitStack() as files:
+        fd = _open(path, files)
+        try:
+            with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, offset, offset + length))) as zf:
+                orders = [n for n in zf.namelist() if n.rsplit("/", 1)[-1] == "byteorder"]
+                order = zf.read(orders[0]).decode() if orders else "little"
+            stored = torch.load(
+                io.BufferedReader(FileSlice(fd, offset, offset + length)),
+                map_location="meta",
+                weights_only=True,
+            )
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        except Exception as exc:
+            raise BadInputError(
+                f"cannot read the chunk at {list(offsets)} of {key!r} ({first_line(exc)})",
+                path=path,
+                hint=_RECOPY,
+            ) from None
+    if not isinstance(stored, torch.Tensor) or stored.shape != sizes or stored.dtype != dtype:
+        what = (
+            f"a {tuple(stored.shape)} {stored.dtype} tensor"
+            if isinstance(stored, torch.Tensor)
+            else type(stored).__name__
+        )
+        raise BadInputError(
+            f"the chunk at {list(offsets)} of {key!r} is stored as {what}, where .metadata "
+            f"says {tuple(sizes)} {dtype}",
+            path=path,
+            hint=_RECOPY,
+        )
+    at = stored_offset(stored.untyped_storage())
+    if order != sys.byteorder or not stored.is_contiguous() or at is None:
+        return None
+    start = at + stored.storage_offset() * stored.element_size()
+    if start + stored.numel() * stored.element_size() > length:
+        raise BadInputError(
+            f"the chunk at {list(offsets)} of {key!r} runs past its {length} stored bytes",
+            path=path,
+            hint=_RECOPY,
+        )
+    return _Placed(file, offset + start)
+
+
+def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:
+    """Return the part of ``target`` (rows ``lo``..``hi``) that a chunk at ``offsets`` fills."""
+    if not sizes:
+        return target
+    dest = target[lo:hi]
+    for dim in range(1, len(sizes)):
+        dest = dest.narrow(dim, offsets[dim], sizes[dim])
+    return dest
+
+
+def _open(path: Path, files: ExitStack) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    files.callback(os.close, fd)
+    return fd

@@ -1,0 +1,235 @@
+"""What an ``hf`` DST needs besides weights for ``from_pretrained``: ``config.json`` and friends.
+
+A training checkpoint holds weights, not the model's description, so ``--hf-config DIR``
+names a directory holding ``config.json`` (the model's original directory, a hub
+snapshot, a transformers ``Trainer`` checkpoint). Without the option, a ``config.json``
+in SRC (a directory) or beside it (the directory SRC sits in) is used, with a note:
+that is where ``Trainer`` puts it next to ``model.safetensors`` or
+``pytorch_model_fsdp_0/``.
+
+Copied: the files ``from_pretrained``, ``AutoTokenizer`` and ``AutoProcessor`` read that
+are not weights (``COMPANIONS``), plus the ``*.py`` files ``config.json``'s ``auto_map``
+names (a model with its own code). Not copied: weights, optimizer, scheduler, RNG and
+trainer state, anything else.
+
+Before anything is written, the output's tensor names are checked against the model
+``config.json`` describes (built by ``transformers`` on the meta device, when it is
+installed and knows the architecture): a weight the model has and DST lacks would be
+left at random by ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardckpt.core.errors import BadInputError, UsageError
+from shardckpt.core.files import is_source_file, os_error, source_file, writing
+from shardckpt.core.words import counted
+
+CONFIG_FILE = "config.json"
+
+COMPANIONS = (
+    CONFIG_FILE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece*.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+)
+"""File names (globs) copied from the config directory, when present."""
+
+
+@dataclass(frozen=True)
+class HfConfig:
+    """A directory holding ``config.json``, the files to copy from it, and how it was found."""
+
+    root: Path
+    files: tuple[str, ...]
+    """Plain file names inside ``root``, ``config.json`` first."""
+    detected: bool
+    """Whether it was found beside SRC rather than named by ``--hf-config``."""
+    config: dict
+
+
+def _read_config(path: Path) -> dict:
+    """Return ``config.json`` parsed, or raise one line naming it."""
+    try:
+        config = json.loads(source_file(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        raise BadInputError(
+            "is not a JSON object, so not a transformers model config",
+            path=path,
+            hint="copy config.json again from the model's directory or hub repository",
+        )
+    return config
+
+
+def _auto_map_code(config: dict, root: Path) -> list[str]:
+    """Return the ``*.py`` files in ``root`` that ``auto_map`` names (``module.Class``)."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return []
+    refs: list[str] = []
+    for value in auto_map.values():
+        refs += value if isinstance(value, list) else [value]
+    names = []
+    for ref in refs:
+        # "repo--module.Class" is code in another repository: not in root.
+        if isinstance(ref, str) and "--" not in ref and "." in ref:
+            name = ref.rsplit(".", 1)[0] + ".py"
+            if "/" not in name and is_source_file(root / name) and name not in names:
+                names.append(name)
+    return names
+
+
+def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
+    """Return what to copy from ``root``; refuse a directory without ``config.json``."""
+    root = Path(root)
+    if root.is_file():
+        raise UsageError(
+            "--hf-config: is a file; the option takes the directory holding config.json",
+            path=root,
+            hint=f"pass --hf-config '{root.parent}'",
+        )
+    if not (root / CONFIG_FILE).exists():
+        raise UsageError(
+            f"--hf-config: no '{CONFIG_FILE}' in this directory",
+            path=root,
+            hint="pass the directory of the model's config.json (its original directory or "
+            "a hub snapshot)",
+        )
+    config = _read_config(root / CONFIG_FILE)
+    files = [CONFIG_FILE]
+    for entry in sorted(p.name for p in root.iterdir()):
+        if entry != CONFIG_FILE and any(fnmatch.fnmatchcase(entry, g) for g in COMPANIONS):
+            if is_source_file(root / entry):
+                files.append(entry)
+    files += [f for f in _auto_map_code(config, root) if f not in files]
+    return HfConfig(root, tuple(files), detected, config)
+
+
+def config_beside(src: str | os.PathLike) -> Path | None:
+    """Return the directory holding ``config.json`` that SRC is (a directory) or sits in, if any."""
+    src = Path(src)
+    places = ([src] if src.is_dir() else []) + [src.resolve().parent]
+    return next((p for p in places if is_source_file(p / CONFIG_FILE)), None)
+
+
+def copy_files(config: HfConfig, dst: Path) -> None:
+    """Copy the config directory's files into ``dst`` (the staged output), each flushed to disk."""
+    for name in config.files:
+        src = source_file(config.root / name)
+        try:
+            fin = open(src, "rb")  # noqa: SIM115 - closed below; a read error names SRC's file
+        except OSError as exc:
+            raise os_error(exc, src) from None
+        with fin, writing(dst / name), open(dst / name, "wb") as fout:
+            shutil.copyfileobj(fin, fout)
+            fout.flush()
+            os.fsync(fout.fileno())
+
+
+def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:
+    """Return the weight names of the model ``config`` describes and those it ties, or None.
+
+    None when that cannot be told cheaply: ``transformers`` is not installed, or does
+    not know the architecture (a model with its own code is never imported here).
+    """
+    archs = config.config.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        return None
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    # Only a model class of transformers' own is built: the name comes from a file.
+    cls = getattr(transformers, archs[0], None)
+    model_class = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+    if not model_class or config.config.get("auto_map"):
+        return None
+    try:
+        conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
+        with torch.device("meta"):
+            model = cls(conf)
+    except Exception:  # noqa: BLE001 - any failure means "cannot tell cheaply"
+        return None
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return set(model.state_dict()), set(tied)
+
+
+def check_names(config: HfConfig, names: Iterable[str], note: Callable[[str], None]) -> bool:
+    """Return whether DST's tensor ``names`` load into the model ``config`` describes.
+
+    An explicit ``--hf-config`` whose model lacks a weight DST holds, or has one DST
+    lacks, is refused (one line, the first name and the count); a detected one is
+    only left out, with a ``note``. Unexpected names alone are a note: ``from_pretrained``
+    ignores them.
+    """
+    expected = expected_names(config)
+    if expected is None:
+        return True
+    model, tied = expected
+    names = set(names)
+    missing = sorted(model - names - tied)
+    unexpected = sorted(names - model)
+    where = config.root / CONFIG_FILE
+    if missing:
+        first = missing[0]
+        hint = _rename_hint(missing, unexpected)
+        what = (
+            f"the {config.config['architectures'][0]} model of '{where}' has "
+            f"{counted(len(missing), 'weight')} DST would lack, e.g. '{first}'"
+        )
+        if config.detected:
+            note(f"{what}: not copying it ({hint}, or pass --hf-config DIR)")
+            return False
+        raise UsageError(f"--hf-config: {what}", path=config.root, hint=hint)
+    if unexpected:
+        note(
+            f"{counted(len(unexpected), 'tensor')} of DST not among the weights of the model "
+            f"in '{where}', e.g. '{unexpected[0]}': from_pretrained will ignore them"
+        )
+    return True
+
+
+def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Return how to make the names DST lacks: the prefix ``--rename`` that fits the most of them."""
+    lacking, extra = set(missing), set(unexpected)
+    counts: dict[str, int] = {}
+    for name in unexpected:
+        # DST's name is a model name with a prefix cut off (add it), or with one more (strip it).
+        for i, ch in enumerate(name):
+            if ch == "." and name[i + 1 :] in lacking:
+                hint = f"strip the prefix with --rename '^{re.escape(name[: i + 1])}='"
+                counts[hint] = counts.get(hint, 0) + 1
+    for name in missing:
+        for i, ch in enumerate(name):
+            if ch == "." and name[i + 1 :] in extra:
+                hint = f"add the prefix with --rename '^={name[: i + 1]}'"
+                counts[hint] = counts.get(hint, 0) + 1
+    if not counts:
+        return "check that these weights belong to that model, or --rename them to its names"
+    return max(sorted(counts), key=counts.__getitem__)

@@ -1,0 +1,207 @@
+"""``safetensors``: one ``.safetensors`` file holding every tensor whole.
+
+Tensors are named by their dotted path (``model.layers.0.weight``). The tree's shape
+and its plain values (optimizer hyper-parameters, step counters) ride in the header's
+``__metadata__`` under ``shardckpt`` as typed JSON, so ``dcp -> safetensors -> dcp`` is
+lossless. A file without that entry (any other writer's) reads as a flat tree.
+
+Reading uses the ``safetensors`` library (``get_slice`` reads just a rank's rows).
+Writing: the header is known from metadata alone, so the coordinator writes it and
+sizes the file; then every rank writes its rows of each tensor at their offsets, in
+the layout the format specifies (8-byte little-endian header length, JSON header
+padded to 8 bytes, then data).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_tree
+from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
+from shardckpt.core.files import os_error, source_file, writing
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
+from shardckpt.state.regions import Region, spread, whole
+from shardckpt.state.tree import TensorMeta, dotted, walk
+
+TREE_KEY = "shardckpt"
+
+DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
+    """Return the ``TensorMeta`` of tensor ``key`` from its ``safe_open`` slice."""
+    dtype = DTYPES.get(sl.get_dtype())
+    if dtype is None:
+        raise BadInputError(
+            f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
+            path=path,
+            hint="convert it with the safetensors library first",
+        )
+    return TensorMeta(key, tuple(sl.get_shape()), dtype)
+
+
+@contextmanager
+def opened(path: Path, hint: str) -> Iterator:
+    """Yield ``safe_open(path)``; a failure while it is open becomes one line naming ``path``."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except BadInputError:
+        raise
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    except Exception as exc:
+        raise BadInputError(
+            f"not a readable safetensors file ({type(exc).__name__}: {exc})", path=path, hint=hint
+        ) from None
+
+
+class SafetensorsReader(Reader):
+    """Reads a ``.safetensors`` file: the header for metadata, ``get_slice`` for rows."""
+
+    format = "safetensors"
+
+    def __init__(self, src, trust_pickle: bool = False):
+        super().__init__(src, trust_pickle)
+        source_file(self.src)
+        hint = f"the file is truncated or in another format; name its format with {SRC_FORMAT}"
+        with opened(self.src, hint) as f:
+            self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
+            self._header_metadata = f.metadata() or {}
+
+    def index(self) -> Index:
+        encoded = self._header_metadata.get(TREE_KEY)
+        if encoded is None:
+            return Index(self.format, str(self.src), 1, dict(self._metas))
+        try:
+            tree = decode_tree(json.loads(encoded), self._metas.__getitem__)
+        except RecursionError:
+            raise too_deep(self.src) from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadInputError(
+                f"malformed '{TREE_KEY}' header metadata ({exc})",
+                path=self.src,
+                hint="the file was altered after shardckpt wrote it",
+            ) from None
+        return Index(self.format, str(self.src), 1, tree)
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        out = []
+        with safe_open(self.src, framework="pt") as f:
+            for meta, r in zip(metas, rows):
+                out.append(
+                    f.get_tensor(meta.key)
+                    if r is None or not meta.shape
+                    else f.get_slice(meta.key)[r[0] : r[1]]
+                )
+        return out
+
+
+def tensor_names(tree: dict) -> dict[tuple, str]:
+    """Return the unique safetensors name of each tensor path: its dotted form."""
+    names: dict[tuple, str] = {}
+    seen: dict[str, tuple] = {}
+    for path, leaf in walk(tree):
+        if isinstance(leaf, TensorMeta):
+            name = dotted(path)
+            if name in seen:
+                raise UsageError(
+                    f"paths {list(seen[name])} and {list(path)} both print as '{name}'",
+                    hint="rename one with --rename, or write --format torch",
+                )
+            seen[name] = path
+            names[path] = name
+    return names
+
+
+@dataclass(frozen=True)
+class Header:
+    """A ``.safetensors`` file laid out from metadata: its header bytes and where each tensor goes."""
+
+    raw: bytes
+    """Header length (8 bytes, little-endian), then the JSON header padded to 8 bytes."""
+    regions: tuple[Region, ...]
+    """Each tensor's place in the file, in header order."""
+    size: int
+    """The file's final size."""
+
+    def write(self, path: Path) -> None:
+        """Create ``path`` with this header, at its final size (the data area sparse until filled)."""
+        with writing(path), open(path, "wb") as f:
+            f.write(self.raw)
+            f.truncate(self.size)
+
+
+def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str = "") -> Header:
+    """Return the layout of a file of ``entries`` (name, meta) in order; refuse what it cannot store."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, meta in entries:
+        if meta.dtype not in DTYPE_NAMES:
+            raise UsageError(
+                f"'{name}' has dtype {meta.dtype}, which safetensors cannot store",
+                hint="write --format torch",
+            )
+        header[name] = {
+            "dtype": DTYPE_NAMES[meta.dtype],
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + meta.nbytes],
+        }
+        offset += meta.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    regions = tuple(
+        whole(meta, file, start + header[name]["data_offsets"][0]) for name, meta in entries
+    )
+    return Header(struct.pack("<Q", len(raw)) + raw, regions, start + offset)
+
+
+class SafetensorsWriter(Writer):
+    """Writes one ``.safetensors`` file holding the whole tree, its structure in the header."""
+
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        tree = plan.tree
+        names = tensor_names(tree)
+        try:
+            encoded = json.dumps(encode_tree(tree, lambda p, _: names[p]), separators=(",", ":"))
+        except UnencodableValue as exc:
+            raise UsageError(
+                str(exc), hint="write --format torch, or leave it out with --filter/--only"
+            ) from None
+        entries = [(names[p], leaf) for p, leaf in walk(tree) if isinstance(leaf, TensorMeta)]
+        self._header = layout(entries, {"format": "pt", TREE_KEY: encoded})
+
+    def frame(self, runtime) -> Frame:
+        runtime.agreed(lambda: self._header.write(self.root) if runtime.coordinator else None)
+        regions = self._header.regions
+        return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))

@@ -1,0 +1,240 @@
+"""``hf``: a Hugging Face directory of ``model-0000i-of-0000n.safetensors`` shards + index.
+
+``model.safetensors.index.json`` is ``{"metadata": {"total_size": N}, "weight_map":
+{name: shard file}}``. It holds model weights only, named by FQN without a ``model.``
+prefix. shardckpt reads it as ``{"model": {name: tensor}}``, the layout training loops
+save and load (``dcp.load({"model": msd, ...})``), so ``hf -> dcp`` gives a checkpoint
+FSDP2 training starts from, and ``dcp -> hf`` takes the ``model`` subtree back out.
+
+Writing works like ``safetensors``: shards are planned from metadata alone (filled
+in tree order up to ``--max-shard-size``; a bigger tensor gets a shard of its own, as
+``huggingface_hub.split_torch_state_dict_into_shards`` does), the coordinator writes
+each shard's header, every rank writes its rows into them, and the index comes last,
+after the model's ``config.json`` and friends (``shardckpt.formats.hf.config``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
+from shardckpt.core.files import os_error, source_file, writing
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.hf.config import copy_files
+from shardckpt.formats.hf.safetensors_file import layout, opened, tensor_meta
+from shardckpt.state.regions import spread
+from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
+
+
+def model_tree(tree: Mapping, src: str) -> dict:
+    """Return what an ``hf`` DST holds of ``tree``: ``{"model": {name: meta}}``, tensors only."""
+    names: dict[str, tuple] = {}
+    out: dict[str, TensorMeta] = {}
+    prefix = model_prefix(tree)
+    for path, leaf in model_leaves(tree):
+        if not isinstance(leaf, TensorMeta):
+            continue  # HF checkpoints hold weights only; plain values stay behind
+        name = dotted(path[len(prefix) :])
+        if name in names:
+            raise UsageError(
+                f"paths {list(names[name])} and {list(path)} both print as '{name}'",
+                path=src,
+                hint="rename one with --rename, or write --format torch",
+            )
+        names[name] = path
+        out[name] = leaf
+    if not out:
+        raise UsageError(
+            "has no model tensors to write as --format hf",
+            path=src,
+            hint="check --only and --filter against `shardckpt inspect`",
+        )
+    return {"model": out}
+
+
+def plan_shards(metas: Sequence[TensorMeta], max_shard_size: int) -> list[list[TensorMeta]]:
+    """Return the tensors of each shard: filled in order up to ``max_shard_size`` bytes."""
+    shards: list[list[TensorMeta]] = []
+    size = 0
+    for meta in metas:
+        if not shards or size + meta.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(meta)
+        size += meta.nbytes
+    return shards
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and Path(name).name == name
+
+
+def shard_name(i: int, n: int) -> str:
+    """Return the file name transformers gives shard ``i`` (0-based) of ``n``."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+class HfWriter(Writer):
+    """Writes the shards' headers (coordinator), lets every rank fill them, then writes the index."""
+
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        named = list(plan.tree["model"].items())
+        max_size = plan.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        shards = plan_shards([meta for _, meta in named], max_size)
+        name = {meta.key: n for n, meta in named}
+        files = [shard_name(i, len(shards)) for i in range(len(shards))]
+        self._headers = {
+            file: layout([(name[m.key], m) for m in shard], {"format": "pt"}, file)
+            for file, shard in zip(files, shards)
+        }
+        self._weight_map = {name[m.key]: file for file, shard in zip(files, shards) for m in shard}
+        self._total = sum(meta.nbytes for _, meta in named)
+
+    def frame(self, runtime) -> Frame:
+        def create() -> None:
+            for file, header in self._headers.items():
+                header.write(self.root / file)
+
+        runtime.agreed(lambda: create() if runtime.coordinator else None)
+        regions = [r for header in self._headers.values() for r in header.regions]
+        return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))
+
+    def finish(self) -> None:
+        if self.plan.hf_config is not None:
+            copy_files(self.plan.hf_config, self.root)
+        # Written last, so a directory with an index has all its shards.
+        index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
+        with writing(self.root / INDEX_FILE), open(self.root / INDEX_FILE, "w") as f:
+            # transformers writes it this way (sorted keys, indent 2, newline).
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class HfReader(Reader):
+    """Reads a Hugging Face shard directory through its index; rows with ``get_slice``."""
+
+    format = "hf"
+
+    def __init__(self, src, trust_pickle: bool = False):
+        super().__init__(src, trust_pickle)
+        weight_map = self._read_index()
+        self._file: dict[str, str] = {}
+        self._metas: dict[str, TensorMeta] = {}
+        for file in sorted(set(weight_map.values())):
+            wanted = {name for name, f in weight_map.items() if f == file}
+            for name, meta in self._read_shard(file, wanted):
+                self._file[name] = file
+                self._metas[name] = meta
+
+    def _read_index(self) -> dict[str, str]:
+        index_path = self.src / INDEX_FILE
+        if not index_path.exists():
+            raise BadInputError(
+                f"no '{INDEX_FILE}' in this directory",
+                path=self.src,
+                hint=f"pass the Hugging Face model directory itself, or {SRC_FORMAT} for another format",
+            )
+        try:
+            weight_map = json.loads(source_file(index_path).read_text())["weight_map"]
+            ok = isinstance(weight_map, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            )
+        except OSError as exc:
+            raise os_error(exc, index_path) from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            ok = False
+        if not ok:
+            raise BadInputError(
+                "not an index of safetensors shards (no 'weight_map' of names to files)",
+                path=index_path,
+                hint="re-save the model with save_pretrained, or re-copy the file",
+            )
+        # Shard names are plain file names: an index must not point outside its directory.
+        for name, file in weight_map.items():
+            if not _plain_name(file):
+                raise BadInputError(
+                    f"names '{file}' as the shard of '{name}', which is not a file name "
+                    "in this directory",
+                    path=index_path,
+                    hint="an index lists the names of the shards beside it; re-save the model "
+                    "with save_pretrained",
+                )
+        self._check_unlisted_shards(set(weight_map.values()), index_path)
+        return weight_map
+
+    def _check_unlisted_shards(self, listed: set[str], index_path: Path) -> None:
+        """Refuse a file named like the index's shards that the index does not list."""
+        patterns = {re.sub(r"\d+", r"\\d+", re.escape(name)) for name in listed}
+        shard_like = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
+        for entry in sorted(self.src.iterdir()):
+            if patterns and entry.name not in listed and shard_like.fullmatch(entry.name):
+                raise BadInputError(
+                    f"'{entry.name}' is named like a shard but {INDEX_FILE} does not list it",
+                    path=index_path,
+                    hint="the index and the shards do not match; re-save the model, or remove "
+                    "the stray shard",
+                )
+
+    def _read_shard(self, file: str, wanted: set[str]) -> list[tuple[str, TensorMeta]]:
+        path = self.src / file
+        if not path.exists():
+            raise BadInputError(
+                f"missing shard '{file}' named by {INDEX_FILE}",
+                path=self.src,
+                hint="copy every *.safetensors shard of the checkpoint",
+            )
+        source_file(path)
+        with opened(path, "the shard is truncated or damaged; re-copy it") as f:
+            # File order: the writer's tree order for our own output.
+            keys = list(f.offset_keys())
+            present = [k for k in keys if k in wanted]
+            metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
+        missing = sorted(wanted - set(present))
+        if missing:
+            raise BadInputError(
+                f"has no tensor '{missing[0]}', which {INDEX_FILE} puts there",
+                path=path,
+                hint="the index and the shards do not match; re-copy the checkpoint",
+            )
+        unlisted = [k for k in keys if k not in wanted]
+        if unlisted:
+            raise BadInputError(
+                f"holds tensor '{unlisted[0]}', which {INDEX_FILE} does not put there",
+                path=path,
+                hint="the index and the shards do not match; re-save the model, or add the "
+                "tensor to the index's weight_map",
+            )
+        return metas
+
+    def index(self) -> Index:
+        return Index(self.format, str(self.src), 1, {"model": dict(self._metas)})
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(metas)
+        by_file: dict[str, list[int]] = {}
+        for i, meta in enumerate(metas):
+            by_file.setdefault(self._file[meta.key], []).append(i)
+        for file, positions in by_file.items():
+            with safe_open(self.src / file, framework="pt") as f:
+                for i in positions:
+                    meta, r = metas[i], rows[i]
+                    out[i] = (
+                        f.get_tensor(meta.key)
+                        if r is None or not meta.shape
+                        else f.get_slice(meta.key)[r[0] : r[1]]
+                    )
+        return out  # type: ignore[return-value]

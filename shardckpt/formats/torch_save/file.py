@@ -1,0 +1,195 @@
+"""``torch``: one ``torch.save`` file (``.pt``, ``.pth``, ``.bin``) holding every tensor whole.
+
+Reading memory-maps the file (``torch.load(mmap=True)``), so metadata costs no tensor
+reads and each rank touches only its rows. Writing: the coordinator writes the file's
+``torch.save`` skeleton (``zip_skeleton``: the real pickle, a record per tensor, no
+bytes), every rank writes its rows of each tensor at their record's offset, and the
+zip checksums are combined and patched at the end. No process ever holds the whole
+checkpoint, and the result is an ordinary ``torch.save`` file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from shardckpt.codecs.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
+from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
+from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
+from shardckpt.core.files import os_error, source_file, source_stat, writing
+from shardckpt.core.torch_internals import missing_safe_globals, storage_key
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
+from shardckpt.state.regions import Region, spread
+from shardckpt.state.tree import TensorMeta, map_leaves
+
+
+def load(
+    path: Path, trust_pickle: bool, *, safe_globals: Sequence = (), trusted_pickle=None
+) -> object:
+    """Return the object in a ``torch.save`` file, memory-mapped, refusing code execution.
+
+    ``safe_globals`` widens torch's ``weights_only`` allow-list for one format (every
+    load allows the DTensor classes newer torch releases allow, ``missing_safe_globals``);
+    ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
+    A failure is told as unsafe (only then is ``--trust-pickle`` suggested), damaged or
+    unreadable (``pickle_scan.judge_failed_load``).
+    """
+    if stat.S_ISDIR(source_stat(path).st_mode):
+        raise BadInputError(
+            "is a directory, not a torch.save file",
+            path=path,
+            hint=f"pass the file itself, or {SRC_FORMAT} dcp for a DCP directory",
+        )
+    source_file(path)
+    options: dict = {"weights_only": not trust_pickle}
+    allowed = [*missing_safe_globals(), *safe_globals]
+    if trust_pickle and trusted_pickle is not None:
+        options["pickle_module"] = trusted_pickle
+    try:
+        with torch.serialization.safe_globals(allowed), quiet_protocol_warning():
+            try:
+                return torch.load(path, map_location="cpu", mmap=True, **options)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                # Files from torch.save(_use_new_zipfile_serialization=False) cannot be mapped.
+                return torch.load(path, map_location="cpu", **options)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    except Exception as exc:
+        failure = judge_failed_load(exc, path, trust_pickle)
+    if failure.kind == "refused":
+        raise UnsafePickleError(
+            f"refused to unpickle ({failure.reason})", path=path, hint=TRUST_HINT
+        )
+    if failure.kind == "damaged":
+        raise BadInputError(
+            f"is a damaged torch.save file ({failure.reason})",
+            path=path,
+            hint="re-copy it from where it was written",
+        )
+    raise BadInputError(
+        f"not a readable torch.save file ({failure.reason})",
+        path=path,
+        hint=f"the file is truncated or in another format; name its format with {SRC_FORMAT}",
+    )
+
+
+def load_dict(path: Path, trust_pickle: bool, **options) -> dict:
+    """Return the state dict in a ``torch.save`` file (``load``'s options); refuse any other top level."""
+    obj = load(path, trust_pickle, **options)
+    if not isinstance(obj, dict):
+        raise BadInputError(
+            f"holds a {type(obj).__name__}, not a state dict",
+            path=path,
+            hint="shardckpt reads files whose top level is a dict",
+        )
+    return obj
+
+
+class TorchReader(Reader):
+    """Reads a whole-tensor ``torch.save`` file through a memory map."""
+
+    format = "torch"
+
+    def __init__(self, src, trust_pickle: bool = False):
+        super().__init__(src, trust_pickle)
+        obj = load_dict(self.src, trust_pickle)
+        self._tensors: dict[str, torch.Tensor] = {}
+        try:
+            self._tree = map_leaves(obj, self._describe)
+        except RecursionError:
+            raise too_deep(self.src) from None
+
+    def _describe(self, path, leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
+            raise BadInputError(
+                f"'{'.'.join(map(str, path))}' is a {type(leaf).__name__}, not a whole tensor",
+                path=self.src,
+                hint=f"pass the directory of per-rank files, with {SRC_FORMAT} fsdp2-ranks if need be",
+            )
+        key = str(len(self._tensors))
+        self._tensors[key] = leaf.detach()
+        return TensorMeta(key, tuple(leaf.shape), leaf.dtype)
+
+    def index(self) -> Index:
+        return Index(self.format, str(self.src), 1, self._tree)
+
+    def read(
+        self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
+    ) -> list[torch.Tensor]:
+        out = []
+        for meta, r in zip(metas, rows):
+            t = self._tensors[meta.key]
+            out.append(t if r is None else t[r[0] : r[1]])
+        return out
+
+
+def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Return ``tree`` with each ``TensorMeta`` a fake tensor of its shape and dtype, and those by key."""
+    fakes: dict[str, torch.Tensor] = {}
+
+    def fake(_path, leaf):
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        fakes[leaf.key] = torch.empty(leaf.shape, dtype=leaf.dtype)
+        return fakes[leaf.key]
+
+    with fake_mode():
+        return map_leaves(tree, fake), fakes
+
+
+def skeleton_regions(
+    fd: int, offset: int, obj, fills: dict[int, list[tuple[str, int, int, int]]], file: str
+) -> Frame:
+    """Write ``obj``'s ``torch.save`` skeleton at ``offset`` of ``fd``; return what fills it.
+
+    ``fills`` maps each fake storage (``storage_key``) to ``(key, start, stop, byte offset)``
+    entries: elements [start, stop) of source tensor ``key`` at that byte of the storage.
+    """
+    placeholders, records, pieces = write_skeleton(fd, offset, obj, file)
+    regions = [
+        Region(key, start, stop, file, placeholders[cdata].start + at, placeholders[cdata])
+        for cdata, entries in fills.items()
+        for key, start, stop, at in entries
+        # An empty placeholder has no bytes to fill, and may not be saved at all.
+        if stop > start
+    ]
+    return Frame(regions, records, pieces)
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    """Return the identity ``torch.save`` gives ``tensor``'s storage."""
+    return storage_key(tensor.untyped_storage())
+
+
+class TorchWriter(Writer):
+    """Writes a ``torch.save`` file laid out by ``torch.save`` itself; every rank fills its rows."""
+
+    def frame(self, runtime) -> Frame:
+        def create() -> Frame:
+            skeleton, fakes = placeholders(self.plan.tree)
+            fills = {
+                storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in self.plan.tensors
+            }
+            # Through a stream, torch names the archive "archive" instead of after the
+            # (temporary) file name, so the bytes do not depend on where it is staged.
+            with writing(self.root):
+                fd = os.open(self.root, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    return skeleton_regions(fd, 0, skeleton, fills, "")
+                finally:
+                    os.close(fd)
+
+        frame = runtime.agreed(lambda: create() if runtime.coordinator else None)
+        regions = runtime.broadcast(frame.regions if frame is not None else None)
+        mine = spread(regions, self.plan.metas, runtime.rank, runtime.world_size)
+        if frame is None:
+            return Frame(mine)
+        return Frame(mine, frame.records, frame.pieces)

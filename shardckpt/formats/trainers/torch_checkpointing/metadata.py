@@ -1,0 +1,321 @@
+"""``metadata.pkl`` of a torch_checkpointing checkpoint: read without running code, and written.
+
+torch_checkpointing (0.1.1) pickles ``DistributedMetadata.to_dict()``: plain dicts,
+lists, tuples, strings, ints and None, no class at all::
+
+    {"version": "2.0", "world_size": W, "metadata": {item: {
+        "nested_path_to_metadata": {'["state","fc.weight","exp_avg"]': [
+            {"ranks": (0, 1), "sharding_metadata": {"type": "DTensorShardingMetadata",
+             "data": {"dtype": "torch.float32", "global_shape": [7, 3], "stride": [3, 1],
+                      "placements": [{"type": "Shard", "dim": 0}],
+                      "mesh_spec": {"device_type": "cpu", "mesh_shape": (2,),
+                                    "mesh_data": (0, 1), "mesh_dim_names": None}}}}]},
+        "rank_to_layout_info": {0: {"file_path": "model_0.safetensors",
+                                    "serialization_format": {"type": "SafetensorsSerialization"}},
+                                1: None}}}}
+
+Only items saved with a resharder are listed; a layout of None is the library's
+default, ``<item>_<rank>.pt`` written with ``torch.save``. The file is unpickled by an
+unpickler that refuses every class and callable (``_PlainValues``), so a file that is
+anything but such values is refused, not run; every field is checked before use.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardckpt.core.errors import BadInputError
+from shardckpt.core.files import os_error, source_file
+from shardckpt.core.torch_internals import shard_chunk
+
+METADATA_FILE = "metadata.pkl"
+VERSION = "2.0"
+SAFETENSORS = "SafetensorsSerialization"
+TORCH = "TorchSerialization"
+DTENSOR = "DTensorShardingMetadata"
+
+
+class _PlainValues(pickle.Unpickler):
+    """Unpickles plain values only: any class or callable the pickle names is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain values are read")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("it refers to data outside the pickle")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one tensor of an item is laid over the ranks: global shape, dtype, each rank's chunk."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple[str, ...]
+    """``Shard(d)`` / ``Replicate`` per mesh dimension, as labels."""
+    mesh_shape: tuple[int, ...]
+    chunks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
+    """Each rank's ``(sizes, offsets)``."""
+
+    @property
+    def replicated(self) -> bool:
+        """Return whether every rank holds the whole tensor."""
+        return all(p == "Replicate" for p in self.placements)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One item of the checkpoint the metadata lists: its tensors' shardings and its files."""
+
+    tensors: dict[tuple, Sharding]
+    files: dict[int, str]
+    """Each rank's file, relative to the checkpoint directory."""
+    serialization: str
+    """``SafetensorsSerialization`` or ``TorchSerialization``."""
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """What ``metadata.pkl`` says: the world size and the items saved with a resharder."""
+
+    world_size: int
+    items: dict[str, Item]
+
+
+class _Lie(Exception):
+    """A field of the metadata that is not what torch_checkpointing writes."""
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Lie(what)
+
+
+def _ints(value, what: str) -> tuple[int, ...]:
+    _need(
+        isinstance(value, (list, tuple))
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value),
+        f"{what} is not a list of sizes",
+    )
+    return tuple(value)
+
+
+def _dtype(name) -> torch.dtype:
+    _need(isinstance(name, str) and name.startswith("torch."), f"dtype {name!r} is not torch's")
+    dtype = getattr(torch, name[len("torch.") :], None)
+    _need(isinstance(dtype, torch.dtype), f"dtype {name!r} is not torch's")
+    return dtype
+
+
+def _placements(raw, mesh_dims: int) -> tuple[str, ...]:
+    _need(isinstance(raw, list) and len(raw) == mesh_dims, "placements do not match the mesh")
+    out = []
+    for p in raw:
+        _need(isinstance(p, dict), "a placement is not a mapping")
+        if p.get("type") == "Replicate":
+            out.append("Replicate")
+        elif p.get("type") == "Shard" and isinstance(p.get("dim"), int):
+            out.append(f"Shard({p['dim']})")
+        else:
+            _need(False, f"placement {p!r} is not Shard or Replicate")
+    return tuple(out)
+
+
+def _sharding(packed, world_size: int) -> Sharding:
+    _need(isinstance(packed, dict), "sharding metadata is not a mapping")
+    _need(packed.get("type") == DTENSOR, f"sharding metadata of type {packed.get('type')!r}")
+    data = packed.get("data")
+    _need(isinstance(data, dict), "sharding metadata has no data")
+    shape = _ints(data.get("global_shape"), "global_shape")
+    mesh = data.get("mesh_spec")
+    _need(isinstance(mesh, dict), "mesh_spec is not a mapping")
+    mesh_shape = _ints(mesh.get("mesh_shape"), "mesh_shape")
+    ranks = _ints(mesh.get("mesh_data"), "mesh_data")
+    _need(
+        len(ranks) == math.prod(mesh_shape) and sorted(ranks) == list(range(world_size)),
+        f"the mesh {list(ranks)} is not the job's {world_size} ranks",
+    )
+    placements = _placements(data.get("placements"), len(mesh_shape))
+    for p in placements:
+        _need(p == "Replicate" or int(p[6:-1]) < len(shape), f"{p} of a {len(shape)}-d tensor")
+    chunks = {}
+    for index, rank in enumerate(ranks):
+        coordinate = list(_unravel(index, mesh_shape))
+        chunks[rank] = shard_chunk(shape, mesh_shape, coordinate, placements)
+    return Sharding(shape, _dtype(data.get("dtype")), placements, mesh_shape, chunks)
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(index % size)
+        index //= size
+    return tuple(reversed(out))
+
+
+def _path(text) -> tuple:
+    try:
+        path = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        path = None
+    _need(
+        isinstance(path, list)
+        and path
+        and all(
+            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)) for k in path
+        ),
+        f"nested path {text!r} is not a JSON list of keys",
+    )
+    return tuple(path)
+
+
+def plain_file_name(name: str) -> bool:
+    """Return whether ``name`` names a file directly inside a directory (no path, not . or ..)."""
+    return name not in ("", ".", "..") and Path(name).name == name
+
+
+def _item(key: str, raw, world_size: int) -> Item:
+    _need(isinstance(raw, dict), f"item {key!r} is not a mapping")
+    _need(plain_file_name(f"{key}_0.pt"), f"item key {key!r} cannot name a file in the directory")
+    layouts = raw.get("rank_to_layout_info")
+    _need(
+        isinstance(layouts, dict) and set(layouts) == set(range(world_size)),
+        f"item {key!r} does not name a file for each of the {world_size} ranks",
+    )
+    files, kinds = {}, set()
+    for rank, layout in layouts.items():
+        if layout is None:
+            files[rank], kind = f"{key}_{rank}.pt", TORCH
+        else:
+            _need(isinstance(layout, dict), f"item {key!r}: rank {rank}'s layout is not a mapping")
+            file, form = layout.get("file_path"), layout.get("serialization_format")
+            kind = form.get("type") if isinstance(form, dict) else None
+            _need(
+                isinstance(file, str) and plain_file_name(file),
+                f"item {key!r}: rank {rank}'s file {file!r} is not a file name in the directory",
+            )
+            _need(
+                kind in (SAFETENSORS, TORCH),
+                f"item {key!r} is stored as {kind!r}; shardckpt reads safetensors and torch.save",
+            )
+            files[rank] = file
+        kinds.add(kind)
+    _need(len(kinds) == 1, f"item {key!r} is stored in several serializations")
+    paths = raw.get("nested_path_to_metadata")
+    _need(isinstance(paths, dict), f"item {key!r} has no nested_path_to_metadata")
+    tensors = {}
+    for text, groups in paths.items():
+        path = _path(text)
+        _need(isinstance(groups, list) and groups, f"{text} has no sharding groups")
+        shardings = {}
+        for group in groups:
+            _need(isinstance(group, dict), f"{text}: a sharding group is not a mapping")
+            sharding = _sharding(group.get("sharding_metadata"), world_size)
+            for rank in _ints(group.get("ranks"), f"{text} ranks"):
+                shardings[rank] = sharding
+        _need(set(shardings) == set(range(world_size)), f"{text} is not described for every rank")
+        first = shardings[0]
+        _need(
+            all((s.shape, s.dtype, s.chunks) == (first.shape, first.dtype, first.chunks)
+                for s in shardings.values()),
+            f"{text} is described differently on different ranks",
+        )  # fmt: skip
+        tensors[path] = first
+    return Item(tensors, files, kinds.pop())
+
+
+def read_metadata(root: Path) -> Metadata:
+    """Return what ``root/metadata.pkl`` says; refuse anything but torch_checkpointing's plain values."""
+    path = root / METADATA_FILE
+    try:
+        raw = source_file(path).read_bytes()
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    try:
+        data = _PlainValues(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
+            AttributeError, RecursionError, MemoryError) as exc:  # fmt: skip
+        raise BadInputError(
+            f"not torch_checkpointing metadata ({type(exc).__name__}: {exc})",
+            path=path,
+            hint="the file is damaged, or was not written by torch_checkpointing; re-copy it",
+        ) from None
+    try:
+        _need(isinstance(data, dict), "the top level is not a mapping")
+        _need(data.get("version") == VERSION, f"version {data.get('version')!r}, not {VERSION!r}")
+        world_size = data.get("world_size")
+        _need(
+            isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
+            "world_size is not a positive int",
+        )
+        items = data.get("metadata")
+        _need(isinstance(items, dict), "metadata is not a mapping of items")
+        parsed = {}
+        for key, raw_item in items.items():
+            _need(isinstance(key, str) and key, f"item key {key!r} is not a name")
+            parsed[key] = _item(key, raw_item, world_size)
+    except _Lie as exc:
+        raise BadInputError(
+            f"is not torch_checkpointing metadata shardckpt can use: {exc}",
+            path=path,
+            hint="re-copy it from where the checkpoint was saved",
+        ) from None
+    except RecursionError:
+        raise BadInputError(
+            "nests too deeply to be torch_checkpointing metadata", path=path, hint="re-copy it"
+        ) from None
+    return Metadata(world_size, parsed)
+
+
+def sharding_dict(shape: tuple[int, ...], dtype: torch.dtype, world_size: int, split: bool) -> dict:
+    """Return the packed ``DTensorShardingMetadata`` of a tensor on a 1-D CPU mesh of ``world_size``.
+
+    ``split``: ``Shard(0)`` as FSDP2 holds parameters; else ``Replicate`` (a plain tensor,
+    as the library describes one).
+    """
+    stride = list(torch.empty(shape, device="meta").stride())
+    placement = {"type": "Shard", "dim": 0} if split else {"type": "Replicate"}
+    return {
+        "type": DTENSOR,
+        "data": {
+            "dtype": str(dtype),
+            "global_shape": list(shape),
+            "mesh_spec": {
+                "device_type": "cpu",
+                "mesh_shape": (world_size,),
+                "mesh_data": tuple(range(world_size)),
+                "mesh_dim_names": None,
+            },
+            "placements": [placement],
+            "stride": stride,
+        },
+    }
+
+
+def metadata_bytes(world_size: int, items: dict[str, dict]) -> bytes:
+    """Return ``metadata.pkl`` for ``items``: ``{item: {"paths": {path: sharding dict}, "files":
+    {rank: (file, serialization) or None}}}``, as torch_checkpointing pickles it."""
+    out = {}
+    for key, item in items.items():
+        out[key] = {
+            "nested_path_to_metadata": {
+                json.dumps(list(path), separators=(",", ":")): [
+                    {"sharding_metadata": sharding, "ranks": tuple(range(world_size))}
+                ]
+                for path, sharding in item["paths"].items()
+            },
+            "rank_to_layout_info": {
+                rank: None
+                if layout is None
+                else {"file_path": layout[0], "serialization_format": {"type": layout[1]}}
+                for rank, layout in item["files"].items()
+            },
+        }
+    return pickle.dumps({"metadata": out, "world_size": world_size, "version": VERSION})

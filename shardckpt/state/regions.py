@@ -1,0 +1,193 @@
+"""Where each byte of DST comes from: regions of source tensors at offsets of DST files (pure).
+
+Every output format is laid out from the plan before any data moves (``formats/*``
+writers' ``frame``): its files get their headers or ``torch.save`` skeletons, and what
+is left is a list of ``Region``s, each "elements [start, stop) of source tensor ``key``
+go to byte ``offset`` of file ``file``". Any process can fill any region, so a full
+file is filled by every rank at once and each rank fills the files of the target ranks
+it acts for. A region inside a zip record (``torch.save`` files, DCP data files) names
+its ``Record``: the record's CRC-32 is combined from the pieces the ranks wrote
+(``combine_crc``) and patched in at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from math import prod
+
+from isal import isal_zlib
+from torch.distributed.tensor import Shard
+
+from shardckpt.state.tree import TensorMeta
+
+
+@dataclass(frozen=True)
+class Record:
+    """A zip record of DST file ``file``: bytes [start, start + length), its CRC-32 kept at ``crc_at``."""
+
+    file: str
+    start: int
+    length: int
+    crc_at: tuple[int, ...]
+    """Byte positions in ``file`` of the record's CRC-32 fields (local header, central directory)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """Elements [start, stop) of source tensor ``key`` (row-major) at byte ``offset`` of ``file``."""
+
+    key: str
+    start: int
+    stop: int
+    file: str
+    """Relative to DST's staging path; ``""`` is that path itself (a one-file DST)."""
+    offset: int
+    record: Record | None = None
+    """The zip record the bytes belong to, or None (safetensors: no checksum)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one process wrote of a record: ``length`` bytes at ``offset`` into it, and their CRC-32."""
+
+    file: str
+    record_start: int
+    offset: int
+    length: int
+    crc: int
+
+
+def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, int] | None:
+    """Return the dim-0 rows rank ``rank`` holds under ``Shard(0)`` over ``world_size`` ranks.
+
+    torch's own rule (``Shard.local_shard_size_and_offset``, as ``fully_shard`` and
+    DTensor split dim 0), remainders and empty ranks included; None for a 0-dim tensor.
+    """
+    if not shape:
+        return None
+    size, offset = Shard.local_shard_size_and_offset(shape[0], world_size, rank)
+    return (int(offset), int(offset) + int(size))
+
+
+def nbytes(region: Region, metas: dict[str, TensorMeta]) -> int:
+    """Return the bytes ``region`` covers."""
+    return (region.stop - region.start) * metas[region.key].dtype.itemsize
+
+
+def whole(meta: TensorMeta, file: str, offset: int, record: Record | None = None) -> Region:
+    """Return the region that puts all of ``meta`` at ``offset`` of ``file``."""
+    return Region(meta.key, 0, meta.numel, file, offset, record)
+
+
+def row_elements(meta: TensorMeta) -> int:
+    """Return the elements of one dim-0 row of ``meta`` (1 for a 0-dim tensor)."""
+    return prod(meta.shape[1:]) if meta.shape else 1
+
+
+def rows_of(region: Region, meta: TensorMeta) -> tuple[int, int] | None:
+    """Return the dim-0 rows that hold ``region``'s elements (None: the whole 0-dim tensor)."""
+    if not meta.shape:
+        return None
+    row = row_elements(meta)
+    if row == 0:
+        return (0, meta.shape[0])
+    return (region.start // row, -(-region.stop // row))
+
+
+def spread(
+    regions: Sequence[Region], metas: dict[str, TensorMeta], rank: int, world_size: int
+) -> list[Region]:
+    """Return the part of ``regions`` process ``rank`` of ``world_size`` fills: its rows of each.
+
+    Rows are split as ``Shard(0)`` splits them (``dim0_rows``), so each process
+    reads what it would hold in training; a 0-dim tensor goes to one process, in turn.
+    """
+    out = []
+    for i, region in enumerate(regions):
+        meta = metas[region.key]
+        if world_size == 1:
+            out.append(region)
+        elif not meta.shape:
+            if i % world_size == rank:
+                out.append(region)
+        else:
+            a, b = dim0_rows(meta.shape, world_size, rank)  # type: ignore[misc]
+            part = _clip(region, meta, a * row_elements(meta), b * row_elements(meta))
+            if part is not None:
+                out.append(part)
+    return out
+
+
+def _clip(region: Region, meta: TensorMeta, start: int, stop: int) -> Region | None:
+    """Return the part of ``region`` within elements [start, stop), or None when empty."""
+    a, b = max(region.start, start), min(region.stop, stop)
+    if a >= b:
+        return None
+    offset = region.offset + (a - region.start) * meta.dtype.itemsize
+    return Region(region.key, a, b, region.file, offset, region.record)
+
+
+def batches(
+    regions: Sequence[Region], metas: dict[str, TensorMeta], limit: int
+) -> list[list[Region]]:
+    """Return ``regions`` in groups of at most ``limit`` bytes, splitting big ones at row boundaries.
+
+    A single row bigger than ``limit`` still goes, alone: a row is the least a reader reads.
+    """
+    out: list[list[Region]] = []
+    size = limit
+    for part in _split(regions, metas, limit):
+        part_bytes = nbytes(part, metas)
+        if size + part_bytes > limit or not out:
+            out.append([])
+            size = 0
+        out[-1].append(part)
+        size += part_bytes
+    return out
+
+
+def _split(regions: Sequence[Region], metas: dict[str, TensorMeta], limit: int) -> Iterator[Region]:
+    for region in regions:
+        meta = metas[region.key]
+        step = max(1, limit // max(1, row_elements(meta) * meta.dtype.itemsize)) * row_elements(
+            meta
+        )
+        if nbytes(region, metas) <= limit or not meta.shape:
+            yield region
+            continue
+        # Cut at row boundaries of the tensor, so each part reads whole rows.
+        cut = region.start - region.start % row_elements(meta)
+        while cut < region.stop:
+            part = _clip(region, meta, cut, cut + step)
+            if part is not None:
+                yield part
+            cut += step
+
+
+def crc32(data) -> int:
+    """Return the CRC-32 (zip's) of ``data``."""
+    return isal_zlib.crc32(data)
+
+
+def combine_crc(record: Record, pieces: Sequence[Piece], read_gap) -> int:
+    """Return ``record``'s CRC-32 from ``pieces`` in any order; bytes no piece wrote come from ``read_gap(offset, length)``."""
+    crc, at = 0, 0
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if piece.offset < at:
+            raise RuntimeError(
+                f"internal: two writes overlap in record at {record.start} of {record.file!r}"
+            )
+        if piece.offset > at:
+            gap = piece.offset - at
+            crc = isal_zlib.crc32_combine(crc, crc32(read_gap(at, gap)), gap)
+        crc = isal_zlib.crc32_combine(crc, piece.crc, piece.length)
+        at = piece.offset + piece.length
+    if at < record.length:
+        gap = record.length - at
+        crc = isal_zlib.crc32_combine(crc, crc32(read_gap(at, gap)), gap)
+    elif at > record.length:
+        raise RuntimeError(
+            f"internal: a write runs past the record at {record.start} of {record.file!r}"
+        )
+    return crc

@@ -1,0 +1,47 @@
+"""Equality of leaves: tensors bit for bit or within tolerances, plain values by type and value (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def values_equal(x: object, y: object) -> bool:
+    """Return whether two plain values are equal with the same types (NaN equals NaN)."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float):
+        return x == y or (math.isnan(x) and math.isnan(y))
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(values_equal(i, j) for i, j in zip(x, y))
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(values_equal(x[k], y[k]) for k in x)
+    if isinstance(x, torch.Tensor):
+        return tensors_differ(x, y, 0.0, 0.0)[0] is False
+    return x == y
+
+
+def tensors_differ(
+    x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float
+) -> tuple[bool, float]:
+    """Return whether two same-shape tensors differ (bitwise when atol = rtol = 0) and max |x-y|."""
+    if x.numel() == 0:
+        return False, 0.0
+    wide = torch.complex128 if x.is_complex() else torch.float64
+    xd, yd = x.to(wide), y.to(wide)
+    delta = (xd - yd).abs()
+    both_nan = torch.isnan(xd.real if xd.is_complex() else xd) & torch.isnan(
+        yd.real if yd.is_complex() else yd
+    )
+    delta = torch.where(both_nan, torch.zeros_like(delta), delta)
+    max_diff = float(torch.nan_to_num(delta, nan=math.inf).max()) if delta.numel() else 0.0
+    if atol == 0.0 and rtol == 0.0:
+        same = torch.equal(_bits(x), _bits(y))
+    else:
+        same = bool(torch.isclose(xd, yd, rtol=rtol, atol=atol, equal_nan=True).all())
+    return (not same), max_diff
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
