@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError
 
@@ -23,7 +23,9 @@ def world_runtime() -> Runtime:
 
 def convert(src: str, dst: str, to: str, kwargs: dict) -> dict:
     """Run ``api.convert`` on this rank; return its summary."""
-    result = api.convert(src, dst, to=to, runtime=world_runtime(), **kwargs)
+    result = api.convert(
+        api.ConvertRequest(src=src, dst=dst, to=to, **kwargs), runtime=world_runtime()
+    )
     return {"tensors": result.tensors, "world_size": result.world_size, "verified": result.verified}
 
 
@@ -34,13 +36,18 @@ def convert_own(srcs: list[str], dst: str, to: str, kwargs: dict) -> dict:
 
 def diff(a: str, b: str) -> list:
     """Run ``api.diff`` on this rank; return the differing paths."""
-    return [(d.path, d.reason) for d in api.diff(a, b, runtime=world_runtime()).differences]
+    return [
+        (d.path, d.reason)
+        for d in api.diff(api.DiffRequest(a=a, b=b), runtime=world_runtime()).differences
+    ]
 
 
 def convert_expecting_failure(srcs: list[str], dst: str, to: str) -> tuple[str, int, str]:
     """Convert from ``srcs[rank]`` (so ranks can disagree); return (error type, exit code, line)."""
     try:
-        api.convert(srcs[dist.get_rank()], dst, to=to, runtime=world_runtime())
+        api.convert(
+            api.ConvertRequest(src=srcs[dist.get_rank()], dst=dst, to=to), runtime=world_runtime()
+        )
     except ShardckptError as exc:
         return type(exc).__name__, exc.exit_code, exc.line()
     return "no error", 0, ""

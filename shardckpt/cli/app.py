@@ -10,13 +10,11 @@ import sys
 import time
 
 import typer
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardckpt.cli import convert as convert_command
 from shardckpt.cli import diff as diff_command
 from shardckpt.cli import inspect as inspect_command
 from shardckpt.cli.options import HELP_OPTIONS, RawArgsCommand, Version
-from shardckpt.core.dist import env_rank
 from shardckpt.core.errors import (
     BadInputError,
     CollectiveFailure,
@@ -24,6 +22,7 @@ from shardckpt.core.errors import (
     RemoteRankError,
     ShardckptError,
 )
+from shardckpt.core.rank_env import env_rank
 from shardckpt.core.signals import Interrupted, interruptible
 
 app = typer.Typer(
@@ -138,5 +137,11 @@ def _unexpected(exc: Exception) -> ShardckptError:
 
 
 def main() -> None:
-    """Console-script entry point; torchrun's ``@record`` names a crashing rank's traceback."""
+    """Console-script entry point; under torchrun, its ``@record`` names a crashing rank's traceback."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        sys.exit(run())
+    # Only torchrun sets the error file, and its launch has imported torch already:
+    # --help and --version standalone never wait for torch.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     sys.exit(record(run)())

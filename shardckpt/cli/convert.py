@@ -7,8 +7,6 @@ from typing import Annotated
 
 import typer
 
-from shardckpt.api import library as api
-from shardckpt.cli import render
 from shardckpt.cli.options import (
     ALL_FORMATS,
     CleanFqns,
@@ -28,9 +26,7 @@ from shardckpt.cli.options import (
     in_given_order,
     parse_size,
 )
-from shardckpt.core.dist import launch
 from shardckpt.core.errors import UsageError
-from shardckpt.core.progress import Progress
 
 EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
@@ -226,12 +222,17 @@ def convert(
     version: Version = False,
 ) -> int:
     """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
+    from shardckpt import api
+    from shardckpt.cli import render
+    from shardckpt.core.dist import launch
+    from shardckpt.core.progress import Progress
+
     with launch(device.value if device else None) as runtime:
-        result = api.convert(
-            src,
-            dst,
+        request = api.ConvertRequest(
+            src=src,
+            dst=dst,
             to=to.value,
-            fmt=fmt,
+            format=fmt,
             src_format=src_format,
             world_size=world_size,
             only=only.value,
@@ -258,11 +259,11 @@ def convert(
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
             src_local=src_local,
             hf_config=hf_config,
-            runtime=runtime,
-            progress=Progress(
-                enabled=runtime.coordinator and not quiet and not json_out, desc="convert"
-            ),
         )
+        progress = Progress(
+            enabled=runtime.coordinator and not quiet and not json_out, desc="convert"
+        )
+        result = api.convert(request, runtime, progress)
     if json_out:
         emit(json.dumps(render.convert_json(result)))
     elif not quiet or dry_run:

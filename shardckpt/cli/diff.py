@@ -7,9 +7,6 @@ from typing import Annotated
 
 import typer
 
-from shardckpt.api import applies
-from shardckpt.api import library as api
-from shardckpt.cli import render
 from shardckpt.cli.options import (
     CleanFqns,
     DeviceOpt,
@@ -20,9 +17,7 @@ from shardckpt.cli.options import (
     Version,
     emit,
 )
-from shardckpt.core.dist import launch
 from shardckpt.core.errors import EXIT_DIFFERENT
-from shardckpt.core.progress import Progress
 
 EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
@@ -106,13 +101,19 @@ def diff(
     version: Version = False,
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
+    from shardckpt import api
+    from shardckpt.api import applies
+    from shardckpt.cli import render
+    from shardckpt.core.dist import launch
+    from shardckpt.core.progress import Progress
+
     applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
     with launch(device.value if device else None) as runtime:
-        result = api.diff(
-            a,
-            b,
-            fmt_a=fmt_a,
-            fmt_b=fmt_b,
+        request = api.DiffRequest(
+            a=a,
+            b=b,
+            format_a=fmt_a,
+            format_b=fmt_b,
             atol=atol,
             rtol=rtol,
             clean_fqns=clean_fqns,
@@ -124,11 +125,9 @@ def diff(
             unnest_b=unnest_b,
             nest_b=nest_b,
             trust_pickle=trust_pickle,
-            runtime=runtime,
-            progress=Progress(
-                enabled=runtime.coordinator and not quiet and not json_out, desc="diff"
-            ),
         )
+        progress = Progress(enabled=runtime.coordinator and not quiet and not json_out, desc="diff")
+        result = api.diff(request, runtime, progress)
     if not quiet:
         emit(json.dumps(render.diff_json(result)) if json_out else render.diff_text(result))
     return 0 if result.equal else EXIT_DIFFERENT

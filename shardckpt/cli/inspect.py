@@ -7,10 +7,7 @@ from typing import Annotated
 
 import typer
 
-from shardckpt.api import library as api
-from shardckpt.cli import render
 from shardckpt.cli.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
-from shardckpt.core.dist import launch
 
 EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
@@ -47,16 +44,20 @@ def inspect(
     version: Version = False,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
+    from shardckpt import api
+    from shardckpt.cli import render
+    from shardckpt.core.dist import launch
+
+    request = api.InspectRequest(
+        src=src,
+        format=fmt,
+        filters=filters or (),
+        trust_pickle=trust_pickle,
+        model=model,
+        wraps=wraps or (),
+    )
     with launch("cpu") as runtime:
-        result = api.inspect(
-            src,
-            fmt=fmt,
-            filters=filters or (),
-            trust_pickle=trust_pickle,
-            model=model,
-            wraps=wraps or (),
-            runtime=runtime,
-        )
+        result = api.inspect(request, runtime)
     emit(
         json.dumps(render.inspection_json(result, shards))
         if json_out

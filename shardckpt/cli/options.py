@@ -10,12 +10,10 @@ import typer
 from typer.core import TyperCommand
 
 from shardckpt import __version__
-from shardckpt.api import library as api
-from shardckpt.core.dist import env_rank
 from shardckpt.core.errors import UsageError
+from shardckpt.core.rank_env import env_rank
 from shardckpt.formats import FORMATS
-from shardckpt.plan.plan import ONLY
-from shardckpt.state.optim import OPTIM_KEYS
+from shardckpt.state.choices import LAYOUTS, ONLY, OPTIM_KEYS
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -23,7 +21,7 @@ def _choices(name: str, values) -> type[Enum]:
     return Enum(name, {v: v for v in values}, type=str)
 
 
-Layout = _choices("Layout", api.LAYOUTS)
+Layout = _choices("Layout", LAYOUTS)
 Only = _choices("Only", ONLY)
 OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
 Device = _choices("Device", ("cpu", "cuda"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from shardckpt.api.library import ConvertResult, Inspection
+from shardckpt.api import ConvertResult, Inspection
 from shardckpt.core.progress import human_bytes
 from shardckpt.core.words import counted
 from shardckpt.engine.compare import DiffResult

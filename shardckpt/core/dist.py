@@ -37,6 +37,7 @@ from shardckpt.core.errors import (
     UsageError,
     notice,
 )
+from shardckpt.core.rank_env import env_rank
 
 T = TypeVar("T")
 
@@ -172,11 +173,6 @@ class Runtime:
 def under_torchrun() -> bool:
     """Return whether the environment was set up by torchrun (or another launcher)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def env_rank() -> int:
-    """Return this process's rank from the environment (0 when standalone)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 @contextlib.contextmanager

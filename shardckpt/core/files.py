@@ -94,6 +94,15 @@ def source_file(path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def read_head(path: str | os.PathLike, size: int) -> bytes:
+    """Return the first ``size`` bytes of the source file ``path`` (fewer when it is shorter)."""
+    try:
+        with open(source_file(path), "rb") as f:
+            return f.read(size)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
 def is_source_file(path: Path) -> bool:
     """Return whether ``path`` is a regular file (symlinks followed); never raises, never blocks."""
     try:

@@ -1,223 +1,64 @@
-"""The format zoo: one module per on-disk format, and detection of a source's format."""
+"""The registry: every format's description (``Format``), collected from its family, and detection.
+
+Each family package (``dcp/``, ``torch_save/``, ``hf/``, ``fsdp1/``, ``fsdp2/``,
+``trainers/``) describes its formats in its ``__init__``; this module only lists them,
+in the order messages name them, and in the order detection asks them. Adding a format
+touches its family's folder and these two lists. Nothing here imports torch.
+"""
 
 from __future__ import annotations
 
 import os
 import stat
-import struct
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, ShardckptError, UsageError
-from shardckpt.core.files import os_error, source_file, source_stat
-from shardckpt.core.sight import Sight
-from shardckpt.formats.base import Index, Reader, Writer
-from shardckpt.formats.dcp.reader import METADATA_FILE, DcpReader, dcp_tells_whole
-from shardckpt.formats.dcp.writer import DcpWriter
-from shardckpt.formats.fsdp1.flat_layout import FlatModel
-from shardckpt.formats.fsdp1.local import Fsdp1LocalReader, detect_rank_format
-from shardckpt.formats.fsdp1.sharded import Fsdp1ShardedReader
-from shardckpt.formats.fsdp1.writer import Fsdp1LocalWriter, Fsdp1ShardedWriter
-from shardckpt.formats.fsdp2.reader import Fsdp2RanksReader
-from shardckpt.formats.fsdp2.writer import Fsdp2RanksWriter
-from shardckpt.formats.hf.safetensors_file import SafetensorsReader, SafetensorsWriter
-from shardckpt.formats.hf.sharded import INDEX_FILE, HfReader, HfWriter, model_tree
-from shardckpt.formats.ranks.rank_names import is_rank_dir
-from shardckpt.formats.torch_save.file import TorchReader, TorchWriter
-from shardckpt.formats.trainers.accelerate import AccelerateReader, AccelerateWriter, looks_like
-from shardckpt.formats.trainers.lightning import META_FILE, LightningReader, LightningWriter
-from shardckpt.formats.trainers.torch_checkpointing.reader import (
-    TorchCheckpointingReader,
-    is_torch_checkpointing_dir,
-)
-from shardckpt.formats.trainers.torch_checkpointing.writer import TorchCheckpointingWriter
-from shardckpt.formats.trainers.torchtitan import (
-    TorchtitanReader,
-    components,
-    titan_tree,
-    world_size_notes,
-)
-from shardckpt.formats.trainers.torchtitan import looks_like as looks_like_torchtitan
+from shardckpt.core.files import read_head, source_stat
+from shardckpt.formats import dcp, fsdp1, fsdp2, hf, torch_save, trainers
+from shardckpt.formats.format import Format
 
+if TYPE_CHECKING:
+    from shardckpt.core.sight import Sight
+    from shardckpt.formats.base import Reader
+    from shardckpt.formats.fsdp1.flat_layout import FlatModel
 
-def _never(_index: Index) -> bool:
-    return False
-
-
-def _always(_index: Index) -> bool:
-    return True
-
-
-def _as_is(tree: dict, _src: str) -> dict:
-    return tree
-
-
-def _no_notes(_tree: dict, _world_size: int) -> list[str]:
-    return []
-
-
-@dataclass(frozen=True)
-class Format:
-    """Everything about one on-disk format that code outside ``formats/`` may ask."""
-
-    name: str
-    layout: str
-    """``full``, ``sharded`` or ``local`` (SPEC's layouts)."""
-    title: str
-    """How messages name it ("a DCP checkpoint")."""
-    reader: type[Reader]
-    writer: type[Writer]
-    directory: bool
-    """Whether the format is a directory of files (staged as one) rather than one file."""
-    suffixes: tuple[str, ...] = ()
-    """File suffixes that name this format: a DST called so must be written in it."""
-    default_for: str | None = None
-    """The layout this format is written in when ``--format`` is not given."""
-    min_world_size: int = 1
-    """The fewest target ranks the format can describe (FSDP1 on one rank runs NO_SHARD)."""
-    needs_model: bool = False
-    """Whether reading and writing it needs ``--model``/``--wrap`` (FSDP1 flat parameters)."""
-    max_shard_size: bool = False
-    """Whether ``--max-shard-size`` applies."""
-    keys_as_str: bool = False
-    """Whether it hands every mapping key back as ``str`` (DCP): compare trees in that form."""
-    tells_whole: Callable[[Index], bool] = _never
-    """Whether a source in this format says which tensors every rank held whole."""
-    dst_tree: Callable[[dict, str], dict] = _as_is
-    """The part of a selected tree this format holds (``hf``: model tensors only)."""
-    src_local: bool = False
-    """Whether a source can be read from files spread over the ranks' own disks (``sight``)."""
-    carries_files: bool = False
-    """Whether it copies the files a source carries unread (``Index.parts``) into DST."""
-    components: Callable[[dict], list] | None = None
-    """A trainer's checkpoint: the parts of its tree (model, optimizer, ...) ``inspect`` lists."""
-    notes: Callable[[dict, int], list[str]] = _no_notes
-    """What to tell the user about DST's tree at a world size (parts the trainer will not
-    take as they are there), said once on stderr."""
-
-
+# The order messages list them in.
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format(
-            "dcp",
-            "sharded",
-            "DCP",
-            DcpReader,
-            DcpWriter,
-            directory=True,
-            default_for="sharded",
-            keys_as_str=True,
-            tells_whole=dcp_tells_whole,
-            src_local=True,
-        ),
-        Format(
-            "torch-checkpointing",
-            "sharded",
-            "torch_checkpointing",
-            TorchCheckpointingReader,
-            TorchCheckpointingWriter,
-            directory=True,
-            tells_whole=_always,
-        ),
-        Format(
-            "torch",
-            "full",
-            "torch",
-            TorchReader,
-            TorchWriter,
-            False,
-            (".pt", ".pth", ".bin"),
-            "full",
-        ),
-        Format(
-            "safetensors",
-            "full",
-            "safetensors",
-            SafetensorsReader,
-            SafetensorsWriter,
-            False,
-            (".safetensors",),
-        ),
-        Format(
-            "hf",
-            "full",
-            "Hugging Face",
-            HfReader,
-            HfWriter,
-            directory=True,
-            max_shard_size=True,
-            dst_tree=model_tree,
-        ),
-        Format(
-            "lightning",
-            "sharded",
-            "Lightning",
-            LightningReader,
-            LightningWriter,
-            directory=True,
-            keys_as_str=True,
-            tells_whole=dcp_tells_whole,
-        ),
-        Format(
-            "fsdp2-ranks",
-            "local",
-            "FSDP2 per-rank",
-            Fsdp2RanksReader,
-            Fsdp2RanksWriter,
-            directory=True,
-            default_for="local",
-            tells_whole=_always,
-        ),
-        Format(
-            "fsdp1-sharded",
-            "local",
-            "FSDP1 sharded",
-            Fsdp1ShardedReader,
-            Fsdp1ShardedWriter,
-            directory=True,
-            min_world_size=2,
-            tells_whole=_always,
-        ),
-        Format(
-            "fsdp1-local",
-            "local",
-            "FSDP1 local",
-            Fsdp1LocalReader,
-            Fsdp1LocalWriter,
-            directory=True,
-            min_world_size=2,
-            needs_model=True,
-            tells_whole=_always,
-        ),
-        Format(
-            "accelerate",
-            "sharded",
-            "accelerate",
-            AccelerateReader,
-            AccelerateWriter,
-            directory=True,
-            keys_as_str=True,
-            tells_whole=dcp_tells_whole,
-            carries_files=True,
-        ),
-        Format(
-            "torchtitan",
-            "sharded",
-            "torchtitan",
-            TorchtitanReader,
-            DcpWriter,
-            directory=True,
-            keys_as_str=True,
-            tells_whole=dcp_tells_whole,
-            dst_tree=titan_tree,
-            src_local=True,
-            components=components,
-            notes=world_size_notes,
-        ),
+        dcp.DCP,
+        trainers.TORCH_CHECKPOINTING,
+        torch_save.TORCH,
+        hf.SAFETENSORS,
+        hf.HF,
+        trainers.LIGHTNING,
+        fsdp2.FSDP2_RANKS,
+        fsdp1.FSDP1_SHARDED,
+        fsdp1.FSDP1_LOCAL,
+        trainers.ACCELERATE,
+        trainers.TORCHTITAN,
     )
 }
+
+# The order detection asks them in: a format that is another with more beside it
+# (Lightning's and torchtitan's DCP) before that one, FSDP1's rank files before the
+# rank directory any per-rank format is.
+DETECTION: tuple[Format, ...] = (
+    trainers.LIGHTNING,
+    trainers.TORCHTITAN,
+    dcp.DCP,
+    trainers.TORCH_CHECKPOINTING,
+    hf.HF,
+    trainers.ACCELERATE,
+    fsdp1.FSDP1_LOCAL,
+    fsdp1.FSDP1_SHARDED,
+    fsdp2.FSDP2_RANKS,
+    torch_save.TORCH,
+    hf.SAFETENSORS,
+)
+assert sorted(f.name for f in DETECTION) == sorted(FORMATS), "every format is detected"
+
 FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
 SUPPORTED_READ = ", ".join(FORMATS)
 
@@ -239,56 +80,31 @@ def default_format(layout: str, dst: str | os.PathLike) -> str:
 
 def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
-    if stat.S_ISDIR(source_stat(src).st_mode):
-        if (src / METADATA_FILE).is_file():
-            # Lightning's sharded checkpoints keep what is not DCP's beside it.
-            if (src / META_FILE).is_file():
-                return "lightning"
-            return "torchtitan" if looks_like_torchtitan(src) else "dcp"
-        if is_torch_checkpointing_dir(src):
-            return "torch-checkpointing"
-        if (src / INDEX_FILE).is_file():
-            return "hf"
-        if looks_like(src):
-            return "accelerate"
-        # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.
-        if (fmt := detect_rank_format(src)) is not None:
-            return fmt
-        if is_rank_dir(src):
-            return "fsdp2-ranks"
-        if any(p.suffix == ".distcp" for p in src.iterdir()):
-            raise BadInputError(
-                f"has *.distcp files but no '{METADATA_FILE}'",
-                path=src,
-                hint="the DCP save did not finish; use a checkpoint whose save completed",
-            )
-        raise BadInputError(
-            "is a directory with no checkpoint in it",
-            path=src,
-            hint=f"pass a DCP directory (with '{METADATA_FILE}'), a directory of per-rank "
-            "files (rank_0.pt, ...) or a checkpoint file",
-        )
-    try:
-        with open(source_file(src), "rb") as f:
-            head = f.read(9)
-    except OSError as exc:
-        raise os_error(exc, src) from None
-    if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
-        return "torch"
-    if (
-        len(head) == 9
-        and head[8:9] == b"{"
-        and struct.unpack("<Q", head[:8])[0] < os.path.getsize(src)
-    ):
-        return "safetensors"
-    if not head:
+    directory = stat.S_ISDIR(source_stat(src).st_mode)
+    if not directory and not read_head(src, 1):
         raise BadInputError(
             "is empty", path=src, hint="the file was not written completely; re-create it"
         )
+    for form in DETECTION:
+        if form.directory == directory and form.detect(src):
+            return form.name
+    if not directory:
+        raise BadInputError(
+            "cannot tell the format of this file",
+            path=src,
+            hint=f"pass {SRC_FORMAT} with one of {SUPPORTED_READ}",
+        )
+    if any(p.suffix == ".distcp" for p in src.iterdir()):
+        raise BadInputError(
+            f"has *.distcp files but no '{dcp.METADATA_FILE}'",
+            path=src,
+            hint="the DCP save did not finish; use a checkpoint whose save completed",
+        )
     raise BadInputError(
-        "cannot tell the format of this file",
+        "is a directory with no checkpoint in it",
         path=src,
-        hint=f"pass {SRC_FORMAT} with one of {SUPPORTED_READ}",
+        hint=f"pass a DCP directory (with '{dcp.METADATA_FILE}'), a directory of per-rank "
+        "files (rank_0.pt, ...) or a checkpoint file",
     )
 
 
@@ -347,7 +163,6 @@ __all__ = [
     "FILE_SUFFIXES",
     "FORMATS",
     "Format",
-    "Index",
     "SUPPORTED_READ",
     "default_format",
     "detect",

@@ -21,7 +21,8 @@ from shardckpt.core.words import counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index, Rows
 from shardckpt.plan.cast import cast_tree
-from shardckpt.state.optim import OPTIM_KEYS, GroupError, ModelParams, OrderError, RekeyError, rekey
+from shardckpt.state.choices import DEFAULT_BUFFER_BYTES, ONLY, OPTIM_KEYS
+from shardckpt.state.optim import GroupError, ModelParams, OrderError, RekeyError, rekey
 from shardckpt.state.regions import dim0_rows
 from shardckpt.state.tree import (
     Path,
@@ -42,8 +43,6 @@ from shardckpt.state.tree import (
 SKIP = "skip"
 
 # What --only keeps: everything, all but optimizer subtrees, or only them.
-ONLY = ("all", "model", "optim")
-DEFAULT_BUFFER_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)

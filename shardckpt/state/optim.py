@@ -31,8 +31,6 @@ from shardckpt.state.tree import (
     subtree,
 )
 
-OPTIM_KEYS = ("keep", "fqn", "id", "flat")
-
 # A rename that returns None drops the FQN.
 FqnMap = Callable[[str], "str | None"]
 

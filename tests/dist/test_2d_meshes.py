@@ -11,7 +11,7 @@ import meshes
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 
@@ -24,19 +24,19 @@ def job(request, tmp_path_factory):
 
 
 def test_two_d_checkpoint_to_full_equals_the_jobs_full_state(job, tmp_path):
-    api.convert(job / "dcp", tmp_path / "full.pt", to="full")
+    api.convert(api.ConvertRequest(src=job / "dcp", dst=tmp_path / "full.pt", to="full"))
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), torch.load(job / "ref.pt"))
 
 
 def test_two_d_checkpoint_converts_the_same_on_two_ranks(job, tmp_path):
-    api.convert(job / "dcp", tmp_path / "one.safetensors", to="full")
+    api.convert(api.ConvertRequest(src=job / "dcp", dst=tmp_path / "one.safetensors", to="full"))
     run_ranks(ranks.convert, 2, str(job / "dcp"), str(tmp_path / "two.safetensors"), "full", {})
     assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
 
 
 def test_two_d_checkpoint_to_sharded_keeps_every_value(job, tmp_path):
     run_ranks(ranks.convert, 2, str(job / "dcp"), str(tmp_path / "dcp2"), "sharded", {})
-    api.convert(tmp_path / "dcp2", tmp_path / "full.pt", to="full")
+    api.convert(api.ConvertRequest(src=tmp_path / "dcp2", dst=tmp_path / "full.pt", to="full"))
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), torch.load(job / "ref.pt"))
 
 

@@ -21,7 +21,7 @@ import torch
 from harness import run_ranks
 from rank_bytes import file_hashes
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.cli.render import inspection_json
 
@@ -89,7 +89,7 @@ def _equal(a, b) -> bool:
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_inspect_shows_every_part_and_names_the_files_it_does_not_read(saved, name):
-    insp = api.inspect(saved / name)
+    insp = api.inspect(api.InspectRequest(src=saved / name))
     doc = inspection_json(insp)
     assert (doc["format"], doc["world_size"]) == ("accelerate", 2)
     assert list(insp.index.tree) == ["model", "optimizer", "scheduler"]
@@ -182,7 +182,7 @@ def test_output_for_fewer_ranks_names_the_rng_files_of_ranks_it_no_longer_has(
         "shardckpt: note: random_states_1.pkl copied unchanged, for a rank a job of 1 does "
         "not have\n"
     ) in capsys.readouterr().err
-    insp = api.inspect(tmp_path / "one")
+    insp = api.inspect(api.InspectRequest(src=tmp_path / "one"))
     assert insp.index.world_size == 1
 
 

@@ -15,7 +15,7 @@ import meshes
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 DAMAGED = (
@@ -99,10 +99,10 @@ def test_empty_mappings_written_as_dcp_resume_fsdp2_at_another_world_size(tmp_pa
     run_ranks(empty_mapping_jobs.save_full_state, 2, str(tmp_path / "ref.pt"))
     ref = torch.load(tmp_path / "ref.pt", weights_only=True)
     assert ref["optim"]["state"] == {}  # SGD without momentum keeps no state
-    api.convert(tmp_path / "ref.pt", tmp_path / "dcp", to="sharded", world_size=3)
+    api.convert(api.ConvertRequest(src=tmp_path / "ref.pt", dst=tmp_path / "dcp", to="sharded", world_size=3))
 
-    assert api.diff(tmp_path / "ref.pt", tmp_path / "dcp").equal
-    assert [o.path for o in api.inspect(tmp_path / "dcp").optimizers] == [("optim",)]
+    assert api.diff(api.DiffRequest(a=tmp_path / "ref.pt", b=tmp_path / "dcp")).equal
+    assert [o.path for o in api.inspect(api.InspectRequest(src=tmp_path / "dcp")).optimizers] == [("optim",)]
     resumed = run_ranks(empty_mapping_jobs.resume, 3, str(tmp_path / "dcp"))[0]
     assert_trees_equal(resumed, ref)
     # torch's converter sees every {} but the top-level one (see dcp_write._SavePlanner).

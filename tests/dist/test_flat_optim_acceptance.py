@@ -10,7 +10,7 @@ import torch
 import flat_optim_ranks
 from harness import run_ranks
 from reference import assert_trees_equal, example
-from shardckpt.api import library as api
+from shardckpt import api
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +22,14 @@ def flat_ckpt(tmp_path_factory):
 
 
 def test_the_saved_optimizer_is_flattened_as_torch_flattens_it(flat_ckpt):
-    meta = api.inspect(flat_ckpt[0])
+    meta = api.inspect(api.InspectRequest(src=flat_ckpt[0]))
     keys = [p[1] for p, _ in meta.leaves if p[0] == "optim"]
     assert "state.embed.weight.exp_avg" in keys
     assert "param_groups.blocks.0.fc_in.bias.lr" in keys
 
 
 def test_inspect_shows_a_flattened_optimizer_with_key_type_flat_and_its_groups(flat_ckpt):
-    (info,) = api.inspect(flat_ckpt[0]).optimizers
+    (info,) = api.inspect(api.InspectRequest(src=flat_ckpt[0])).optimizers
     assert info.path == ("optim",)
     assert info.key_type == "flat"
     assert info.state_names == ("exp_avg", "exp_avg_sq", "step")
@@ -41,8 +41,8 @@ def test_inspect_shows_a_flattened_optimizer_with_key_type_flat_and_its_groups(f
 def test_flat_to_nested_fqn_at_three_loads_with_set_state_dict_bit_exactly(flat_ckpt, tmp_path):
     src, truth = flat_ckpt
     dst = tmp_path / "nested"
-    api.convert(src, dst, to="sharded", world_size=3, optim_keys="fqn")
-    (info,) = api.inspect(dst).optimizers
+    api.convert(api.ConvertRequest(src=src, dst=dst, to="sharded", world_size=3, optim_keys="fqn"))
+    (info,) = api.inspect(api.InspectRequest(src=dst)).optimizers
     assert (info.key_type, info.num_groups) == ("fqn", 2)
     assert_trees_equal(run_ranks(flat_optim_ranks.load, 3, str(dst), False)[0], truth)
 
@@ -50,17 +50,17 @@ def test_flat_to_nested_fqn_at_three_loads_with_set_state_dict_bit_exactly(flat_
 def test_nested_back_to_flat_loads_with_the_flattened_set_state_dict(flat_ckpt, tmp_path):
     src, truth = flat_ckpt
     nested, flat = tmp_path / "nested.pt", tmp_path / "flat"
-    api.convert(src, nested, to="full", optim_keys="fqn")
-    api.convert(nested, flat, to="sharded", world_size=3, optim_keys="flat")
-    assert api.inspect(flat).optimizers[0].key_type == "flat"
+    api.convert(api.ConvertRequest(src=src, dst=nested, to="full", optim_keys="fqn"))
+    api.convert(api.ConvertRequest(src=nested, dst=flat, to="sharded", world_size=3, optim_keys="flat"))
+    assert api.inspect(api.InspectRequest(src=flat)).optimizers[0].key_type == "flat"
     # Every leaf is the one torch flattened: same keys, values, types.
-    assert not api.diff(src, flat).differences
+    assert not api.diff(api.DiffRequest(a=src, b=flat)).differences
     assert_trees_equal(run_ranks(flat_optim_ranks.load, 3, str(flat), True)[0], truth)
 
 
 def test_flat_to_param_ids_loads_into_a_plain_adamw(flat_ckpt, tmp_path):
     src, truth = flat_ckpt
-    api.convert(src, tmp_path / "plain.pt", to="full", optim_keys="id")
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "plain.pt", to="full", optim_keys="id"))
     out = torch.load(tmp_path / "plain.pt", weights_only=True)
     model = example.build_model(1234)
     optimizer = example.build_optimizer(model)
@@ -79,15 +79,15 @@ def test_only_optim_keeps_the_flattened_optimizer_and_only_model_leaves_it_out(
     flat_ckpt, tmp_path
 ):
     src = flat_ckpt[0]
-    api.convert(src, tmp_path / "optim.pt", to="full", only="optim")
-    api.convert(src, tmp_path / "model.pt", to="full", only="model")
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "optim.pt", to="full", only="optim"))
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "model.pt", to="full", only="model"))
     assert list(torch.load(tmp_path / "optim.pt", weights_only=True)) == ["optim"]
     assert list(torch.load(tmp_path / "model.pt", weights_only=True)) == ["model"]
 
 
 def test_drop_removes_a_parameter_from_the_flattened_optimizer_too(flat_ckpt, tmp_path):
     src = flat_ckpt[0]
-    api.convert(src, tmp_path / "out.pt", to="full", edits=[("--drop", r"^blocks\.1\.")])
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full", edits=[("--drop", r"^blocks\.1\.")]))
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert not [k for k in out["model"] if k.startswith("blocks.1.")]
     assert not [k for k in out["optim"] if ".blocks.1." in k]
@@ -97,6 +97,6 @@ def test_drop_removes_a_parameter_from_the_flattened_optimizer_too(flat_ckpt, tm
 
 def test_an_hf_export_holds_no_flattened_optimizer_state(flat_ckpt, tmp_path):
     src = flat_ckpt[0]
-    api.convert(src, tmp_path / "hf", to="full", fmt="hf")
-    names = {p[-1] for p, _ in api.inspect(tmp_path / "hf").leaves}
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "hf", to="full", format="hf"))
+    names = {p[-1] for p, _ in api.inspect(api.InspectRequest(src=tmp_path / "hf")).leaves}
     assert names == set(example.build_model(0).state_dict())

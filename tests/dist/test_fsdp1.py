@@ -14,7 +14,7 @@ import ranks
 from harness import run_ranks
 from rank_bytes import assert_each_file_holds_only_its_own_bytes
 from reference import assert_trees_equal
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.core.errors import BadInputError, UsageError
 from shardckpt.formats.ranks.sharded_tensor_load import StoredShardedTensor, load_rank_file
 from shardckpt.formats.fsdp1.sharded_tensor_record import ShardedTensorRecord
@@ -36,7 +36,7 @@ def fsdp1_ckpt(request, tmp_path_factory):
 
 def test_fsdp1_local_at_4_to_full_equals_fsdp1_full_state_dict(fsdp1_ckpt, tmp_path):
     root, _, full = fsdp1_ckpt
-    api.convert(root / "local", tmp_path / "full.pt", to="full", model=MODEL, wraps=WRAP)
+    api.convert(api.ConvertRequest(src=root / "local", dst=tmp_path / "full.pt", to="full", model=MODEL, wraps=WRAP))
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), {"model": full["model"]})
 
 
@@ -44,17 +44,7 @@ def test_full_to_fsdp1_local_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     root, use_orig, full = fsdp1_ckpt
     torch.save({"model": full["model"]}, tmp_path / "full.pt")
     dst = tmp_path / "local2"
-    result = api.convert(
-        tmp_path / "full.pt",
-        dst,
-        to="local",
-        fmt="fsdp1-local",
-        world_size=2,
-        model=MODEL,
-        wraps=WRAP,
-        use_orig_params=use_orig,
-        verify=True,
-    )
+    result = api.convert(api.ConvertRequest(src=tmp_path / "full.pt", dst=dst, to="local", format="fsdp1-local", world_size=2, model=MODEL, wraps=WRAP, use_orig_params=use_orig, verify=True))
     assert result.verified is True
     assert sorted(p.name for p in dst.iterdir()) == ["rank_0.pt", "rank_1.pt"]
     assert_each_file_holds_only_its_own_bytes(dst)
@@ -85,7 +75,7 @@ def _without_exp_avg(tree: dict) -> dict:
 
 def test_fsdp1_sharded_at_4_to_full_matches_fsdp1_full_state(fsdp1_ckpt, tmp_path):
     root, use_orig, full = fsdp1_ckpt
-    api.convert(root / "sharded", tmp_path / "full.pt", to="full")
+    api.convert(api.ConvertRequest(src=root / "sharded", dst=tmp_path / "full.pt", to="full"))
     out = torch.load(tmp_path / "full.pt", weights_only=True)
     truth = _fsdp1_full_truth(full, use_orig)
     if use_orig:
@@ -95,13 +85,13 @@ def test_fsdp1_sharded_at_4_to_full_matches_fsdp1_full_state(fsdp1_ckpt, tmp_pat
 
 def test_fsdp1_sharded_at_4_to_dcp_at_2_matches_fsdp1_full_state(fsdp1_ckpt, tmp_path):
     root, use_orig, full = fsdp1_ckpt
-    api.convert(root / "sharded", tmp_path / "dcp", to="sharded", world_size=2)
+    api.convert(api.ConvertRequest(src=root / "sharded", dst=tmp_path / "dcp", to="sharded", world_size=2))
     assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == [
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
     ]
-    api.convert(tmp_path / "dcp", tmp_path / "back.pt", to="full")
+    api.convert(api.ConvertRequest(src=tmp_path / "dcp", dst=tmp_path / "back.pt", to="full"))
     out = torch.load(tmp_path / "back.pt", weights_only=True)
     truth = _fsdp1_full_truth(full, use_orig)
     if use_orig:
@@ -114,9 +104,7 @@ def test_fsdp1_sharded_written_at_2_loads_into_fsdp1_at_2(fsdp1_ckpt, tmp_path):
     if use_orig:
         pytest.skip("FSDP1's own FULL optimizer state is wrong with use_orig_params (see above)")
     dst = tmp_path / "sharded2"
-    result = api.convert(
-        root / "sharded", dst, to="local", fmt="fsdp1-sharded", world_size=2, verify=True
-    )
+    result = api.convert(api.ConvertRequest(src=root / "sharded", dst=dst, to="local", format="fsdp1-sharded", world_size=2, verify=True))
     assert result.verified is True
     assert_trees_equal(run_ranks(fsdp1_jobs.load_sharded, 2, str(dst))[0], full)
 
@@ -130,16 +118,8 @@ def test_a_full_file_to_fsdp1_sharded_with_the_model_loads_into_fsdp1_and_trains
     torch.save(full, tmp_path / "full.pt")
     dst = tmp_path / "sharded2"
     with pytest.raises(UsageError, match="cannot tell parameters"):
-        api.convert(tmp_path / "full.pt", dst, to="local", fmt="fsdp1-sharded", world_size=2)
-    result = api.convert(
-        tmp_path / "full.pt",
-        dst,
-        to="local",
-        fmt="fsdp1-sharded",
-        world_size=2,
-        model=MODEL,
-        verify=True,
-    )
+        api.convert(api.ConvertRequest(src=tmp_path / "full.pt", dst=dst, to="local", format="fsdp1-sharded", world_size=2))
+    result = api.convert(api.ConvertRequest(src=tmp_path / "full.pt", dst=dst, to="local", format="fsdp1-sharded", world_size=2, model=MODEL, verify=True))
     assert result.verified is True
     assert_each_file_holds_only_its_own_bytes(dst)
     # Buffers whole, as FSDP1 saves them; FSDP1 loads a ShardedTensor only for a parameter.
@@ -162,7 +142,7 @@ def test_two_ranks_write_the_same_bytes_as_one(fsdp1_ckpt, tmp_path, kind):
         one, two = tmp_path / "one" / name, tmp_path / "two" / name
         one.parent.mkdir(exist_ok=True)
         two.parent.mkdir(exist_ok=True)
-        api.convert(root / kind, one, to=to, **opts, **extra)
+        api.convert(api.ConvertRequest(src=root / kind, dst=one, to=to, **opts, **extra))
         run_ranks(ranks.convert, 2, str(root / kind), str(two), to, {**opts, **extra})
         files = sorted(p.name for p in one.iterdir()) if one.is_dir() else [""]
         assert files == (sorted(p.name for p in two.iterdir()) if two.is_dir() else [""])
@@ -170,7 +150,7 @@ def test_two_ranks_write_the_same_bytes_as_one(fsdp1_ckpt, tmp_path, kind):
         for f in (f for f in files if f != ".metadata"):
             assert (one / f).read_bytes() == (two / f).read_bytes(), (name, f)
         if to != "local":
-            assert api.diff(one, two).equal
+            assert api.diff(api.DiffRequest(a=one, b=two)).equal
 
 
 @pytest.mark.parametrize("kind", ["sharded", "local"])
@@ -182,7 +162,7 @@ def test_a_missing_rank_file_is_named_even_the_last(fsdp1_ckpt, tmp_path, kind, 
     shutil.copytree(root / kind, src)
     (src / f"rank_{missing}.pt").unlink()
     with pytest.raises(BadInputError) as err:
-        api.convert(src, tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP)
+        api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP))
     assert err.value.line() == (
         f"'{src}': no file for rank {missing} of 4 (rank_{missing}.pt): copy every rank's file "
         "of the checkpoint"
@@ -192,11 +172,11 @@ def test_a_missing_rank_file_is_named_even_the_last(fsdp1_ckpt, tmp_path, kind, 
 def test_mixed_world_sizes_are_one_line(fsdp1_ckpt, tmp_path):
     root, _, _ = fsdp1_ckpt
     src = tmp_path / "mixed"
-    api.convert(root / "sharded", src, to="local", fmt="fsdp1-sharded", world_size=2)
+    api.convert(api.ConvertRequest(src=root / "sharded", dst=src, to="local", format="fsdp1-sharded", world_size=2))
     for r in (2, 3):
         shutil.copy(root / "sharded" / f"rank_{r}.pt", src / f"rank_{r}.pt")
     with pytest.raises(BadInputError) as err:
-        api.convert(src, tmp_path / "out.pt", to="full")
+        api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full"))
     assert err.value.line() == (
         f"'{src / 'rank_2.pt'}': its ShardedTensors are over 4 ranks, those of 'rank_0.pt' "
         "over 2: the directory mixes files of jobs with different world sizes; keep one job's "
@@ -208,20 +188,20 @@ def test_fsdp1_local_files_with_optimizer_state_are_refused_in_one_line(fsdp1_ck
     root, _, full = fsdp1_ckpt
     src = root / "local_optim"
     with pytest.raises(BadInputError) as err:
-        api.convert(src, tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP)
+        api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full", model=MODEL, wraps=WRAP))
     assert err.value.line() == (
         f"'{src / 'rank_0.pt'}': holds optimizer state, which FSDP1's LOCAL_STATE_DICT cannot "
         "describe: pass --only model, or save the optimizer with FSDP.optim_state_dict "
         "as fsdp1-sharded"
     )
-    api.convert(src, tmp_path / "model.pt", to="full", only="model", model=MODEL, wraps=WRAP)
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "model.pt", to="full", only="model", model=MODEL, wraps=WRAP))
     assert_trees_equal(torch.load(tmp_path / "model.pt", weights_only=True), {"model": full["model"]})
 
 
 def test_fsdp1_local_without_model_is_a_usage_error(fsdp1_ckpt, tmp_path):
     root, _, _ = fsdp1_ckpt
     with pytest.raises(UsageError) as err:
-        api.convert(root / "local", tmp_path / "out.pt", to="full")
+        api.convert(api.ConvertRequest(src=root / "local", dst=tmp_path / "out.pt", to="full"))
     assert err.value.line() == (
         f"'{root / 'local'}': fsdp1-local flat parameters need the model to be read: "
         "pass --model pkg.module:factory and the --wrap classes training wrapped"
@@ -256,13 +236,13 @@ def _mix(tmp_path, first: Path, second: Path) -> Path:
 def test_rank_files_of_two_saves_are_refused_naming_both(two_saves, tmp_path, kind, opts, why):
     src = _mix(tmp_path, two_saves / f"{kind}2", two_saves / f"{kind}3")
     with pytest.raises(BadInputError) as err:
-        api.convert(src, tmp_path / "out.pt", to="full", **opts)
+        api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full", **opts))
     assert err.value.line() == (
         f"'{src / 'rank_1.pt'}': {why} in 'rank_0.pt': keep one save's rank files in the "
         "directory"
     )
     # Each save on its own is one job's.
-    api.convert(two_saves / f"{kind}3", tmp_path / "one.pt", to="full", **opts)
+    api.convert(api.ConvertRequest(src=two_saves / f"{kind}3", dst=tmp_path / "one.pt", to="full", **opts))
 
 
 def _as_saved(leaf, rows: int | None = None):
@@ -295,7 +275,7 @@ def test_a_shardedtensor_whose_local_shard_contradicts_its_metadata_is_refused(
     torch.save(state, src / "edited.tmp")
     os.replace(src / "edited.tmp", src / "rank_1.pt")
     with pytest.raises(BadInputError) as err:
-        api.convert(src, tmp_path / "out.pt", to="full")
+        api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full"))
     assert err.value.line() == (
         f"'{src / 'rank_1.pt'}': 'model.embed.weight' holds a local shard of [47, 48] float32 at "
         "[49, 0], which its ShardedTensor does not give rank 1: the file is damaged or was "

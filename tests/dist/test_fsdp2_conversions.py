@@ -15,7 +15,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal, dcp_to_torch_save_reference, load_dcp_into_fsdp2
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats.hf.safetensors_file import TREE_KEY
 from shardckpt.codecs.json_values import decode_tree
@@ -30,8 +30,8 @@ def ref(fsdp2_ckpt):
 def full(fsdp2_ckpt, tmp_path_factory):
     """The checkpoint converted standalone to torch and safetensors."""
     out = tmp_path_factory.mktemp("full")
-    api.convert(fsdp2_ckpt.dcp, out / "full.pt", to="full")
-    api.convert(fsdp2_ckpt.dcp, out / "full.safetensors", to="full")
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=out / "full.pt", to="full"))
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=out / "full.safetensors", to="full"))
     return out
 
 
@@ -91,7 +91,7 @@ def test_full_to_sharded_at_two_ranks_loads_into_fsdp2_at_two_and_three(full, re
 
 
 def test_sharded_output_of_one_rank_also_loads_into_fsdp2(full, ref, tmp_path):
-    api.convert(full / "full.pt", tmp_path / "one", to="sharded", world_size=1)
+    api.convert(api.ConvertRequest(src=full / "full.pt", dst=tmp_path / "one", to="sharded", world_size=1))
     assert_trees_equal(load_dcp_into_fsdp2(tmp_path / "one", 2), ref)
 
 
@@ -118,8 +118,8 @@ def test_diff_on_two_ranks_finds_the_same_difference(fsdp2_ckpt, full, tmp_path)
 
 
 def test_only_model_and_only_optim_split_the_checkpoint(fsdp2_ckpt, ref, tmp_path):
-    api.convert(fsdp2_ckpt.dcp, tmp_path / "model.pt", to="full", only="model")
-    api.convert(fsdp2_ckpt.dcp, tmp_path / "optim.pt", to="full", only="optim")
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=tmp_path / "model.pt", to="full", only="model"))
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=tmp_path / "optim.pt", to="full", only="optim"))
     assert_trees_equal(torch.load(tmp_path / "model.pt", weights_only=True), {"model": ref["model"]})
     assert_trees_equal(torch.load(tmp_path / "optim.pt", weights_only=True), {"optim": ref["optim"]})
 
@@ -141,5 +141,5 @@ def test_a_rank_that_fails_makes_every_rank_fail_with_its_error(fsdp2_ckpt, tmp_
 def test_source_is_never_modified(fsdp2_ckpt, tmp_path):
     before = {p.name: p.read_bytes() for p in fsdp2_ckpt.dcp.iterdir()}
     shutil.copytree(fsdp2_ckpt.dcp, tmp_path / "copy")
-    api.convert(tmp_path / "copy", tmp_path / "out", to="sharded", world_size=1)
+    api.convert(api.ConvertRequest(src=tmp_path / "copy", dst=tmp_path / "out", to="sharded", world_size=1))
     assert {p.name: p.read_bytes() for p in fsdp2_ckpt.dcp.iterdir()} == before

@@ -12,7 +12,7 @@ from harness import run_ranks
 from reference import assert_trees_equal, load_dcp_model_into_fsdp2
 from safetensors.torch import load_file
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.formats.hf.sharded import INDEX_FILE
 
 LIMIT = 8000  # bytes per shard: the example model needs several
@@ -27,7 +27,7 @@ def ref(fsdp2_ckpt):
 def hf(fsdp2_ckpt, tmp_path_factory):
     """The FSDP2 checkpoint written standalone as Hugging Face shards."""
     out = tmp_path_factory.mktemp("hf") / "hf"
-    api.convert(fsdp2_ckpt.dcp, out, to="full", fmt="hf", max_shard_size=LIMIT, verify=True)
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=out, to="full", format="hf", max_shard_size=LIMIT, verify=True))
     return out
 
 

@@ -17,7 +17,7 @@ import fsdp2_ranks_jobs as jobs
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal, load_dcp_into_fsdp2
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
 from shardckpt.state.tree import walk
@@ -52,7 +52,7 @@ def job4(tmp_path_factory):
 def at2(fsdp2_ckpt, tmp_path_factory):
     """The session's FSDP2 DCP checkpoint at 4 converted standalone to ``fsdp2-ranks`` at 2."""
     dst = tmp_path_factory.mktemp("at2") / "ranks"
-    result = api.convert(fsdp2_ckpt.dcp, dst, to="local", world_size=2, verify=True)
+    result = api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=dst, to="local", world_size=2, verify=True))
     assert (result.format, result.layout, result.verified) == ("fsdp2-ranks", "local", True)
     return dst
 
@@ -85,25 +85,25 @@ def test_each_file_holds_what_rank_r_of_fsdp2_at_2_saves(at2, tmp_path):
 
 
 def test_rank_files_of_a_real_fsdp2_job_at_4_convert_to_its_full_state(job4, tmp_path):
-    api.convert(job4.dir, tmp_path / "full.pt", to="full")
+    api.convert(api.ConvertRequest(src=job4.dir, dst=tmp_path / "full.pt", to="full"))
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), job4.full)
 
 
 def test_rank_files_at_4_to_dcp_at_2_load_into_fsdp2_at_2(job4, tmp_path):
-    api.convert(job4.dir, tmp_path / "dcp2", to="sharded", world_size=2)
+    api.convert(api.ConvertRequest(src=job4.dir, dst=tmp_path / "dcp2", to="sharded", world_size=2))
     assert_trees_equal(load_dcp_into_fsdp2(tmp_path / "dcp2", 2), job4.full)
 
 
 def test_id_keyed_rank_files_at_4_reshard_to_2_and_load_with_optimizer_load_state_dict(tmp_path):
     job = _save(tmp_path / "job4id", 4, id_keyed=True)
-    api.convert(job.dir, tmp_path / "at2", to="local", world_size=2)
+    api.convert(api.ConvertRequest(src=job.dir, dst=tmp_path / "at2", to="local", world_size=2))
     assert_trees_equal(run_ranks(jobs.load_rank_files, 2, str(tmp_path / "at2"), True)[0], job.full)
 
 
 @pytest.mark.parametrize("to, world_size", [("local", 3), ("full", None)])
 def test_two_ranks_convert_rank_files_to_the_same_bytes_as_one(job4, tmp_path, to, world_size):
     kwargs = {"world_size": world_size} if world_size else {}
-    api.convert(job4.dir, tmp_path / "one", to=to, **kwargs)
+    api.convert(api.ConvertRequest(src=job4.dir, dst=tmp_path / "one", to=to, **kwargs))
     run_ranks(ranks.convert, 2, str(job4.dir), str(tmp_path / "two"), to, kwargs)
     one, two = tmp_path / "one", tmp_path / "two"
     if to == "local":

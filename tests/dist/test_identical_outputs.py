@@ -15,7 +15,7 @@ import ranks
 from harness import run_ranks
 from rank_bytes import file_hashes
 
-from shardckpt.api import library as api
+from shardckpt import api
 
 MODEL = {
     "only": "model",
@@ -41,7 +41,7 @@ def test_the_output_is_byte_identical_at_one_two_and_three_processes(fsdp2_ckpt,
     for n in (1, 2, 3):
         dst = tmp_path / f"n{n}" / name
         if n == 1:
-            api.convert(fsdp2_ckpt.dcp, dst, to=to, **kwargs)
+            api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=dst, to=to, **kwargs))
         else:
             run_ranks(ranks.convert, n, str(fsdp2_ckpt.dcp), str(dst), to, kwargs)
         outputs[n] = file_hashes(dst)

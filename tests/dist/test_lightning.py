@@ -15,7 +15,7 @@ from reference import assert_trees_equal
 
 import lightning_jobs
 from harness import run_ranks
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli import render
 
 pytestmark = pytest.mark.trainers
@@ -39,7 +39,7 @@ def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
         "__1_0.distcp",
         "meta.pt",
     ]
-    insp = api.inspect(ckpt)
+    insp = api.inspect(api.InspectRequest(src=ckpt))
     assert (insp.index.format, insp.index.world_size) == ("lightning", 2)
     assert [(p.file, p.key) for p in insp.index.parts] == [("meta.pt", "step"), ("meta.pt", "note")]
     assert [o.path for o in insp.optimizers] == [("optimizer",)]
@@ -52,7 +52,7 @@ def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
 
 def test_full_equals_lightnings_own_consolidation(fabric_ckpt, tmp_path):
     ckpt, _, _ = fabric_ckpt
-    api.convert(ckpt, tmp_path / "full.pt", to="full", verify=True)
+    api.convert(api.ConvertRequest(src=ckpt, dst=tmp_path / "full.pt", to="full", verify=True))
     ours = torch.load(tmp_path / "full.pt", weights_only=True)
     assert_trees_equal(ours, lightning_load._load_distributed_checkpoint(ckpt))
     assert (ours["step"], ours["note"]) == (2, "lit")
@@ -61,7 +61,7 @@ def test_full_equals_lightnings_own_consolidation(fabric_ckpt, tmp_path):
 def test_lightning_layout_at_3_resumes_in_fabric_like_fabrics_own_reshard(fabric_ckpt, tmp_path):
     ckpt, saved, strategy = fabric_ckpt
     out = tmp_path / "at3"
-    api.convert(ckpt, out, to="sharded", fmt="lightning", world_size=3, verify=True)
+    api.convert(api.ConvertRequest(src=ckpt, dst=out, to="sharded", format="lightning", world_size=3, verify=True))
     assert sorted(p.name for p in out.iterdir()) == [
         ".metadata",
         "__0_0.distcp",

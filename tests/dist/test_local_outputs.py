@@ -23,7 +23,7 @@ import fsdp2_ranks_jobs as jobs
 from harness import run_ranks
 from rank_bytes import assert_each_file_holds_only_its_own_bytes
 from reference import assert_trees_equal, load_dcp_into_fsdp2
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 MODEL = "fsdp2_ranks_jobs:build_model"
@@ -54,7 +54,7 @@ def sources(fsdp2_ckpt, tmp_path_factory) -> dict[str, Source]:
     root = tmp_path_factory.mktemp("sources")
     ref = torch.load(fsdp2_ckpt.ref, weights_only=True)
     torch.save(_packed(ref), root / "views.pt")
-    api.convert(fsdp2_ckpt.ref, root / "full.safetensors", to="full")
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.ref, dst=root / "full.safetensors", to="full"))
     (root / "whole").mkdir()
     whole_full = run_ranks(jobs.save_replicated_dcp, 2, str(root / "whole" / "dcp"))[0]
     (root / "ranks").mkdir()
@@ -91,7 +91,7 @@ def test_rank_files_from_every_source_load_into_fsdp2_train_and_read_back(
     src = sources[kind]
     dst = tmp_path / "ranks"
     model = {"model": MODEL} if src.needs_model else {}
-    api.convert(src.path, dst, to="local", world_size=world_size, **model)
+    api.convert(api.ConvertRequest(src=src.path, dst=dst, to="local", world_size=world_size, **model))
     assert sorted(p.name for p in dst.iterdir()) == [f"rank_{r}.pt" for r in range(world_size)]
     # A DTensor's pickled DeviceMesh brings a few small tensors of its own.
     assert_each_file_holds_only_its_own_bytes(dst, slack=256)
@@ -101,7 +101,7 @@ def test_rank_files_from_every_source_load_into_fsdp2_train_and_read_back(
     assert type(rank0["model"]["pos_scale"]) is torch.Tensor
     loaded = run_ranks(jobs.load_rank_files, world_size, str(dst))[0]
     assert_trees_equal(loaded, src.full)
-    assert api.diff(dst, src.path).equal
+    assert api.diff(api.DiffRequest(a=dst, b=src.path)).equal
 
 
 @pytest.mark.parametrize("kind, world_size", [("dcp", 2), ("dcp-whole", 2), ("safetensors", 3)])
@@ -110,17 +110,7 @@ def test_fsdp1_local_files_from_fsdp2_checkpoints_load_into_fsdp1_and_train(
 ):
     src = sources[kind]
     dst = tmp_path / "local"
-    result = api.convert(
-        src.path,
-        dst,
-        to="local",
-        fmt="fsdp1-local",
-        world_size=world_size,
-        only="model",
-        model=MODEL,
-        wraps=["fsdp1_jobs:Block"],
-        verify=True,
-    )
+    result = api.convert(api.ConvertRequest(src=src.path, dst=dst, to="local", format="fsdp1-local", world_size=world_size, only="model", model=MODEL, wraps=["fsdp1_jobs:Block"], verify=True))
     assert result.verified is True
     assert_each_file_holds_only_its_own_bytes(dst)
     loaded = run_ranks(fsdp1_jobs.load_local, world_size, str(dst), False)[0]
@@ -163,15 +153,15 @@ def test_a_local_output_of_a_source_that_stores_buffers_like_parameters_asks_for
 
 def test_optimizer_state_alone_needs_no_model(sources, tmp_path):
     src = sources["torch"].path
-    api.convert(src, tmp_path / "optim", to="local", world_size=2, only="optim")
-    api.convert(src, tmp_path / "optim.pt", to="full", only="optim")
-    assert api.diff(tmp_path / "optim", tmp_path / "optim.pt").equal
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "optim", to="local", world_size=2, only="optim"))
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "optim.pt", to="full", only="optim"))
+    assert api.diff(api.DiffRequest(a=tmp_path / "optim", b=tmp_path / "optim.pt")).equal
 
 
 def test_the_model_keeps_buffers_whole_in_a_dcp_output_as_fsdp2_saves_them(sources, tmp_path):
     src = sources["dcp-whole"]
     dst = tmp_path / "dcp2"
-    api.convert(src.path, dst, to="sharded", world_size=2, model=MODEL)
+    api.convert(api.ConvertRequest(src=src.path, dst=dst, to="sharded", world_size=2, model=MODEL))
     chunks = {
         key: len(md.chunks)
         for key, md in dcp.FileSystemReader(dst).read_metadata().state_dict_metadata.items()

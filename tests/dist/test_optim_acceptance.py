@@ -11,7 +11,7 @@ import optim_ranks
 import ranks
 from harness import run_ranks
 from reference import assert_trees_equal, example, load_dcp_into_fsdp2
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.state.model import params_of
 from shardckpt.state.optim import fqns_to_ids, groups_from_model, ids_to_fqns, rekey
 
@@ -32,7 +32,7 @@ def plain_model_and_optimizer(num_blocks: int = 2):
 
 
 def test_fsdp2_dcp_to_full_with_param_ids_loads_into_a_plain_adamw(fsdp2_ckpt, ref, tmp_path):
-    api.convert(fsdp2_ckpt.dcp, tmp_path / "plain.pt", to="full", optim_keys="id")
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=tmp_path / "plain.pt", to="full", optim_keys="id"))
     out = torch.load(tmp_path / "plain.pt", weights_only=True)
     model, optimizer = plain_model_and_optimizer()
     model.load_state_dict(out["model"])
@@ -95,9 +95,7 @@ def test_rekeying_equals_fsdp1_rekey_optim_state_dict_both_ways(use_orig_params)
 def test_drop_removes_a_block_and_the_result_loads_into_the_model_without_it(
     fsdp2_ckpt, ref, tmp_path
 ):
-    api.convert(
-        fsdp2_ckpt.dcp, tmp_path / "one.pt", to="full", optim_keys="id", edits=[("--drop", r"^blocks\.1\.")]
-    )
+    api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=tmp_path / "one.pt", to="full", optim_keys="id", edits=[("--drop", r"^blocks\.1\.")]))
     out = torch.load(tmp_path / "one.pt", weights_only=True)
     model, optimizer = plain_model_and_optimizer(num_blocks=1)
     model.load_state_dict(out["model"])  # strict: nothing missing, nothing extra

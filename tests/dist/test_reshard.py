@@ -19,7 +19,7 @@ from reference import (
     load_dcp_into_fsdp2,
     make_fsdp2_dcp,
 )
-from shardckpt.api import library as api
+from shardckpt import api
 
 _DATA_FILE = re.compile(r"^__(\d+)_0\.distcp$")
 
@@ -76,7 +76,7 @@ def resharded(fsdp2_ckpt, tmp_path_factory):
     def reshard(world_size: int) -> Path:
         if world_size not in made:
             dst = root / f"at{world_size}"
-            result = api.convert(fsdp2_ckpt.dcp, dst, to="sharded", world_size=world_size)
+            result = api.convert(api.ConvertRequest(src=fsdp2_ckpt.dcp, dst=dst, to="sharded", world_size=world_size))
             assert result.world_size == world_size
             made[world_size] = dst
         return made[world_size]

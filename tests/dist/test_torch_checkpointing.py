@@ -17,7 +17,7 @@ import torch_checkpointing_jobs as jobs
 from harness import run_ranks
 from reference import assert_trees_equal
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 pytestmark = pytest.mark.trainers
@@ -34,7 +34,7 @@ def saved(tmp_path_factory):
 
 def test_inspect_shows_each_items_shards_and_the_optimizer(saved):
     root, _ = saved
-    found = api.inspect(root)
+    found = api.inspect(api.InspectRequest(src=root))
     assert (found.index.format, found.index.world_size) == ("torch-checkpointing", 2)
     layouts = {".".join(map(str, p)): m.layout for p, m in found.index.tensors()}
     assert layouts["model.fc.weight"] == "Shard(0) over 2"
@@ -45,7 +45,7 @@ def test_inspect_shows_each_items_shards_and_the_optimizer(saved):
 
 def test_full_output_is_the_state_the_ranks_held(saved, tmp_path):
     root, state = saved
-    api.convert(root, tmp_path / "full.pt", to="full", verify=True)
+    api.convert(api.ConvertRequest(src=root, dst=tmp_path / "full.pt", to="full", verify=True))
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert_trees_equal(full, {**state, "step": 2})
 
@@ -115,7 +115,7 @@ def test_a_file_that_is_no_part_of_the_checkpoint_is_named_not_skipped(copy, cap
 
 def test_an_item_that_differs_between_ranks_is_refused_when_selected(copy, capsys, tmp_path):
     torch.save(3, copy / "step_1.pt")
-    assert api.inspect(copy).warnings == [
+    assert api.inspect(api.InspectRequest(src=copy)).warnings == [
         "item 'step' differs between ranks (per-rank state): rank 0's is shown, and convert "
         "refuses it unless --filter leaves it out"
     ]
@@ -132,7 +132,7 @@ def test_an_item_that_differs_between_ranks_is_refused_when_selected(copy, capsy
 def test_two_ranks_write_the_same_bytes_as_one(saved, tmp_path):
     root, _ = saved
     kwargs = {"fmt": "torch-checkpointing", "world_size": 3}
-    api.convert(root, tmp_path / "one", to="sharded", **kwargs)
+    api.convert(api.ConvertRequest(src=root, dst=tmp_path / "one", to="sharded", **kwargs))
     run_ranks(ranks.convert, 2, str(root), str(tmp_path / "two"), "sharded", kwargs)
     assert {p.name: p.read_bytes() for p in (tmp_path / "two").iterdir()} == {
         p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()

@@ -16,7 +16,7 @@ import torch
 import titan_ranks
 from harness import run_ranks
 from reference import assert_trees_equal, dcp_to_torch_save_reference, example
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 
@@ -29,7 +29,7 @@ def titan_like(tmp_path_factory):
 
 
 def test_a_torchtitan_step_directory_is_detected_and_inspected_part_by_part(titan_like, capsys):
-    insp = api.inspect(titan_like[0])
+    insp = api.inspect(api.InspectRequest(src=titan_like[0]))
     assert insp.index.format == "torchtitan"
     parts = {c.name: c for c in insp.components}
     assert list(parts) == ["model", "train_state", "optimizer", "dataloader", "lr_scheduler"]
@@ -48,7 +48,7 @@ def test_a_torchtitan_step_directory_is_detected_and_inspected_part_by_part(tita
 
 def test_to_full_gives_every_part_as_torchs_dcp_to_torch_save_does(titan_like, tmp_path):
     src = titan_like[0]
-    api.convert(src, tmp_path / "full.pt", to="full")
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "full.pt", to="full"))
     ours = torch.load(tmp_path / "full.pt", weights_only=True)
     torchs = torch.load(dcp_to_torch_save_reference(src, tmp_path / "ref.pt"), weights_only=True)
     assert_trees_equal(ours, torchs)
@@ -60,7 +60,7 @@ def test_to_full_gives_every_part_as_torchs_dcp_to_torch_save_does(titan_like, t
 def test_resharded_for_torchtitan_at_three_resumes_bit_exactly(titan_like, tmp_path, capsys):
     src, truth = titan_like
     dst = tmp_path / "checkpoint" / "step-2"
-    api.convert(src, dst, to="sharded", fmt="torchtitan", world_size=3, verify=True)
+    api.convert(api.ConvertRequest(src=src, dst=dst, to="sharded", format="torchtitan", world_size=3, verify=True))
     assert (
         capsys.readouterr()
         .err.strip()
@@ -73,14 +73,14 @@ def test_resharded_for_torchtitan_at_three_resumes_bit_exactly(titan_like, tmp_p
         )
         == 1
     )
-    assert api.inspect(dst).index.format == "torchtitan"
-    assert not api.diff(src, dst).differences
+    assert api.inspect(api.InspectRequest(src=dst)).index.format == "torchtitan"
+    assert not api.diff(api.DiffRequest(a=src, b=dst)).differences
     assert_trees_equal(run_ranks(titan_ranks.load_titan_like, 3, str(dst))[0], truth)
 
 
 def test_an_hf_export_of_a_torchtitan_step_holds_the_model_alone(titan_like, tmp_path):
-    api.convert(titan_like[0], tmp_path / "hf", to="full", fmt="hf")
-    names = {p[-1] for p, _ in api.inspect(tmp_path / "hf").leaves}
+    api.convert(api.ConvertRequest(src=titan_like[0], dst=tmp_path / "hf", to="full", format="hf"))
+    names = {p[-1] for p, _ in api.inspect(api.InspectRequest(src=tmp_path / "hf")).leaves}
     assert names == set(example.build_model(0).state_dict())
 
 
@@ -88,8 +88,8 @@ def test_torchtitans_own_checkpoint_manager_resumes_at_three_from_the_conversion
     pytest.importorskip("torchtitan.components.checkpoint")
     truth = run_ranks(titan_ranks.save_with_torchtitan, 2, str(tmp_path / "run2"))[0]
     src = tmp_path / "run2" / "checkpoint" / f"step-{titan_ranks.STEPS}"
-    assert api.inspect(src).index.format == "torchtitan"
+    assert api.inspect(api.InspectRequest(src=src)).index.format == "torchtitan"
     dst = tmp_path / "run3" / "checkpoint" / f"step-{titan_ranks.STEPS}"
-    api.convert(src, dst, to="sharded", fmt="torchtitan", world_size=3)
+    api.convert(api.ConvertRequest(src=src, dst=dst, to="sharded", format="torchtitan", world_size=3))
     loaded = run_ranks(titan_ranks.load_with_torchtitan, 3, str(tmp_path / "run3"))[0]
     assert_trees_equal(loaded, truth)

@@ -52,7 +52,7 @@ WRAP = ["--wrap", "stream_jobs:Block"]  # only fsdp1-local's flat parameters nee
 @pytest.fixture(scope="module")
 def cap() -> int:
     """Return the cap per process: an idle shardckpt process's charge plus ``WORK``."""
-    imports = "import shardckpt.api.library, shardckpt.cli.app, torch.distributed.checkpoint"
+    imports = "import shardckpt.api, shardckpt.cli.app, torch.distributed.checkpoint"
     return idle_charge([sys.executable, "-c", imports]) + WORK
 
 

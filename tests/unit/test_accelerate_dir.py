@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats import detect
 from shardckpt.formats.trainers.accelerate import world_size_note
@@ -58,7 +58,7 @@ def saved(tmp_path):
 
 def test_a_save_state_directory_is_detected_and_read_as_one_tree(saved):
     assert detect(saved) == "accelerate"
-    insp = api.inspect(saved)
+    insp = api.inspect(api.InspectRequest(src=saved))
     assert list(insp.index.tree) == ["model", "optimizer", "scheduler"]
     assert insp.index.tree["scheduler"] == {"last_epoch": 2, "_last_lr": [0.05]}
     assert [(p.file, p.key) for p in insp.index.parts] == [
@@ -76,7 +76,7 @@ def test_a_scheduler_that_is_a_pickled_object_is_carried_unread_and_copied(saved
         {"last_epoch": 2, "order": collections.OrderedDict(a=1), "x": np.float64(1)},
         saved / "scheduler.bin",
     )
-    insp = api.inspect(saved)
+    insp = api.inspect(api.InspectRequest(src=saved))
     assert "scheduler" not in insp.index.tree
     note = next(p.note for p in insp.index.parts if p.file == "scheduler.bin")
     assert note.startswith("not read: refused to unpickle")
@@ -103,7 +103,7 @@ def test_a_scheduler_that_is_a_pickled_object_is_carried_unread_and_copied(saved
 def test_an_unknown_directory_is_carried_and_copied_whole(saved, tmp_path):
     (saved / "logs").mkdir()
     (saved / "logs" / "events.txt").write_text("step 2\n")
-    insp = api.inspect(saved)
+    insp = api.inspect(api.InspectRequest(src=saved))
     assert [(p.file, p.note) for p in insp.index.parts if p.file == "logs"] == [
         ("logs", "a directory save_state does not write")
     ]
@@ -162,7 +162,7 @@ def test_a_model_dcp_not_nested_as_accelerate_nests_it_is_refused(saved, capsys)
 def test_second_models_and_optimizers_keep_their_index(saved, tmp_path):
     _dcp(saved / "pytorch_model_fsdp_1", {"model": _model(1)})
     torch.save(_optimizer(), saved / "optimizer_1.bin")
-    insp = api.inspect(saved)
+    insp = api.inspect(api.InspectRequest(src=saved))
     assert list(insp.index.tree) == ["model", "model_1", "optimizer", "optimizer_1", "scheduler"]
     dst = tmp_path / "at2"
     assert (
@@ -213,7 +213,7 @@ def test_a_dcp_of_model_and_optim_becomes_an_accelerate_directory(tmp_path):
         == 0
     )
     assert sorted(p.name for p in dst.iterdir()) == ["optimizer_0", "pytorch_model_fsdp_0"]
-    assert list(api.inspect(dst).index.tree) == ["model", "optimizer"]
+    assert list(api.inspect(api.InspectRequest(src=dst)).index.tree) == ["model", "optimizer"]
     assert run(["diff", str(tmp_path / "dcp"), str(dst), "--only", "model"]) == 0
 
 
@@ -242,7 +242,7 @@ def test_the_rng_pickles_are_never_unpickled(saved):
             return (exec, ("raise SystemExit('unpickled')",))
 
     (saved / "random_states_1.pkl").write_bytes(pickle.dumps(Boom()))
-    assert api.inspect(saved, trust_pickle=True).index.world_size == 1
+    assert api.inspect(api.InspectRequest(src=saved, trust_pickle=True)).index.world_size == 1
 
 
 def test_two_files_holding_one_part_are_refused_naming_both(saved, capsys):

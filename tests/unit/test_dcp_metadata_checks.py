@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 DAMAGED = (
@@ -338,7 +338,7 @@ def test_entries_missing_their_fields_are_refused_not_a_traceback(capsys, ckpt, 
 
 def test_what_dcp_save_writes_passes_every_check(capsys, ckpt):
     assert run(["convert", str(ckpt), str(ckpt.parent / "out.pt"), "--to", "full"]) == 0
-    assert api.diff(ckpt, ckpt.parent / "out.pt").equal
+    assert api.diff(api.DiffRequest(a=ckpt, b=ckpt.parent / "out.pt")).equal
 
 
 # ---------------------------------------------------------------- errors while reading data

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.formats.dcp import reader as dcp_format
 from shardckpt.formats.dcp.reader import DcpReader
 
@@ -57,7 +57,7 @@ def test_batches_of_a_few_rows_are_bit_exact_and_only_the_strided_chunk_goes_thr
     src, ref = _source(tmp_path)
     calls = _loads(monkeypatch)
     # 64 bytes a batch: 'w' (37 rows of 20 bytes) is read 3 rows at a time.
-    api.convert(src, tmp_path / "out.pt", to="full", buffer_bytes=64)
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "out.pt", to="full", buffer_bytes=64))
     assert_trees_equal(torch.load(tmp_path / "out.pt", weights_only=True), ref)
     # The value 'step' while indexing, then only the transposed tensor, batch by batch.
     assert calls[0] == ["step"]
@@ -84,6 +84,8 @@ def test_a_chunk_is_located_once_however_many_batches_read_it(tmp_path, monkeypa
         return original(self, key, offsets, sizes, dtype)
 
     monkeypatch.setattr(dcp_format.StoredRows, "_place", count)
-    api.convert(src, tmp_path / "out.safetensors", to="full", buffer_bytes=64)
+    api.convert(
+        api.ConvertRequest(src=src, dst=tmp_path / "out.safetensors", to="full", buffer_bytes=64)
+    )
     assert sorted(located) == sorted(set(located))
     assert "model.w" in located

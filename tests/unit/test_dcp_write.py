@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from reference import assert_trees_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats import open_reader
 
@@ -40,7 +40,11 @@ def before_first_step() -> dict:
 def converted(tmp_path) -> tuple[Path, Path]:
     """Return (torch.save source, its DCP conversion at world size 2)."""
     torch.save(before_first_step(), tmp_path / "src.pt")
-    api.convert(tmp_path / "src.pt", tmp_path / "dcp", to="sharded", world_size=2)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "src.pt", dst=tmp_path / "dcp", to="sharded", world_size=2
+        )
+    )
     return tmp_path / "src.pt", tmp_path / "dcp"
 
 
@@ -50,12 +54,12 @@ def test_empty_mappings_read_back_from_dcp_output_in_their_place(converted):
     assert tree["optim"]["state"] == {} and tree["trainer"] == {"callbacks": {}, "epoch": 0}
     assert tree["extra"] == {} and tree["buffers"][1] == {} and tree["none_yet"] == []
     assert list(tree) == list(before_first_step())
-    assert api.diff(src, out).equal
+    assert api.diff(api.DiffRequest(a=src, b=out)).equal
 
 
 def test_an_optimizer_before_its_first_step_is_still_an_optimizer_in_dcp_output(converted):
     _, out = converted
-    (found,) = api.inspect(out).optimizers
+    (found,) = api.inspect(api.InspectRequest(src=out)).optimizers
     assert (found.path, found.num_groups, found.num_params) == (("optim",), 1, 2)
 
 
@@ -86,7 +90,11 @@ def test_dcp_load_into_a_state_dict_that_holds_the_same_empty_mappings_works(tmp
         }
 
     torch.save(state(2.0), tmp_path / "src.pt")
-    api.convert(tmp_path / "src.pt", tmp_path / "dcp", to="sharded", world_size=3)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "src.pt", dst=tmp_path / "dcp", to="sharded", world_size=3
+        )
+    )
     loader = state(0.0)
     dcp.load(loader, checkpoint_id=tmp_path / "dcp", no_dist=True)
     assert_trees_equal(loader, state(2.0))
@@ -173,7 +181,7 @@ def test_a_full_disk_while_writing_a_data_file_names_it(capsys, big, small_fs):
 
 
 def test_a_full_disk_while_writing_the_metadata_names_it(capsys, big, small_fs, tmp_path):
-    api.convert(big, tmp_path / "sized", to="sharded", world_size=1)
+    api.convert(api.ConvertRequest(src=big, dst=tmp_path / "sized", to="sharded", world_size=1))
     data = (tmp_path / "sized" / "__0_0.distcp").stat().st_size
     # Room for the data file and the lock file beside DST (a page each), not one page more.
     fs = small_fs(-(-data // 4096) * 4096 + 4096)

@@ -9,7 +9,7 @@ import torch
 from reference import assert_trees_equal
 from safetensors.torch import load_file, save_file
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.core.dist import Runtime
 from shardckpt.core.progress import Progress
 from shardckpt.engine import fill as engine
@@ -100,7 +100,9 @@ def test_safetensors_writer_output_loads_with_the_safetensors_library(tmp_path):
 def test_safetensors_keeps_values_and_structure_through_its_metadata(tmp_path):
     tree = odd_tree()
     write_streaming(SafetensorsWriter, tmp_path / "out.safetensors", tree)
-    api.convert(tmp_path / "out.safetensors", tmp_path / "back.pt", to="full")
+    api.convert(
+        api.ConvertRequest(src=tmp_path / "out.safetensors", dst=tmp_path / "back.pt", to="full")
+    )
     assert_trees_equal(torch.load(tmp_path / "back.pt", weights_only=True), tree)
 
 
@@ -115,16 +117,18 @@ def test_conversion_through_each_full_format_is_exact(tmp_path, fmt):
     src = tmp_path / "src.pt"
     torch.save(odd_tree(), src)
     dst = tmp_path / ("dst.safetensors" if fmt == "safetensors" else "dst.pt")
-    api.convert(src, dst, to="full")
-    api.convert(dst, tmp_path / "sharded", to="sharded", world_size=1)
-    api.convert(tmp_path / "sharded", tmp_path / "again.pt", to="full")
+    api.convert(api.ConvertRequest(src=src, dst=dst, to="full"))
+    api.convert(api.ConvertRequest(src=dst, dst=tmp_path / "sharded", to="sharded", world_size=1))
+    api.convert(api.ConvertRequest(src=tmp_path / "sharded", dst=tmp_path / "again.pt", to="full"))
     assert_trees_equal(torch.load(tmp_path / "again.pt", weights_only=True), odd_tree())
 
 
 def test_tied_tensors_keep_their_own_keys_in_every_format(tmp_path):
     w = torch.randn(5, 3)
     torch.save({"embed.weight": w, "head.weight": w}, tmp_path / "tied.pt")
-    api.convert(tmp_path / "tied.pt", tmp_path / "tied.safetensors", to="full")
+    api.convert(
+        api.ConvertRequest(src=tmp_path / "tied.pt", dst=tmp_path / "tied.safetensors", to="full")
+    )
     flat = load_file(tmp_path / "tied.safetensors")
     assert torch.equal(flat["embed.weight"], w) and torch.equal(flat["head.weight"], w)
 

@@ -10,7 +10,7 @@ from reference import assert_trees_equal
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats import detect
 from shardckpt.formats.hf.sharded import INDEX_FILE, plan_shards
@@ -89,7 +89,11 @@ def test_hf_output_spans_several_shards_and_its_index_covers_every_tensor_once(s
 
 
 def test_shards_fill_in_tree_order_and_a_big_tensor_goes_alone(src, tmp_path):
-    api.convert(src, tmp_path / "hf", to="full", fmt="hf", max_shard_size=LIMIT)
+    api.convert(
+        api.ConvertRequest(
+            src=src, dst=tmp_path / "hf", to="full", format="hf", max_shard_size=LIMIT
+        )
+    )
     index = json.loads((tmp_path / "hf" / INDEX_FILE).read_text())
     model = training_tree()["model"]
     by_file: dict[str, list[str]] = {}
@@ -115,7 +119,7 @@ def test_plan_shards_matches_the_greedy_rule():
 
 
 def test_one_shard_by_default_still_has_an_index(src, tmp_path):
-    api.convert(src, tmp_path / "hf", to="full", fmt="hf")
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "hf", to="full", format="hf"))
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "model-00001-of-00001.safetensors",
         INDEX_FILE,
@@ -127,7 +131,9 @@ def test_a_tree_without_a_model_key_writes_everything_but_optimizers(tmp_path):
     tree = training_tree()
     flat = {**tree["model"], "optim": tree["optim"], "epoch": 7}
     torch.save(flat, tmp_path / "flat.pt")
-    api.convert(tmp_path / "flat.pt", tmp_path / "hf", to="full", fmt="hf")
+    api.convert(
+        api.ConvertRequest(src=tmp_path / "flat.pt", dst=tmp_path / "hf", to="full", format="hf")
+    )
     assert_trees_equal(read_hf_with_the_library(tmp_path / "hf")[1], tree["model"])
 
 
@@ -149,10 +155,20 @@ def write_hf_like_transformers(path, tensors: dict, per_shard: int) -> None:
 def test_hf_to_dcp_to_full_round_trips_bit_exactly_under_model(tmp_path):
     model = training_tree()["model"]
     write_hf_like_transformers(tmp_path / "hf", model, per_shard=3)
-    api.convert(tmp_path / "hf", tmp_path / "dcp", to="sharded", world_size=1, verify=True)
-    api.convert(tmp_path / "dcp", tmp_path / "full.pt", to="full", verify=True)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "hf", dst=tmp_path / "dcp", to="sharded", world_size=1, verify=True
+        )
+    )
+    api.convert(
+        api.ConvertRequest(src=tmp_path / "dcp", dst=tmp_path / "full.pt", to="full", verify=True)
+    )
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), {"model": model})
-    api.convert(tmp_path / "dcp", tmp_path / "again", to="full", fmt="hf", verify=True)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "dcp", dst=tmp_path / "again", to="full", format="hf", verify=True
+        )
+    )
     assert_trees_equal(read_hf_with_the_library(tmp_path / "again")[1], model)
 
 
@@ -291,7 +307,9 @@ def test_hf_of_optimizer_state_only_is_refused(capsys, src, tmp_path):
 
 
 def test_dtype_bf16_casts_model_floats_only(src, tmp_path):
-    api.convert(src, tmp_path / "bf16.pt", to="full", dtype="bf16", verify=True)
+    api.convert(
+        api.ConvertRequest(src=src, dst=tmp_path / "bf16.pt", to="full", dtype="bf16", verify=True)
+    )
     out = torch.load(tmp_path / "bf16.pt", weights_only=True)
     expected = training_tree()
     expected["model"] = {
@@ -312,10 +330,18 @@ def test_cast_optim_casts_optimizer_state_but_not_step(src, tmp_path):
 
 
 def test_dtype_applies_to_sharded_and_hf_outputs(src, tmp_path):
-    api.convert(src, tmp_path / "dcp", to="sharded", world_size=1, dtype="bf16", verify=True)
-    api.convert(tmp_path / "dcp", tmp_path / "back.pt", to="full")
+    api.convert(
+        api.ConvertRequest(
+            src=src, dst=tmp_path / "dcp", to="sharded", world_size=1, dtype="bf16", verify=True
+        )
+    )
+    api.convert(api.ConvertRequest(src=tmp_path / "dcp", dst=tmp_path / "back.pt", to="full"))
     bf16 = torch.load(tmp_path / "back.pt", weights_only=True)
-    api.convert(src, tmp_path / "hf", to="full", fmt="hf", dtype="bf16", max_shard_size=LIMIT)
+    api.convert(
+        api.ConvertRequest(
+            src=src, dst=tmp_path / "hf", to="full", format="hf", dtype="bf16", max_shard_size=LIMIT
+        )
+    )
     tensors = read_hf_with_the_library(tmp_path / "hf")[1]
     model = training_tree()["model"]
     expected = {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in model.items()}
@@ -325,7 +351,7 @@ def test_dtype_applies_to_sharded_and_hf_outputs(src, tmp_path):
 
 def test_dtype_on_an_int_only_checkpoint_changes_nothing(tmp_path):
     torch.save({"ids": torch.arange(7), "mask": torch.ones(3, dtype=torch.bool)}, tmp_path / "i.pt")
-    api.convert(tmp_path / "i.pt", tmp_path / "a.pt", to="full")
+    api.convert(api.ConvertRequest(src=tmp_path / "i.pt", dst=tmp_path / "a.pt", to="full"))
     argv = ["convert", tmp_path / "i.pt", tmp_path / "b.pt", "--to", "full", "--dtype", "bf16"]
     assert run([str(a) for a in argv]) == 0
     assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
@@ -372,7 +398,9 @@ def test_code_that_auto_map_names_is_copied(src, tmp_path):
     base = model_dir(tmp_path / "base", **{"modeling_tiny.py": "X = 1\n", "other.py": ""})
     config = {**CONFIG, "auto_map": {"AutoModel": "modeling_tiny.Tiny"}}
     (base / "config.json").write_text(json.dumps(config))
-    api.convert(src, tmp_path / "out", to="full", fmt="hf", hf_config=base)
+    api.convert(
+        api.ConvertRequest(src=src, dst=tmp_path / "out", to="full", format="hf", hf_config=base)
+    )
     assert (tmp_path / "out" / "modeling_tiny.py").read_text() == "X = 1\n"
     assert not (tmp_path / "out" / "other.py").exists()
 

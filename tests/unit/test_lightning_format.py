@@ -16,7 +16,7 @@ import pytest
 import torch
 from reference import assert_trees_equal
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.core.errors import BadInputError, UnsafePickleError
 from shardckpt.formats import detect
 from shardckpt.formats.trainers.lightning import in_meta
@@ -54,7 +54,7 @@ def test_a_dcp_directory_with_meta_pt_is_detected_as_lightning(tmp_path):
     (ckpt / "meta.pt").unlink()
     assert detect(ckpt) == "dcp"
     with pytest.raises(BadInputError) as info:
-        api.inspect(ckpt, fmt="lightning")
+        api.inspect(api.InspectRequest(src=ckpt, format="lightning"))
     assert info.value.line() == (
         f"'{ckpt}': no 'meta.pt' in this directory: a Lightning checkpoint has one beside the "
         "DCP files; read the DCP part alone with --format dcp"
@@ -64,16 +64,25 @@ def test_a_dcp_directory_with_meta_pt_is_detected_as_lightning(tmp_path):
 def test_meta_pt_extras_with_tensors_and_int_keys_convert_as_lightning_consolidates(tmp_path):
     meta = {"step": 3, "rng": torch.arange(5, dtype=torch.uint8), "sched": {0: 0.5, 1: (1, 2)}}
     ckpt = save_like_lightning(tmp_path / "ckpt", {"model": model_state()}, meta)
-    index = api.inspect(ckpt).index
+    index = api.inspect(api.InspectRequest(src=ckpt)).index
     assert (index.format, [(p.file, p.key) for p in index.parts]) == (
         "lightning",
         [("meta.pt", "step"), ("meta.pt", "rng"), ("meta.pt", "sched")],
     )
-    api.convert(ckpt, tmp_path / "full.pt", to="full", verify=True)
+    api.convert(api.ConvertRequest(src=ckpt, dst=tmp_path / "full.pt", to="full", verify=True))
     consolidated = lightning_load._load_distributed_checkpoint(ckpt)
     assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), consolidated)
     # Back to Lightning's layout at 2: meta.pt keeps its keys' types and its tensors.
-    api.convert(ckpt, tmp_path / "at2", to="sharded", fmt="lightning", world_size=2, verify=True)
+    api.convert(
+        api.ConvertRequest(
+            src=ckpt,
+            dst=tmp_path / "at2",
+            to="sharded",
+            format="lightning",
+            world_size=2,
+            verify=True,
+        )
+    )
     assert_trees_equal(torch.load(tmp_path / "at2" / "meta.pt", weights_only=True), meta)
     assert_trees_equal(lightning_load._load_distributed_checkpoint(tmp_path / "at2"), consolidated)
 
@@ -83,12 +92,12 @@ def test_an_unsafe_meta_pt_is_named_with_the_trust_hint(tmp_path):
         tmp_path / "ckpt", {"model": model_state()}, {"step": 3, "settings": Settings()}
     )
     with pytest.raises(UnsafePickleError) as info:
-        api.inspect(ckpt)
+        api.inspect(api.InspectRequest(src=ckpt))
     assert info.value.line() == (
         f"'{ckpt / 'meta.pt'}': refused to unpickle (names test_lightning_format.Settings, "
         "not on the weights-only allow-list): pass --trust-pickle only if you trust this file"
     )
-    trusted = api.inspect(ckpt, trust_pickle=True).index.tree
+    trusted = api.inspect(api.InspectRequest(src=ckpt, trust_pickle=True)).index.tree
     assert trusted["settings"] == Settings()
 
 
@@ -97,7 +106,7 @@ def test_a_key_in_both_parts_is_refused_rather_than_one_dropped(tmp_path):
         tmp_path / "ckpt", {"model": model_state(), "step": torch.tensor(1)}, {"step": 3}
     )
     with pytest.raises(BadInputError) as info:
-        api.inspect(ckpt)
+        api.inspect(api.InspectRequest(src=ckpt))
     assert info.value.line() == (
         f"'{ckpt}': 'step' is both in meta.pt and in the DCP data, and Lightning's "
         "consolidation would keep only meta.pt's: read the DCP part alone with --format dcp"
@@ -119,7 +128,11 @@ def test_a_tree_from_elsewhere_keeps_module_and_optimizer_state_in_dcp(tmp_path)
     }
     torch.save(full, tmp_path / "full.pt")
     out = tmp_path / "lit"
-    api.convert(tmp_path / "full.pt", out, to="sharded", fmt="lightning", world_size=2)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "full.pt", dst=out, to="sharded", format="lightning", world_size=2
+        )
+    )
     meta = torch.load(out / "meta.pt", weights_only=True)
     assert list(meta) == ["step", "rng", "loops"]
     # DCP stores every key as str: the optimizer's param IDs come back as "0", "1".

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.core.errors import UsageError
 from shardckpt.formats.base import Index
@@ -85,12 +85,14 @@ def test_a_flat_state_dict_nested_under_model_loads_with_dcp_load(tmp_path):
     trained = build()
     torch.save(trained.state_dict(), tmp_path / "flat.pt")
     api.convert(
-        tmp_path / "flat.pt",
-        tmp_path / "dcp",
-        to="sharded",
-        world_size=3,
-        nest="model",
-        verify=True,
+        api.ConvertRequest(
+            src=tmp_path / "flat.pt",
+            dst=tmp_path / "dcp",
+            to="sharded",
+            world_size=3,
+            nest="model",
+            verify=True,
+        )
     )
     fresh = nn.Sequential(nn.Linear(3, 7), nn.ReLU(), nn.Linear(7, 5))
     state = {"model": fresh.state_dict()}
@@ -99,7 +101,11 @@ def test_a_flat_state_dict_nested_under_model_loads_with_dcp_load(tmp_path):
     for name, value in trained.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
     # Without --nest the same loader misses every key.
-    api.convert(tmp_path / "flat.pt", tmp_path / "bare", to="sharded", world_size=3)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "flat.pt", dst=tmp_path / "bare", to="sharded", world_size=3
+        )
+    )
     with pytest.raises(CheckpointException) as info:
         dcp.load({"model": fresh.state_dict()}, checkpoint_id=tmp_path / "bare")
     assert "Missing key in checkpoint state_dict: model.0.weight" in str(info.value)
@@ -107,7 +113,11 @@ def test_a_flat_state_dict_nested_under_model_loads_with_dcp_load(tmp_path):
 
 def test_diff_compares_a_flat_file_with_its_nested_dcp(tmp_path, capsys):
     torch.save(build().state_dict(), tmp_path / "flat.pt")
-    api.convert(tmp_path / "flat.pt", tmp_path / "dcp", to="sharded", world_size=2, nest="model")
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "flat.pt", dst=tmp_path / "dcp", to="sharded", world_size=2, nest="model"
+        )
+    )
     a, b = str(tmp_path / "flat.pt"), str(tmp_path / "dcp")
     assert run(["diff", a, b, "-q"]) == 1
     assert run(["diff", a, b, "-q", "--nest-a", "model"]) == 0

@@ -13,7 +13,7 @@ import fsdp1_jobs
 import pytest
 import torch
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 
 # FSDP splits optimizer state as it splits parameters, so no --model is needed here.
@@ -98,18 +98,22 @@ def test_an_unreadable_rank_file_is_named_as_permission_denied(optim_only, tmp_p
     dirs = []
     for fmt in ("fsdp2-ranks", "fsdp1-sharded"):
         dst = tmp_path / fmt
-        api.convert(optim_only, dst, to="local", fmt=fmt, world_size=2)
+        api.convert(
+            api.ConvertRequest(src=optim_only, dst=dst, to="local", format=fmt, world_size=2)
+        )
         dirs.append(dst)
     torch.save({"model": fsdp1_jobs.build_model().state_dict()}, tmp_path / "model.pt")
     dirs.append(tmp_path / "fsdp1-local")
     api.convert(
-        tmp_path / "model.pt",
-        dirs[-1],
-        to="local",
-        fmt="fsdp1-local",
-        world_size=2,
-        model="fsdp1_jobs:build_model",
-        wraps=["fsdp1_jobs:Block"],
+        api.ConvertRequest(
+            src=tmp_path / "model.pt",
+            dst=dirs[-1],
+            to="local",
+            format="fsdp1-local",
+            world_size=2,
+            model="fsdp1_jobs:build_model",
+            wraps=["fsdp1_jobs:Block"],
+        )
     )
     for d in dirs:
         os.chmod(d / "rank_1.pt", 0)

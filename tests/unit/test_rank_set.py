@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
 
@@ -19,7 +19,11 @@ def ranks(tmp_path):
     state = {"w": {"step": torch.tensor(3.0), "exp_avg": torch.arange(21.0).reshape(7, 3)}}
     groups = [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]
     torch.save({"optim": {"state": state, "param_groups": groups}}, tmp_path / "optim.pt")
-    api.convert(tmp_path / "optim.pt", tmp_path / "ranks", to="local", world_size=2)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "optim.pt", dst=tmp_path / "ranks", to="local", world_size=2
+        )
+    )
     return tmp_path / "ranks"
 
 
@@ -89,4 +93,4 @@ def test_a_rank_file_unlike_rank_0s_is_refused_naming_both(ranks, capsys, edit, 
 
 
 def test_one_saves_files_pass(ranks, tmp_path):
-    assert api.diff(ranks, tmp_path / "optim.pt").equal
+    assert api.diff(api.DiffRequest(a=ranks, b=tmp_path / "optim.pt")).equal

@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import assert_trees_equal
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats import detect
 
@@ -32,7 +32,15 @@ def written(tmp_path):
     """Return a full torch file and the torch-checkpointing directory written from it at 3."""
     torch.save(training_tree(), tmp_path / "full.pt")
     dst = tmp_path / "tcp"
-    api.convert(tmp_path / "full.pt", dst, to="sharded", fmt="torch-checkpointing", world_size=3)
+    api.convert(
+        api.ConvertRequest(
+            src=tmp_path / "full.pt",
+            dst=dst,
+            to="sharded",
+            format="torch-checkpointing",
+            world_size=3,
+        )
+    )
     return tmp_path / "full.pt", dst
 
 
@@ -50,7 +58,7 @@ def test_each_item_gets_a_file_per_rank_and_reads_back_bit_exactly(written, tmp_
     assert detect(dst) == "torch-checkpointing"
     meta = pickle.loads((dst / "metadata.pkl").read_bytes())
     assert (meta["world_size"], sorted(meta["metadata"])) == (3, ["model", "optim"])
-    api.convert(dst, tmp_path / "back.pt", to="full")
+    api.convert(api.ConvertRequest(src=dst, dst=tmp_path / "back.pt", to="full"))
     assert_trees_equal(torch.load(tmp_path / "back.pt", weights_only=True), training_tree())
 
 

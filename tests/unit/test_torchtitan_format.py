@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from optim_models import trained
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from shardckpt.api import library as api
+from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.formats import detect
 
@@ -41,11 +41,17 @@ def test_a_dcp_with_torchtitans_parts_is_torchtitan_and_a_plain_one_stays_dcp(tm
 def test_a_nested_fqn_optimizer_is_flattened_for_torchtitan(tmp_path):
     torch.save(titan_tree(flat=False), tmp_path / "nested.pt")
     api.convert(
-        tmp_path / "nested.pt", tmp_path / "step-2", to="sharded", fmt="torchtitan", world_size=2
+        api.ConvertRequest(
+            src=tmp_path / "nested.pt",
+            dst=tmp_path / "step-2",
+            to="sharded",
+            format="torchtitan",
+            world_size=2,
+        )
     )
     dcp.save(titan_tree(), checkpoint_id=tmp_path / "flat", no_dist=True)
-    assert api.inspect(tmp_path / "step-2").optimizers[0].key_type == "flat"
-    assert not api.diff(tmp_path / "flat", tmp_path / "step-2").differences
+    assert api.inspect(api.InspectRequest(src=tmp_path / "step-2")).optimizers[0].key_type == "flat"
+    assert not api.diff(api.DiffRequest(a=tmp_path / "flat", b=tmp_path / "step-2")).differences
 
 
 def test_a_model_under_a_model_key_is_refused_for_torchtitan(capsys, tmp_path):
@@ -84,7 +90,7 @@ def test_an_id_keyed_optimizer_for_torchtitan_asks_for_optim_keys_flat(capsys, t
         "torchtitan loads the flattened form: add --optim-keys flat",
     )
     assert run([str(a) for a in [*argv, "--format", "torchtitan", "--optim-keys", "flat"]]) == 0
-    assert api.inspect(tmp_path / "o").optimizers[0].key_type == "flat"
+    assert api.inspect(api.InspectRequest(src=tmp_path / "o")).optimizers[0].key_type == "flat"
 
 
 def test_the_cli_names_the_format_and_lists_the_parts(capsys, tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardckpt.api.library import _target_world_size
+from shardckpt.api import ConvertRequest
+from shardckpt.api.conversion import _target_world_size
 from shardckpt.cli.app import run
 from shardckpt.core.dist import Runtime
 
@@ -37,14 +38,21 @@ def test_standalone_with_world_size_writes_for_it(capsys, src, tmp_path):
     ]
 
 
+def _asking(to: str, world_size: int | None) -> ConvertRequest:
+    return ConvertRequest(src="src", dst="dst", to=to, world_size=world_size)
+
+
 def test_under_a_launch_the_launchs_world_size_is_used_and_said_once_by_rank_0(capsys):
     # A Runtime with a mesh is what launch() yields under torchrun; no collective is made here.
     launched = Runtime(rank=0, world_size=3, mesh=object())
-    assert _target_world_size("sharded", None, launched) == 3
+    assert _target_world_size(_asking("sharded", None), launched) == 3
     assert capsys.readouterr().err == (
         "shardckpt: note: writing DST for world size 3, the launch's "
         "(pass --world-size M for another)\n"
     )
-    assert _target_world_size("local", None, Runtime(rank=1, world_size=3, mesh=object())) == 3
-    assert _target_world_size("sharded", 5, launched) == 5
+    assert (
+        _target_world_size(_asking("local", None), Runtime(rank=1, world_size=3, mesh=object()))
+        == 3
+    )
+    assert _target_world_size(_asking("sharded", 5), launched) == 5
     assert capsys.readouterr().err == ""

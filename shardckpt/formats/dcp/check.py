@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import source_file
+from shardckpt.formats.dcp import METADATA_FILE
 
-METADATA_FILE = ".metadata"
 _DAMAGED = (
     "the .metadata is damaged or was not written by torch.distributed.checkpoint; "
     "re-copy the checkpoint from where it was written"

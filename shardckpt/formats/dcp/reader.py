@@ -57,12 +57,12 @@ from shardckpt.core.errors import (
 from shardckpt.core.files import os_error, os_error_in
 from shardckpt.core.sight import Sight
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.dcp import METADATA_FILE
 from shardckpt.formats.dcp.check import check_metadata
 from shardckpt.formats.dcp.rows import StoredRows
 from shardckpt.formats.ranks.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
 from shardckpt.state.tree import Chunk, TensorMeta, build
 
-METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -477,6 +477,11 @@ def as_stored(tree: object) -> object:
 
 
 __all__ = ["DcpReader", "read_metadata"]
+
+
+def is_dcp_dir(path: Path) -> bool:
+    """Return whether ``path`` holds DCP's ``.metadata``."""
+    return (path / METADATA_FILE).is_file()
 
 
 def dcp_tells_whole(index) -> bool:

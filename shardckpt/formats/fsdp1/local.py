@@ -272,3 +272,13 @@ def _replace_flat(
         elif k not in params:
             out[k] = v
     return out
+
+
+def is_fsdp1_local(src: Path) -> bool:
+    """Return whether directory ``src`` holds FSDP1 ``LOCAL_STATE_DICT`` rank files."""
+    return detect_rank_format(src) == "fsdp1-local"
+
+
+def is_fsdp1_sharded(src: Path) -> bool:
+    """Return whether directory ``src`` holds FSDP1 ``SHARDED_STATE_DICT`` rank files."""
+    return detect_rank_format(src) == "fsdp1-sharded"

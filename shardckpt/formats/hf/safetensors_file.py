@@ -15,6 +15,7 @@ padded to 8 bytes, then data).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from safetensors import safe_open
 
 from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.core.files import os_error, source_file, writing
+from shardckpt.core.files import os_error, read_head, source_file, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.state.regions import Region, spread, whole
 from shardckpt.state.tree import TensorMeta, dotted, walk
@@ -205,3 +206,13 @@ class SafetensorsWriter(Writer):
         runtime.agreed(lambda: self._header.write(self.root) if runtime.coordinator else None)
         regions = self._header.regions
         return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))
+
+
+def is_safetensors_file(path: Path) -> bool:
+    """Return whether file ``path`` starts with a safetensors header: its size, then ``{``."""
+    head = read_head(path, 9)
+    return (
+        len(head) == 9
+        and head[8:9] == b"{"
+        and struct.unpack("<Q", head[:8])[0] < os.path.getsize(path)
+    )

@@ -238,3 +238,8 @@ class HfReader(Reader):
                         else f.get_slice(meta.key)[r[0] : r[1]]
                     )
         return out  # type: ignore[return-value]
+
+
+def is_hf_dir(path: Path) -> bool:
+    """Return whether ``path`` holds a Hugging Face ``model.safetensors.index.json``."""
+    return (path / INDEX_FILE).is_file()

@@ -20,7 +20,7 @@ import torch
 from shardckpt.codecs.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
 from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
-from shardckpt.core.files import os_error, source_file, source_stat, writing
+from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.state.regions import Region, spread
@@ -193,3 +193,9 @@ class TorchWriter(Writer):
         if frame is None:
             return Frame(mine)
         return Frame(mine, frame.records, frame.pieces)
+
+
+def is_torch_file(path: Path) -> bool:
+    """Return whether file ``path`` starts as ``torch.save`` writes: a zip, or a legacy pickle."""
+    head = read_head(path, 4)
+    return head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02"

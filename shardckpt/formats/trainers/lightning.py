@@ -26,7 +26,7 @@ import torch
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
 from shardckpt.core.files import writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
-from shardckpt.formats.dcp.reader import DcpReader
+from shardckpt.formats.dcp.reader import DcpReader, is_dcp_dir
 from shardckpt.formats.dcp.writer import DcpWriter
 from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.formats.torch_save.file import (
@@ -182,3 +182,8 @@ class LightningWriter(Writer):
 
 
 __all__ = ["META_FILE", "LightningReader", "LightningWriter", "in_meta", "split_parts"]
+
+
+def looks_like(src: Path) -> bool:
+    """Return whether directory ``src`` is Lightning's sharded checkpoint: DCP with ``meta.pt`` beside it."""
+    return is_dcp_dir(src) and (src / META_FILE).is_file()

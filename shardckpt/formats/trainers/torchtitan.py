@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shardckpt.core.errors import UsageError
 from shardckpt.core.words import counted
-from shardckpt.formats.dcp.reader import METADATA_FILE, DcpReader, read_metadata
+from shardckpt.formats.dcp.reader import METADATA_FILE, DcpReader, is_dcp_dir, read_metadata
 from shardckpt.state.optim import RekeyError, flatten, key_type
 from shardckpt.state.tree import (
     FLAT_GROUPS,
@@ -49,6 +49,8 @@ def looks_like(src: Path) -> bool:
     ``lr_scheduler`` or ``train_state`` beside it. Metadata that cannot be read safely
     says no: the DCP reader then reports why.
     """
+    if not is_dcp_dir(src):
+        return False
     try:
         md = read_metadata(src, trust_pickle=False)
     except Exception:

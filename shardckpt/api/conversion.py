@@ -1,0 +1,408 @@
+"""``convert``: another layout, format or world size, exactly, in named steps.
+
+Call order (every rank makes every call, with the same request):
+  1) ``prepare`` (inside the first agreed step, so a bad input seen by any rank stops
+     all of them with one error): check the request, open SRC, plan, lay out DST's writer.
+  2) ``write`` (not on a dry run): open DST, fill it (``engine.fill``), ``--verify`` it,
+     rename it into place; on any failure no DST is left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shardckpt.api import applies
+from shardckpt.api.requests import ConvertRequest
+from shardckpt.api.source import open_checked
+from shardckpt.api.verification import verify_output
+from shardckpt.core.destination import Destination
+from shardckpt.core.dist import Runtime
+from shardckpt.core.errors import ShardckptError, UsageError, notice, source_option
+from shardckpt.core.placement import Placement, open_destination
+from shardckpt.core.progress import Progress
+from shardckpt.core.sight import Sight, look
+from shardckpt.core.words import counted
+from shardckpt.engine import fill
+from shardckpt.engine.exchange import SharedReader
+from shardckpt.formats import FILE_SUFFIXES, Format, default_format, format_named, holds_checkpoint
+from shardckpt.formats.base import Reader, Writer
+from shardckpt.formats.fsdp1.flat_layout import FlatModel
+from shardckpt.formats.hf.config import HfConfig, check_names, config_beside
+from shardckpt.formats.hf.config import hf_config as read_hf_config
+from shardckpt.plan.cast import CastReader, dtype_name, target_dtype
+from shardckpt.plan.plan import ConvertPlan, Selection, make_plan, parse_edit
+from shardckpt.state.choices import LAYOUTS
+from shardckpt.state.model import model_params
+
+
+@dataclass
+class ConvertResult:
+    """What ``convert`` wrote (or, with ``dry_run``, would write)."""
+
+    src: str
+    dst: str
+    format: str
+    layout: str
+    world_size: int
+    tensors: int
+    nbytes: int
+    values: int
+    seconds: float
+    dry_run: bool = False
+    verified: bool | None = None
+    plan: ConvertPlan | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` made: the output's format, the source's reader, the plan, DST's writer."""
+
+    form: Format
+    reader: Reader
+    plan: ConvertPlan
+    writer: Writer
+
+
+@source_option("--from")
+def convert(
+    request: ConvertRequest, runtime: Runtime | None = None, progress: Progress | None = None
+) -> ConvertResult:
+    """Convert ``request.src`` into ``request.dst`` with layout ``request.to``; return what was written.
+
+    DST appears only complete: written beside it, checked with ``verify``, then renamed.
+    Under ``torchrun`` each rank reads only the files of SRC it sees (``core.sight``).
+    """
+    runtime = runtime or Runtime()
+    start = time.perf_counter()
+    form = output_format(request)
+    destination = Destination(
+        request.dst,
+        overwrite=request.overwrite,
+        is_dir=form is not None and form.directory,
+        srcs=(Path(request.src),),
+        holds_checkpoint=holds_checkpoint,
+    )
+    prepared = runtime.agreed(lambda: prepare(request, form, destination, runtime))
+    verified = None if request.dry_run else write(request, prepared, destination, runtime, progress)
+    plan = prepared.plan
+    return ConvertResult(
+        str(request.src),
+        str(request.dst),
+        prepared.form.name,
+        request.to,
+        plan.world_size,
+        len(plan.tensors),
+        plan.nbytes,
+        plan.num_values,
+        time.perf_counter() - start,
+        request.dry_run,
+        verified,
+        plan,
+    )
+
+
+def output_format(request: ConvertRequest) -> Format | None:
+    """Return the format DST is written in (``--format``, else the layout's default); None for a bad ``--to``."""
+    if request.to not in LAYOUTS:
+        return None
+    return format_named(request.format or default_format(request.to, request.dst))
+
+
+# ---------------------------------------------------------------- 1) prepare
+
+
+def prepare(
+    request: ConvertRequest, form: Format | None, destination: Destination, runtime: Runtime
+) -> Prepared:
+    """Check the request against the output and SRC, open SRC, plan, and make DST's writer."""
+    request.check()
+    assert form is not None  # check() refuses the --to that has none
+    _check_output(request, form)
+    world_size = _target_world_size(request, runtime)
+    if request.to != "full":
+        _check_world_size(form, world_size)
+    choice = _choice(request, form, runtime)
+    applies.check(applies.CONVERT_RULES, choice)
+    companions = read_hf_config(request.hf_config) if request.hf_config is not None else None
+    _check_dst_name(request.dst, form)
+    cast_to = target_dtype(choice.dtype)
+    selection = _selection(request)
+    if not request.dry_run:
+        destination.check()
+    flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
+    sight = _source_sight(request, runtime)
+    reader = open_checked(
+        request.src,
+        request.src_format,
+        applies.CONVERT_RULES,
+        choice,
+        trust_pickle=request.trust_pickle,
+        flat_model=flat_model,
+        sight=sight,
+    )
+    if format_named(reader.format).needs_model and flat_model is None:
+        raise UsageError(
+            f"{reader.format} flat parameters need the model to be read",
+            path=request.src,
+            hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
+        )
+    plan = _plan(request, reader, form, selection, world_size, cast_to, flat_model, runtime)
+    if form.name == "hf":
+        plan = _with_hf_config(plan, companions, request.src, runtime)
+    reader.check_selected(plan.tree)
+    if runtime.coordinator:
+        for note in form.notes(plan.tree, plan.world_size):
+            notice(note)
+    writer = form.writer(destination.tmp, plan)
+    return Prepared(form, _reading(reader, plan, sight), plan, writer)
+
+
+def _check_output(request: ConvertRequest, form: Format) -> None:
+    """Refuse an output format of another layout, or one that needs a model not given."""
+    if form.layout != request.to:
+        raise UsageError(
+            f"--format {form.name} is a {form.layout} layout, not {request.to}",
+            hint=f"pass --to {form.layout}, or a {request.to} format",
+        )
+    if form.needs_model and not request.model:
+        raise UsageError(
+            f"--format {form.name} needs the model's flat-parameter layout",
+            hint="pass --model pkg.module:factory and the --wrap classes training wraps",
+        )
+
+
+def _check_dst_name(dst, form: Format) -> None:
+    """Refuse a DST whose file suffix names another format than the one to be written."""
+    suffix = Path(dst).suffix.lower()
+    named = FILE_SUFFIXES.get(suffix)
+    if named is None or named == form.name:
+        return
+    if form.directory:
+        raise UsageError(
+            f"--format {form.name} writes a directory, but DST ends in {suffix}, a {named} file",
+            path=dst,
+            hint=f"name DST without a file suffix, or pass --format {named}",
+        )
+    raise UsageError(
+        f"DST ends in {suffix}, a {named} file, but --format is {form.name}",
+        path=dst,
+        hint=f"pass --format {named}, or name DST like the {form.name} files it will hold",
+    )
+
+
+def _target_world_size(request: ConvertRequest, runtime: Runtime) -> int:
+    """Return the world size DST is for: ``--world-size``, else the launch's (said once).
+
+    Standalone there is no launch to take it from, and a silent 1 would write a
+    checkpoint for one rank that an N-rank job cannot resume from as it expects.
+    """
+    if request.world_size is not None or request.to == "full":
+        return request.world_size or runtime.world_size
+    if not runtime.distributed:
+        raise UsageError(
+            f"--to {request.to} needs --world-size outside torchrun",
+            hint="pass --world-size M, the number of ranks that will load DST",
+        )
+    if runtime.coordinator:
+        notice(
+            f"writing DST for world size {runtime.world_size}, the launch's "
+            "(pass --world-size M for another)"
+        )
+    return runtime.world_size
+
+
+def _check_world_size(form: Format, world_size: int) -> None:
+    """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD)."""
+    if world_size < form.min_world_size:
+        raise UsageError(
+            f"--format {form.name} for --world-size {world_size}: FSDP1 on one rank runs "
+            "NO_SHARD, whose state dicts hold whole tensors, not shards",
+            hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
+            f"or pass --world-size {form.min_world_size} or more",
+        )
+
+
+def _choice(request: ConvertRequest, form: Format, runtime: Runtime) -> applies.Choice:
+    """Return what the option rules judge: the request's options, the output, the launch."""
+    return applies.Choice(
+        to=request.to,
+        fmt=form.name,
+        src_format=request.src_format,
+        only=request.only,
+        dtype=dtype_name(request.dtype),
+        cast_optim=request.cast_optim,
+        optim_keys=request.optim_keys,
+        world_size=request.world_size,
+        max_shard_size=request.max_shard_size,
+        model=request.model,
+        wraps=tuple(request.wraps),
+        use_orig_params=request.use_orig_params,
+        src_local=request.src_local,
+        hf_config=None if request.hf_config is None else str(request.hf_config),
+        distributed=runtime.distributed,
+        nest=request.nest,
+    )
+
+
+def _selection(request: ConvertRequest) -> Selection:
+    """Return what of SRC's tree is written, and under which keys."""
+    return Selection(
+        only=request.only,
+        filters=tuple(request.filters),
+        clean_fqns=request.clean_fqns,
+        optim_keys=request.optim_keys,
+        edits=tuple(parse_edit(option, text) for option, text in request.edits),
+        model=model_params(request.model, request.clean_fqns) if request.model else None,
+        unnest=request.unnest,
+        nest=request.nest,
+    )
+
+
+def _source_sight(request: ConvertRequest, runtime: Runtime) -> Sight | None:
+    """Return which ranks see which of SRC's files when they do not all see all of them."""
+    sight = look(request.src, runtime) if runtime.distributed else None
+    partial = sight if sight is not None and not sight.complete else None
+    if partial is not None and not request.src_local and runtime.coordinator:
+        notice(
+            "the ranks see different files of SRC: each file is read where it is seen "
+            "and its rows sent over the collective (pass --src-local to say so and "
+            "silence this note)"
+        )
+    return sight
+
+
+def _plan(
+    request: ConvertRequest,
+    reader: Reader,
+    form: Format,
+    selection: Selection,
+    world_size: int,
+    cast_to,
+    flat_model: FlatModel | None,
+    runtime: Runtime,
+) -> ConvertPlan:
+    """Return the frozen plan: the selected tree, its tensors, who writes what, in batches."""
+    index = reader.index()
+    carried = [p.file for p in index.parts if p.key is None]
+    if carried and not form.carries_files and runtime.coordinator:
+        notice(
+            f"not in DST: {', '.join(carried)} ({counted(len(carried), 'file')} SRC "
+            f"carries unread; `shardckpt inspect SRC` says what each holds): copy "
+            "them yourself if the job that loads DST needs them"
+        )
+    return make_plan(
+        index,
+        selection,
+        form.name,
+        world_size,
+        request.buffer_bytes,
+        dtype=cast_to,
+        cast_optim=request.cast_optim,
+        max_shard_size=request.max_shard_size,
+        flat_model=flat_model,
+        use_orig_params=request.use_orig_params,
+    )
+
+
+def _with_hf_config(
+    plan: ConvertPlan, companions: HfConfig | None, src, runtime: Runtime
+) -> ConvertPlan:
+    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found beside SRC."""
+
+    def note(text: str) -> None:
+        if runtime.coordinator:
+            notice(text)
+
+    if companions is None:
+        found = config_beside(src)
+        if found is None:
+            return plan
+        try:
+            companions = read_hf_config(found, detected=True)
+        except ShardckptError as exc:
+            note(f"not copying config.json from '{found}': {exc.line()}")
+            return plan
+    if not check_names(companions, plan.tree["model"], note):
+        return plan
+    if companions.detected:
+        more = len(companions.files) - 1
+        others = f" and {counted(more, 'other file')}" if more else ""
+        note(
+            f"copying config.json{others} from '{companions.root}', where SRC is "
+            "(pass --hf-config DIR for another model's)"
+        )
+    return replace(plan, hf_config=companions)
+
+
+def _reading(reader: Reader, plan: ConvertPlan, sight: Sight | None) -> Reader:
+    """Return ``reader`` as the fill loop reads it: through the cast, and the exchange of unseen rows."""
+    # Reading through the cast also makes --verify compare DST with the cast source.
+    if plan.read_as:
+        reader = CastReader(reader, plan.read_as)
+    if sight is not None and not sight.complete:
+        reader = SharedReader(reader, sight, plan.metas, plan.buffer_bytes)
+    return reader
+
+
+# ---------------------------------------------------------------- 2) write
+
+
+def write(
+    request: ConvertRequest,
+    prepared: Prepared,
+    destination: Destination,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> bool | None:
+    """Open DST, fill it, verify it and rename it into place; return whether it was verified."""
+    form, reader, plan, writer = prepared.form, prepared.reader, prepared.plan, prepared.writer
+    verified = None
+    try:
+        placement = open_destination(destination, runtime)
+        runtime.agreed(lambda: _check_placement(placement, form, plan, request))
+        writer.placement = placement
+        progress = progress or Progress()
+        try:
+            fill.run(reader, plan, writer, runtime, progress)
+            if request.verify:
+                verified = verify_output(
+                    reader, plan, destination, runtime, request.trust_pickle, placement, progress
+                )
+        finally:
+            progress.close()
+        runtime.agreed(lambda: destination.commit() if placement.opener else None)
+    except BaseException as exc:
+        if runtime.coordinator and not destination.committed:
+            # BaseException.add_note is Python 3.11+; __notes__ is what it appends to.
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), f"'{request.dst}' was not written"]
+        raise
+    finally:
+        destination.close()  # on the ranks that opened DST; nothing elsewhere
+    return verified
+
+
+def _check_placement(
+    placement: Placement, form: Format, plan: ConvertPlan, request: ConvertRequest
+) -> None:
+    """Refuse what DST on several disks cannot hold; say where each target rank's files go."""
+    if not placement.several:
+        return
+    if form.layout == "full":
+        raise UsageError(
+            f"the ranks write DST to {len(placement.groups)} disks they do not share, and "
+            f"--format {form.name} is one full output every rank writes into",
+            path=request.dst,
+            hint="write it to a filesystem every rank sees, or run the ranks on one node",
+        )
+    if request.verify and not form.src_local:
+        raise UsageError(
+            f"--verify reads DST back from every rank, and --format {form.name} on disks "
+            "the ranks do not share cannot be",
+            path=request.dst,
+            hint="drop --verify and run diff on the gathered files, or write DST where "
+            "every rank sees it",
+        )
+    if placement.rank == 0:
+        notice(placement.describe(plan.world_size))

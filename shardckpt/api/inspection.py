@@ -1,0 +1,115 @@
+"""``inspect``: what a checkpoint holds, read from its metadata (no tensor data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardckpt.api import applies
+from shardckpt.api.requests import InspectRequest
+from shardckpt.api.source import open_checked
+from shardckpt.core.dist import Runtime
+from shardckpt.core.errors import source_option
+from shardckpt.core.words import counted
+from shardckpt.formats import format_named
+from shardckpt.formats.base import Index
+from shardckpt.formats.fsdp1.flat_layout import FlatModel
+from shardckpt.plan.plan import matches
+from shardckpt.state.tree import (
+    OptimizerInfo,
+    describe_optimizer,
+    find_optimizers,
+    flat_hyperparameters,
+    is_flat_optimizer,
+    parse_flat,
+    walk,
+)
+
+
+@dataclass
+class Inspection:
+    """What ``inspect`` found: the index, the leaves that pass the filter, optimizers, notes."""
+
+    index: Index
+    leaves: list[tuple[tuple, object]]
+    optimizers: list[OptimizerInfo]
+    warnings: list[str] = field(default_factory=list)
+    components: list = field(default_factory=list)
+    """A trainer's checkpoint: its parts (``formats.trainers.torchtitan.Component``), else empty."""
+
+
+@source_option("--format")
+def inspect(request: InspectRequest, runtime: Runtime | None = None) -> Inspection:
+    """Return the metadata of ``request.src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
+    runtime = runtime or Runtime()
+    flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
+
+    def read_index() -> tuple[Index, list[str]]:
+        choice = applies.Choice(
+            src_format=request.format, model=request.model, wraps=tuple(request.wraps)
+        )
+        reader = open_checked(
+            request.src,
+            request.format,
+            applies.INSPECT_RULES,
+            choice,
+            trust_pickle=request.trust_pickle,
+            flat_model=flat_model,
+        )
+        return reader.index(), reader.notes()
+
+    index, notes = runtime.agreed(read_index)
+    leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, request.filters)]
+    optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
+    parts = format_named(index.format).components
+    return Inspection(
+        index,
+        leaves,
+        optimizers,
+        notes + _optimizer_warnings(index.tree, optimizers),
+        parts(index.tree) if parts is not None else [],
+    )
+
+
+def _optimizer_warnings(tree: dict, optimizers: list[OptimizerInfo]) -> list[str]:
+    """Return notes on optimizer state that names no parameter, and parameters with no state."""
+    notes = []
+    for info in optimizers:
+        node = tree
+        for p in info.path:
+            node = node[p]
+        if is_flat_optimizer(node):
+            state, params = _flat_listing(node)
+        else:
+            state = node.get("state", {}) if isinstance(node.get("state"), dict) else {}
+            params = [
+                p
+                for g in node.get("param_groups", [])
+                if isinstance(g, dict)
+                for p in g.get("params", [])
+            ]
+        listed = {str(p) for p in params}
+        stray = [k for k in state if str(k) not in listed]
+        if params and stray:
+            notes.append(
+                f"{'.'.join(map(str, info.path))}: state for {counted(len(stray), 'key')} in no param group, "
+                f"e.g. {stray[0]!r}"
+            )
+        keyed = {str(k) for k in state}
+        stateless = [p for p in params if p not in state and str(p) not in keyed]
+        if state and stateless:
+            notes.append(
+                f"{'.'.join(map(str, info.path))}: {counted(len(stateless), 'parameter')} without state yet, "
+                f"e.g. {stateless[0]!r}"
+            )
+    return notes
+
+
+def _flat_listing(node: dict) -> tuple[dict, list[str]]:
+    """Return a flattened optimizer's state keys (by FQN, or the whole key) and its parameters."""
+    parsed = parse_flat(node)
+    state = {
+        p.fqn if p.fqn is not None else key: None
+        for key, p in parsed.items()
+        if p.section == "state"
+    }
+    return state, list(flat_hyperparameters(node, parsed))

@@ -1,0 +1,174 @@
+"""What each command is asked to do: one frozen, keyword-only request per command.
+
+The CLI builds a request from its options; a library user builds one directly and
+passes it to ``shardckpt.api.inspect``, ``convert`` or ``diff``. A request holds the
+user's words as given (paths, names, globs), normalised to immutable values; what
+they mean is checked when the command runs (``ConvertRequest.check``), on every rank
+alike, inside the first agreed step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from shardckpt.core.errors import UsageError
+from shardckpt.state.choices import DEFAULT_BUFFER_BYTES, LAYOUTS
+
+
+def _frozen(request: object) -> None:
+    """Turn every list field of ``request`` into a tuple, so a request cannot change after it is made."""
+    for f in fields(request):  # type: ignore[arg-type]
+        value = getattr(request, f.name)
+        if isinstance(value, list):
+            object.__setattr__(request, f.name, tuple(value))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InspectRequest:
+    """``shardckpt inspect SRC``: what a checkpoint holds, from its metadata."""
+
+    src: str | os.PathLike
+    """The checkpoint: a file or a directory."""
+    format: str | None = None
+    """The source's format; None detects it."""
+    filters: Sequence[str] = ()
+    """Globs over dotted paths: only leaves that match one are listed (all when empty)."""
+    trust_pickle: bool = False
+    """Load pickles that may run code (only for files you trust)."""
+    model: str | None = None
+    """``pkg.module:factory`` building the model: what an ``fsdp1-local`` source's flat parameters hold."""
+    wraps: Sequence[str] = ()
+    """FSDP1 ``ModuleWrapPolicy`` classes (``pkg.module:Class``), with ``model``."""
+
+    def __post_init__(self) -> None:
+        _frozen(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConvertRequest:
+    """``shardckpt convert SRC DST --to LAYOUT``: another layout, format or world size, exactly."""
+
+    src: str | os.PathLike
+    """The source checkpoint."""
+    dst: str | os.PathLike
+    """Where the output goes; written beside it and renamed when complete."""
+    to: str
+    """The output's layout: ``full``, ``sharded`` or ``local``."""
+    format: str | None = None
+    """The output's format; None writes the layout's default (by DST's suffix for ``full``)."""
+    src_format: str | None = None
+    """The source's format; None detects it."""
+    world_size: int | None = None
+    """The ranks DST is for (sharded and local layouts); None takes the launch's."""
+    only: str = "all"
+    """``all``, ``model`` or ``optim``: which part of the tree to write."""
+    filters: Sequence[str] = ()
+    """Globs over dotted paths: only matching leaves are written (all when empty)."""
+    clean_fqns: bool = True
+    """Strip FSDP/activation-checkpointing/compile wrappers and DDP's ``module.`` from FQNs."""
+    dtype: str = "keep"
+    """Cast model floating tensors: ``keep``, ``bf16``, ``fp16`` or ``fp32``."""
+    cast_optim: bool = False
+    """Cast optimizer state too, with ``dtype``."""
+    max_shard_size: int | None = None
+    """Bytes per safetensors shard of an ``hf`` output."""
+    optim_keys: str = "keep"
+    """Key optimizer state by ``fqn``, ``id`` or ``flat`` (torch's flattened form), or ``keep``."""
+    edits: Sequence[tuple[str, str]] = ()
+    """``("--rename", "REGEX=REPL")`` and ``("--drop", "REGEX")`` pairs, applied to every FQN in order."""
+    unnest: str | None = None
+    """Write the subtree under this top-level key as the whole tree."""
+    nest: str | None = None
+    """Write the tree under this top-level key."""
+    model: str | None = None
+    """``pkg.module:factory`` building the model (param-ID order, groups, FSDP1 layouts)."""
+    wraps: Sequence[str] = ()
+    """FSDP1 ``ModuleWrapPolicy`` classes (``pkg.module:Class``), with ``model``."""
+    use_orig_params: bool = False
+    """An ``fsdp1-local`` output for a job run with ``use_orig_params=True``."""
+    overwrite: bool = False
+    """Replace an existing DST that holds a checkpoint."""
+    dry_run: bool = False
+    """Plan only: check everything and say what would be written; write nothing."""
+    verify: bool = False
+    """Read the output back and compare it with SRC before it becomes DST."""
+    trust_pickle: bool = False
+    """Load pickles that may run code (only for files you trust)."""
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    """The most tensor bytes one process holds at a time."""
+    src_local: bool = False
+    """Under torchrun: SRC lies on the nodes' own disks (silences the note that says so)."""
+    hf_config: str | os.PathLike | None = None
+    """A directory whose ``config.json`` and companions an ``hf`` output gets."""
+
+    def __post_init__(self) -> None:
+        _frozen(self)
+        object.__setattr__(self, "edits", tuple(tuple(e) for e in self.edits))
+
+    def check(self) -> None:
+        """Raise a usage error for what the request asks that no run could do (pure, no I/O)."""
+        if self.to not in LAYOUTS:
+            raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {self.to!r}")
+        if self.world_size is not None and self.world_size < 1:
+            raise UsageError(
+                f"--world-size must be at least 1, not {self.world_size}",
+                hint="pass the number of ranks that will load the output",
+            )
+        if self.buffer_bytes <= 0:
+            raise UsageError("--buffer-size must be positive")
+        if self.max_shard_size is not None and self.max_shard_size <= 0:
+            raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
+
+    @property
+    def src_path(self) -> Path:
+        """Return SRC as a path."""
+        return Path(self.src)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiffRequest:
+    """``shardckpt diff A B``: whether two checkpoints of any formats hold the same, leaf by leaf."""
+
+    a: str | os.PathLike
+    """The first checkpoint."""
+    b: str | os.PathLike
+    """The second checkpoint."""
+    format_a: str | None = None
+    """A's format; None detects it."""
+    format_b: str | None = None
+    """B's format; None detects it."""
+    atol: float = 0.0
+    """Absolute tolerance (0: bit for bit)."""
+    rtol: float = 0.0
+    """Relative tolerance (0: bit for bit)."""
+    clean_fqns: bool = True
+    """Compare FQNs after the same cleaning ``convert`` does."""
+    only: str = "all"
+    """``all``, ``model`` or ``optim``: which part of both trees to compare."""
+    filters: Sequence[str] = ()
+    """Globs over dotted paths: only matching leaves are compared (all when empty)."""
+    cast: bool = False
+    """Compare floating tensors of different dtypes in the wider one."""
+    unnest_a: str | None = None
+    """Compare A's subtree under this top-level key as A's whole tree."""
+    nest_a: str | None = None
+    """Compare A's tree as if it were under this top-level key."""
+    unnest_b: str | None = None
+    """As ``unnest_a``, for B."""
+    nest_b: str | None = None
+    """As ``nest_a``, for B."""
+    trust_pickle: bool = False
+    """Load pickles that may run code (only for files you trust)."""
+
+    def __post_init__(self) -> None:
+        _frozen(self)
+
+    def check(self) -> None:
+        """Raise a usage error for a tolerance that is not a finite number >= 0 (pure)."""
+        for name, tol in (("--atol", self.atol), ("--rtol", self.rtol)):
+            if not (tol >= 0 and math.isfinite(tol)):
+                raise UsageError(f"{name} must be a finite number >= 0, not {tol}")

@@ -1,0 +1,37 @@
+"""``--help`` and ``--version`` answer without importing torch (seconds on a small machine).
+
+The CLI imports torch when a command runs, not when the app is built: option choices
+come from torch-free modules (``state.choices``, the format registry with its lazy
+references), and each command imports the library inside its body.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+ASK = textwrap.dedent(
+    """
+    import contextlib, io, sys
+    from shardckpt.cli.app import run
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        codes = [run(argv) for argv in (["--version"], ["--help"], ["convert", "--help"],
+                                        ["inspect", "--help"], ["diff", "--help"])]
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    print(codes, loaded, "shardckpt" in out.getvalue())
+    """
+)
+
+
+def test_help_and_version_import_no_torch():
+    done = subprocess.run([sys.executable, "-c", ASK], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[0, 0, 0, 0, 0] [] True"
+
+
+def test_a_command_imports_torch_when_it_runs(tmp_path):
+    ask = ASK.replace('["--version"], ', f'["inspect", "{tmp_path}"], ')
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
+    codes, rest = done.stdout.split("]", 1)
+    assert codes == "[3, 0, 0, 0, 0" and "'torch'" in rest
