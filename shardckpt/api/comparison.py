@@ -13,7 +13,7 @@ from shardckpt.core.progress import Progress
 from shardckpt.engine.compare import DiffResult, compare
 from shardckpt.formats import format_named, open_reader
 from shardckpt.formats.dcp.reader import as_stored
-from shardckpt.plan.plan import Selection, select
+from shardckpt.plan.selection import Selection, select
 from shardckpt.state.tree import tensor_leaves
 
 

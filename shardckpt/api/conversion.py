@@ -32,7 +32,8 @@ from shardckpt.formats.fsdp1.flat_layout import FlatModel
 from shardckpt.formats.hf.config import HfConfig, check_names, config_beside
 from shardckpt.formats.hf.config import hf_config as read_hf_config
 from shardckpt.plan.cast import CastReader, dtype_name, target_dtype
-from shardckpt.plan.plan import ConvertPlan, Selection, make_plan, parse_edit
+from shardckpt.plan.plan import ConvertPlan, make_plan
+from shardckpt.plan.selection import Selection, parse_edit
 from shardckpt.state.choices import LAYOUTS
 from shardckpt.state.model import model_params
 

@@ -13,7 +13,7 @@ from shardckpt.core.words import counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index
 from shardckpt.formats.fsdp1.flat_layout import FlatModel
-from shardckpt.plan.plan import matches
+from shardckpt.plan.selection import matches
 from shardckpt.state.tree import (
     OptimizerInfo,
     describe_optimizer,

@@ -12,7 +12,8 @@ from shardckpt.engine.compare import compare
 from shardckpt.engine.exchange import SharedReader
 from shardckpt.formats import format_named, open_reader
 from shardckpt.formats.dcp.reader import as_stored
-from shardckpt.plan.plan import ConvertPlan, Selection, select
+from shardckpt.plan.plan import ConvertPlan
+from shardckpt.plan.selection import Selection, select
 from shardckpt.state.tree import tensor_leaves
 
 

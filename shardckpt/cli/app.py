@@ -1,4 +1,4 @@
-"""The Typer app: wires the subcommands of ``shardckpt/commands/``, runs them, reports errors."""
+"""The Typer app: wires the commands (``cli/inspect.py``, ``convert.py``, ``diff.py``), runs them, reports errors."""
 
 from __future__ import annotations
 

@@ -12,7 +12,10 @@ it launches on several nodes.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +100,28 @@ def test_every_help_example_runs_on_the_demo(demo_ckpt, tmp_path, capfd):
     lines = epilog_commands()
     assert len(lines) >= 15 and sum(line.startswith("torchrun") for line in lines) == 1
     assert run_all(lines, workspace(tmp_path, demo_ckpt), capfd) == []
+
+
+def python_blocks(text: str) -> list[str]:
+    """Return the bodies of ``text``'s ```python blocks, in order."""
+    return [body for lang, body in FENCE.findall(text) if lang == "python"]
+
+
+@pytest.mark.slow
+def test_the_python_api_page_runs_on_the_demo(demo_ckpt, tmp_path):
+    # The other pages' python blocks are fragments of a training job, shown, not run.
+    cwd = workspace(tmp_path, demo_ckpt)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for block in python_blocks((DOCS / "python-api.md").read_text()):
+        done = subprocess.run(
+            [sys.executable, "-c", block], cwd=cwd, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{block}\n{done.stdout}{done.stderr}"
+        assert (cwd / ".demo" / "api-ckpt-3" / ".metadata").is_file()
+
+
+def test_the_python_api_page_has_a_block_that_runs():
+    assert python_blocks((DOCS / "python-api.md").read_text())
 
 
 def test_a_line_that_fails_is_reported_in_process_and_in_bash(tmp_path, capfd):

@@ -12,7 +12,7 @@ from shardckpt import api
 from shardckpt.cli.app import run
 from shardckpt.core.errors import UsageError
 from shardckpt.formats.base import Index
-from shardckpt.plan.plan import Selection, select
+from shardckpt.plan.selection import Selection, select
 from shardckpt.state.tree import TensorMeta
 
 W = TensorMeta("w", (7, 3), torch.float32)

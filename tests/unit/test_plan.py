@@ -8,16 +8,8 @@ import torch
 from shardckpt.core.errors import BadInputError, UsageError
 from shardckpt.core.placement import Placement, shared
 from shardckpt.formats.base import Index
-from shardckpt.plan.plan import (
-    SKIP,
-    Selection,
-    batches,
-    dim0_rows,
-    make_plan,
-    rows_to_read,
-    select,
-    stays_whole,
-)
+from shardckpt.plan.plan import SKIP, batches, dim0_rows, make_plan, rows_to_read, stays_whole
+from shardckpt.plan.selection import Selection, select
 from shardckpt.state.optim import ModelParams
 from shardckpt.state.tree import Chunk, TensorMeta
 
