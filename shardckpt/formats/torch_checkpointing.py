@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
-from shardckpt.formats.files import source_file
+from shardckpt.formats.files import check_separate, source_file
 from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
 from shardckpt.formats.safetensors_file import opened, tensor_meta
 from shardckpt.formats.torch_checkpointing_metadata import (
@@ -102,6 +102,10 @@ class TorchCheckpointingReader(Reader):
             key: dict(item.files) for key, item in self.metadata.items.items()
         }
         self._find_other_items()
+        check_separate(
+            {(key, r): self._path(key, r) for key, files in self._files.items() for r in files},
+            lambda k: f"rank {k[1]}'s file of item '{k[0]}'",
+        )
         self._objects: dict[str, dict[int, object]] = {}
         self._sources: dict[str, _Source] = {}
         self.differing: set[str] = set()
