@@ -231,6 +231,25 @@ def _item(key: str, raw, world_size: int) -> Item:
     return Item(tensors, files, kinds.pop())
 
 
+def _check_unshared(items: dict[str, Item]) -> None:
+    """Refuse metadata that names one file for two ranks (of one item or two).
+
+    Each rank's shard is read from the file named for it, so a shared file would give
+    one rank's rows to both: a wrong result, not an error, unless refused here.
+    """
+    owner: dict[str, tuple[str, int]] = {}
+    for key, item in items.items():
+        for rank, file in item.files.items():
+            first = owner.setdefault(file, (key, rank))
+            if first[0] == key and first[1] != rank:
+                raise _Lie(f"item '{key}' gives ranks {first[1]} and {rank} the same file '{file}'")
+            if first[0] != key:
+                raise _Lie(
+                    f"'{file}' is named for rank {first[1]} of item '{first[0]}' and for "
+                    f"rank {rank} of item '{key}'"
+                )
+
+
 def read_metadata(root: Path) -> Metadata:
     """Return what ``root/metadata.pkl`` says; refuse anything but torch_checkpointing's plain values."""
     path = root / METADATA_FILE
@@ -261,6 +280,7 @@ def read_metadata(root: Path) -> Metadata:
         for key, raw_item in items.items():
             _need(isinstance(key, str) and key, f"item key {key!r} is not a name")
             parsed[key] = _item(key, raw_item, world_size)
+        _check_unshared(parsed)
     except _Lie as exc:
         raise BadInputError(
             f"is not torch_checkpointing metadata shardckpt can use: {exc}",
