@@ -269,3 +269,68 @@ def test_metadata_that_places_a_ranks_shard_elsewhere_is_refused(even, capsys, t
         f"shardckpt: error: '{even / 'model_0.pt'}': 'fc.weight' is the shard at [0, 0], but "
         f"metadata.pkl gives rank 0 the one at [4, 0]: {NOT_ONE_SAVE}",
     )
+
+
+# ---------------------------------------------------------------- every field's type
+
+
+def _weight_data(meta) -> dict:
+    groups = meta["metadata"]["model"]["nested_path_to_metadata"]['["fc.weight"]']
+    return groups[0]["sharding_metadata"]["data"]
+
+
+def _set_dim(dim):
+    def edit(meta):
+        _weight_data(meta)["placements"] = [{"type": "Shard", "dim": dim}]
+
+    return edit
+
+
+def _group_ranks(meta):
+    meta["metadata"]["model"]["nested_path_to_metadata"]['["fc.weight"]'][0]["ranks"] = (True, 1)
+
+
+def _bool_layout_ranks(meta):
+    layouts = meta["metadata"]["model"]["rank_to_layout_info"]
+    meta["metadata"]["model"]["rank_to_layout_info"] = {False: layouts[0], True: layouts[1]}
+
+
+def _float_layout_rank(meta):
+    layouts = meta["metadata"]["model"]["rank_to_layout_info"]
+    meta["metadata"]["model"]["rank_to_layout_info"] = {0: layouts[0], 1.0: layouts[1]}
+
+
+def _bool_mesh(meta):
+    _weight_data(meta)["mesh_spec"]["mesh_shape"] = (True, 2)
+
+
+def _bool_world_size(meta):
+    meta["world_size"] = True
+
+
+WEIGHT = "item 'model', tensor [\"fc.weight\"]: "
+SHARD_DIM = WEIGHT + "the dim of a Shard placement is {}, not an int from 0 to 1"
+
+
+@pytest.mark.parametrize(
+    "edit, what",
+    [
+        (_set_dim(True), SHARD_DIM.format("True")),
+        (_set_dim(0.0), SHARD_DIM.format("0.0")),
+        (_set_dim(-1), SHARD_DIM.format("-1")),
+        (_set_dim(2), SHARD_DIM.format("2")),
+        (_set_dim("0"), SHARD_DIM.format("'0'")),
+        (_set_dim(None), SHARD_DIM.format("None")),
+        (_set_dim([0]), SHARD_DIM.format("a list")),
+        (_group_ranks, WEIGHT + "a rank of a sharding group is True, not an int from 0 to 1"),
+        (_bool_layout_ranks, "item 'model': a rank of rank_to_layout_info is False, not an int from 0 to 1"),
+        (_float_layout_rank, "item 'model': a rank of rank_to_layout_info is 1.0, not an int from 0 to 1"),
+        (_bool_mesh, WEIGHT + "mesh_shape is not a list of sizes"),
+        (_bool_world_size, "world_size is not a positive int"),
+    ],
+    ids=["dim True", "dim 0.0", "dim -1", "dim 2 of 2-d", "dim '0'", "dim None", "dim [0]",
+         "group rank True", "layout ranks bool", "layout rank 1.0", "mesh_shape bool", "world_size True"],
+)  # fmt: skip
+def test_a_field_of_the_wrong_type_is_refused_naming_it(even, capsys, tmp_path, edit, what):
+    edit_metadata(even, edit)
+    assert refused(capsys, even, tmp_path) == (3, not_usable(even, what))
