@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -207,7 +208,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         dist.init_process_group(backend="gloo", timeout=timeout)
     except Exception as exc:
         raise IOFailure(
-            f"could not join the process group: {_one_line(exc)}",
+            f"could not join the process group ({_backend_cause(exc)})",
             hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
         ) from exc
     in_step = False  # whether every rank is known to reach the teardown together
@@ -282,7 +283,6 @@ def _join_device(dev_type: str, local_rank: int, world_size: int) -> tuple[torch
 
 def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> CollectiveFailure:
     """Return the one-line error for a failed collective: a timeout, or a peer that went away."""
-    text = str(exc).strip().splitlines()
     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
         return CollectiveFailure(
             f"rank {rank} waited {timeout_s:g} s for the other ranks and gave up",
@@ -290,9 +290,26 @@ def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> Collective
             "raise SHARDCKPT_TIMEOUT if a rank is only slow",
         )
     return CollectiveFailure(
-        f"rank {rank} lost contact with another rank ({text[0] if text else type(exc).__name__})",
+        f"rank {rank} lost contact with another rank ({_backend_cause(exc)})",
         hint="another rank died; its error, if it printed one, is above",
     )
+
+
+# gloo's messages start with the source line that raised them ("[.../pair.cc:537] ").
+_SOURCE_LINE = re.compile(r"^\[[^\]]*:\d+\]\s*")
+
+
+def _backend_cause(exc: BaseException) -> str:
+    """Return what gloo or NCCL says failed, as a short ASCII phrase for our one line.
+
+    Their text is several sentences, lines and a source location, with advice and an
+    emoji after the cause ("... Connection reset by peer. This is typically caused by
+    ... GLHF! ..."): only the first sentence of the first line is kept.
+    """
+    lines = str(exc).strip().splitlines()
+    first = _SOURCE_LINE.sub("", lines[0] if lines else "").split(". ")[0]
+    cause = first.encode("ascii", "ignore").decode().strip().rstrip(".")
+    return cause or type(exc).__name__
 
 
 def _one_line(error: BaseException) -> str:

@@ -2,7 +2,8 @@
 
 Every reader opens SRC's files through ``source_file``, so a FIFO, a socket or a device
 is refused before ``open`` could block on it, and a symlink loop or a denied permission
-is named as what it is instead of as a missing or truncated file.
+is named as what it is instead of as a missing or truncated file. Files meant to be
+different (each rank's) are checked to be so (``check_separate``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from shardckpt.errors import BadInputError, IOFailure, ShardckptError
 
@@ -100,6 +102,33 @@ def is_source_file(path: Path) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+K = TypeVar("K")
+
+
+def check_separate(files: Mapping[K, Path], whose: Callable[[K], str]) -> None:
+    """Return once no two of ``files`` are one file on disk; else raise one line naming both.
+
+    A symlink or a hard link from one name to another passes every per-file check, and
+    a reader would then take one rank's (or one data file's) bytes for another's: a
+    silent wrong result. ``whose`` says what each key's file is meant to be
+    (``rank 1's file``), for the message.
+    """
+    seen: dict[tuple[int, int], K] = {}
+    for key, path in files.items():
+        st = source_stat(path)
+        first = seen.setdefault((st.st_dev, st.st_ino), key)
+        if first != key:
+            if os.path.islink(files[first]) and not os.path.islink(path):
+                first, key, path = key, first, files[first]  # name the link, not its target
+            raise BadInputError(
+                f"is the same file as '{files[first].name}' (a symlink or hard link), but "
+                f"{whose(key)} and {whose(first)} must be two files",
+                path=path,
+                hint="copy each file itself into the checkpoint directory, "
+                "from where the checkpoint was saved",
+            )
 
 
 def os_error_in(exc: BaseException) -> OSError | None:

@@ -16,7 +16,6 @@ at M reads.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -27,8 +26,7 @@ from shardckpt.errors import SRC_FORMAT, BadInputError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
 from shardckpt.formats.dcp import DcpReader
 from shardckpt.formats.dcp_write import DcpWriter
-from shardckpt.formats.files import writing
-from shardckpt.formats.torch_file import TorchReader, placeholders, skeleton_regions, storage_of
+from shardckpt.formats.torch_file import TorchReader, placeholders, skeleton_file, storage_of
 from shardckpt.target_ranks import merge_frames
 from shardckpt.tree import TensorMeta, is_optimizer, map_leaves, tensor_leaves, walk
 
@@ -164,13 +162,7 @@ class LightningWriter(Writer):
         fills = {
             storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in tensor_leaves(self._meta)
         }
-        path = self.root / META_FILE
-        with writing(path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            return skeleton_regions(fd, 0, skeleton, fills, META_FILE)
-        finally:
-            os.close(fd)
+        return skeleton_file(self.root / META_FILE, skeleton, fills, META_FILE)
 
     def finish(self) -> None:
         self._dcp.finish()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.errors import BadInputError
+from shardckpt.formats.files import check_separate
 
 _RANK_NAME = re.compile(
     r"^(?P<stem>.*?)rank[_-]?(?P<rank>\d+)(?:[_-]of[_-](?P<of>\d+))?\.(?:pt|pth|bin)$"
@@ -91,7 +92,8 @@ def present_rank_files(src: Path) -> dict[str, dict[int, Path]]:
     """Return ``{part: {rank: file}}`` of the per-rank files in ``src``, not yet checked complete.
 
     A reader that learns the job's world size from the files' contents checks them
-    against it (``check_complete``); the names alone miss a missing last rank.
+    against it (``check_complete``); the names alone miss a missing last rank. Two names
+    of one file (a link) are refused here, before any is loaded (``check_separate``).
     """
     if not src.is_dir():
         raise BadInputError(
@@ -106,7 +108,16 @@ def present_rank_files(src: Path) -> dict[str, dict[int, Path]]:
             path=src,
             hint=f"name them like {rank_file_name(0)} (or STEM_rank_R.pt, STEM_world_size_N_rank_R.pt)",
         )
+    check_separate(
+        {(part, rank): path for part, files in parts.items() for rank, path in files.items()},
+        _whose,
+    )
     return {part: dict(sorted(files.items())) for part, files in parts.items()}
+
+
+def _whose(key: tuple[str, int]) -> str:
+    part, rank = key
+    return f"rank {rank}'s file" + (f" of '{part}'" if part else "")
 
 
 def check_complete(

@@ -98,6 +98,26 @@ def _need(ok: bool, what: str) -> None:
         raise _Lie(what)
 
 
+def _shown(value) -> str:
+    """Return ``value`` for a message: a number, None or a short str as itself, else its type."""
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int) and abs(value) < 10**18:
+        return str(value)
+    if isinstance(value, str) and len(value) <= 40:
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def _index(value, what: str, stop: int) -> int:
+    """Return ``value`` when it is an int from 0 to ``stop - 1``; a bool (an int to Python) is not."""
+    _need(
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value < stop,
+        f"{what} is {_shown(value)}, not an int from 0 to {stop - 1}",
+    )
+    return value
+
+
 def _ints(value, what: str) -> tuple[int, ...]:
     _need(
         isinstance(value, (list, tuple))
@@ -114,17 +134,18 @@ def _dtype(name) -> torch.dtype:
     return dtype
 
 
-def _placements(raw, mesh_dims: int) -> tuple[str, ...]:
+def _placements(raw, mesh_dims: int, ndim: int) -> tuple[str, ...]:
     _need(isinstance(raw, list) and len(raw) == mesh_dims, "placements do not match the mesh")
     out = []
     for p in raw:
         _need(isinstance(p, dict), "a placement is not a mapping")
-        if p.get("type") == "Replicate":
+        kind = p.get("type")
+        if kind == "Replicate":
             out.append("Replicate")
-        elif p.get("type") == "Shard" and isinstance(p.get("dim"), int):
-            out.append(f"Shard({p['dim']})")
-        else:
-            _need(False, f"placement {p!r} is not Shard or Replicate")
+            continue
+        _need(kind == "Shard", f"a placement of type {_shown(kind)} is not Shard or Replicate")
+        _need(ndim > 0, "a Shard placement of a 0-d tensor")
+        out.append(f"Shard({_index(p.get('dim'), 'the dim of a Shard placement', ndim)})")
     return tuple(out)
 
 
@@ -142,9 +163,7 @@ def _sharding(packed, world_size: int) -> Sharding:
         len(ranks) == math.prod(mesh_shape) and sorted(ranks) == list(range(world_size)),
         f"the mesh {list(ranks)} is not the job's {world_size} ranks",
     )
-    placements = _placements(data.get("placements"), len(mesh_shape))
-    for p in placements:
-        _need(p == "Replicate" or int(p[6:-1]) < len(shape), f"{p} of a {len(shape)}-d tensor")
+    placements = _placements(data.get("placements"), len(mesh_shape), len(shape))
     chunks = {}
     for index, rank in enumerate(ranks):
         coordinate = list(_unravel(index, mesh_shape))
@@ -169,7 +188,8 @@ def _path(text) -> tuple:
         isinstance(path, list)
         and path
         and all(
-            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)) for k in path
+            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+            for k in path
         ),
         f"nested path {text!r} is not a JSON list of keys",
     )
@@ -178,15 +198,18 @@ def _path(text) -> tuple:
 
 def plain_file_name(name: str) -> bool:
     """Return whether ``name`` names a file directly inside a directory (no path, not . or ..)."""
-    return name not in ("", ".", "..") and Path(name).name == name
+    return name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 
 def _item(key: str, raw, world_size: int) -> Item:
     _need(isinstance(raw, dict), f"item {key!r} is not a mapping")
     _need(plain_file_name(f"{key}_0.pt"), f"item key {key!r} cannot name a file in the directory")
     layouts = raw.get("rank_to_layout_info")
+    _need(isinstance(layouts, dict), f"item {key!r} has no rank_to_layout_info mapping")
+    for rank in layouts:
+        _index(rank, f"item {key!r}: a rank of rank_to_layout_info", world_size)
     _need(
-        isinstance(layouts, dict) and set(layouts) == set(range(world_size)),
+        len(layouts) == world_size,
         f"item {key!r} does not name a file for each of the {world_size} ranks",
     )
     files, kinds = {}, set()
@@ -213,22 +236,51 @@ def _item(key: str, raw, world_size: int) -> Item:
     tensors = {}
     for text, groups in paths.items():
         path = _path(text)
-        _need(isinstance(groups, list) and groups, f"{text} has no sharding groups")
-        shardings = {}
-        for group in groups:
-            _need(isinstance(group, dict), f"{text}: a sharding group is not a mapping")
-            sharding = _sharding(group.get("sharding_metadata"), world_size)
-            for rank in _ints(group.get("ranks"), f"{text} ranks"):
-                shardings[rank] = sharding
-        _need(set(shardings) == set(range(world_size)), f"{text} is not described for every rank")
-        first = shardings[0]
-        _need(
-            all((s.shape, s.dtype, s.chunks) == (first.shape, first.dtype, first.chunks)
-                for s in shardings.values()),
-            f"{text} is described differently on different ranks",
-        )  # fmt: skip
-        tensors[path] = first
+        try:
+            tensors[path] = _tensor(groups, world_size)
+        except _Lie as exc:
+            raise _Lie(f"item {key!r}, tensor {text}: {exc}") from None
     return Item(tensors, files, kinds.pop())
+
+
+def _tensor(groups, world_size: int) -> Sharding:
+    """Return the sharding the ranks' groups describe for one tensor; every rank must say the same."""
+    _need(isinstance(groups, list) and groups, "it has no sharding groups")
+    shardings = {}
+    for group in groups:
+        _need(isinstance(group, dict), "a sharding group is not a mapping")
+        sharding = _sharding(group.get("sharding_metadata"), world_size)
+        ranks = group.get("ranks")
+        _need(isinstance(ranks, (list, tuple)), "the ranks of a sharding group are not a list")
+        for rank in ranks:
+            shardings[_index(rank, "a rank of a sharding group", world_size)] = sharding
+    _need(set(shardings) == set(range(world_size)), "it is not described for every rank")
+    first = shardings[0]
+    _need(
+        all((s.shape, s.dtype, s.chunks) == (first.shape, first.dtype, first.chunks)
+            for s in shardings.values()),
+        "it is described differently on different ranks",
+    )  # fmt: skip
+    return first
+
+
+def _check_unshared(items: dict[str, Item]) -> None:
+    """Refuse metadata that names one file for two ranks (of one item or two).
+
+    Each rank's shard is read from the file named for it, so a shared file would give
+    one rank's rows to both: a wrong result, not an error, unless refused here.
+    """
+    owner: dict[str, tuple[str, int]] = {}
+    for key, item in items.items():
+        for rank, file in item.files.items():
+            first = owner.setdefault(file, (key, rank))
+            if first[0] == key and first[1] != rank:
+                raise _Lie(f"item '{key}' gives ranks {first[1]} and {rank} the same file '{file}'")
+            if first[0] != key:
+                raise _Lie(
+                    f"'{file}' is named for rank {first[1]} of item '{first[0]}' and for "
+                    f"rank {rank} of item '{key}'"
+                )
 
 
 def read_metadata(root: Path) -> Metadata:
@@ -261,6 +313,7 @@ def read_metadata(root: Path) -> Metadata:
         for key, raw_item in items.items():
             _need(isinstance(key, str) and key, f"item key {key!r} is not a name")
             parsed[key] = _item(key, raw_item, world_size)
+        _check_unshared(parsed)
     except _Lie as exc:
         raise BadInputError(
             f"is not torch_checkpointing metadata shardckpt can use: {exc}",

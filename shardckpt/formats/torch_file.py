@@ -164,6 +164,22 @@ def skeleton_regions(
     return Frame(regions, records, pieces)
 
 
+def skeleton_file(
+    path: Path, obj, fills: dict[int, list[tuple[str, int, int, int]]], file: str
+) -> Frame:
+    """Create ``path`` holding the ``torch.save`` skeleton of ``obj``; return what fills it.
+
+    Creating and writing the skeleton are one ``writing`` guard: a full disk while
+    ``torch.save`` writes it is one line naming ``path``, as a failed fill is.
+    """
+    with writing(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            return skeleton_regions(fd, 0, obj, fills, file)
+        finally:
+            os.close(fd)
+
+
 def storage_of(tensor: torch.Tensor) -> int:
     """Return the identity ``torch.save`` gives ``tensor``'s storage."""
     return storage_key(tensor.untyped_storage())
@@ -180,12 +196,7 @@ class TorchWriter(Writer):
             }
             # Through a stream, torch names the archive "archive" instead of after the
             # (temporary) file name, so the bytes do not depend on where it is staged.
-            with writing(self.root):
-                fd = os.open(self.root, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    return skeleton_regions(fd, 0, skeleton, fills, "")
-                finally:
-                    os.close(fd)
+            return skeleton_file(self.root, skeleton, fills, "")
 
         frame = runtime.agreed(lambda: create() if runtime.coordinator else None)
         regions = runtime.broadcast(frame.regions if frame is not None else None)
