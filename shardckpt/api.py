@@ -34,6 +34,7 @@ from shardckpt.formats import (
     FILE_SUFFIXES,
     Format,
     Index,
+    checkpoint_files,
     default_format,
     format_named,
     open_reader,
@@ -311,7 +312,11 @@ def convert(
     dtype = dtype_name(dtype)
     form = format_named(fmt or default_format(to, dst)) if to in LAYOUTS else None
     destination = Destination(
-        dst, overwrite=overwrite, is_dir=form is not None and form.directory, srcs=(Path(src),)
+        dst,
+        overwrite=overwrite,
+        is_dir=form is not None and form.directory,
+        srcs=(Path(src),),
+        checkpoint_files=checkpoint_files,
     )
 
     def prepare():
