@@ -319,7 +319,7 @@ def convert(
         checkpoint_files=checkpoint_files,
     )
 
-    def prepare():
+    def validate():
         if form is None:
             raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
         _check_target(to, form, world_size, model)
@@ -361,8 +361,16 @@ def convert(
             unnest=unnest,
             nest=nest,
         )
-        if not dry_run:
-            destination.check()
+        return target_world, choice, companions, cast_to, selection
+
+    target_world, choice, companions, cast_to, selection = runtime.agreed(validate)
+    if not dry_run:
+        # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
+        # before anything that waits on every rank (listing SRC, reading it) starts.
+        runtime.check(destination.check)
+
+    def prepare():
+        assert form is not None  # validate() refused any other --to
         flat_model = FlatModel(model, tuple(wraps)) if model else None
         sight = look(src, runtime) if runtime.distributed else None
         partial = sight if sight is not None and not sight.complete else None
