@@ -106,7 +106,7 @@ class Destination:
     # ------------------------------------------------------------ 1) every rank
 
     def check(self) -> None:
-        """Raise when DST may not be written; does no I/O beyond looking."""
+        """Raise when DST may not be written; writes nothing (with --overwrite, reads DST's metadata)."""
         dst = _real(self.dst)
         cwd = _real(os.getcwd())
         if self.dst.name in ("", ".", "..") or _within(cwd, dst):
