@@ -34,6 +34,7 @@ from shardckpt.formats import (
     FILE_SUFFIXES,
     Format,
     Index,
+    checkpoint_files,
     default_format,
     format_named,
     open_reader,
@@ -311,10 +312,14 @@ def convert(
     dtype = dtype_name(dtype)
     form = format_named(fmt or default_format(to, dst)) if to in LAYOUTS else None
     destination = Destination(
-        dst, overwrite=overwrite, is_dir=form is not None and form.directory, srcs=(Path(src),)
+        dst,
+        overwrite=overwrite,
+        is_dir=form is not None and form.directory,
+        srcs=(Path(src),),
+        checkpoint_files=checkpoint_files,
     )
 
-    def prepare():
+    def validate():
         if form is None:
             raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
         _check_target(to, form, world_size, model)
@@ -356,8 +361,16 @@ def convert(
             unnest=unnest,
             nest=nest,
         )
-        if not dry_run:
-            destination.check()
+        return target_world, choice, companions, cast_to, selection
+
+    target_world, choice, companions, cast_to, selection = runtime.agreed(validate)
+    if not dry_run:
+        # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
+        # before anything that waits on every rank (listing SRC, reading it) starts.
+        runtime.check(destination.check)
+
+    def prepare():
+        assert form is not None  # validate() refused any other --to
         flat_model = FlatModel(model, tuple(wraps)) if model else None
         sight = look(src, runtime) if runtime.distributed else None
         partial = sight if sight is not None and not sight.complete else None

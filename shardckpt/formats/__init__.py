@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
+from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError, UsageError
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.accelerate import AccelerateReader, AccelerateWriter, looks_like
 from shardckpt.formats.base import Index, Reader, Writer
@@ -292,6 +292,28 @@ def detect(src: Path) -> str:
     )
 
 
+def checkpoint_files(path: Path) -> tuple[str, frozenset[str]] | None:
+    """Return how messages name the checkpoint ``path`` reads as, and the files it is made of.
+
+    None when no format is detected. Read as a source is, metadata only and no pickle
+    trusted; a format detected but not read raises its reader's error. A one-file
+    checkpoint whose pickle names objects (only ``--trust-pickle`` loads it) still counts:
+    it is a checkpoint, made of itself. This is what ``--overwrite`` asks of DST.
+    """
+    try:
+        form = format_named(detect(path))
+    except BadInputError:
+        return None
+    try:
+        reader = open_reader(path, form.name)
+        reader.index()
+    except UnsafePickleError:
+        if form.directory:
+            raise
+        return form.title, frozenset({""})
+    return form.title, reader.members()
+
+
 def open_reader(
     src: str | os.PathLike,
     fmt: str | None = None,
@@ -338,6 +360,7 @@ __all__ = [
     "Format",
     "Index",
     "SUPPORTED_READ",
+    "checkpoint_files",
     "default_format",
     "detect",
     "format_named",

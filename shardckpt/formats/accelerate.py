@@ -126,6 +126,10 @@ class AccelerateReader(PartsReader):
             )
         return parts, carried
 
+    def kept(self, name: str) -> bool:
+        # What save_state writes and shardckpt carries; anything else beside it is the user's.
+        return any(p.fullmatch(name) for p, _ in _CARRIED) or bool(_VALUE_FILE.fullmatch(name))
+
     def _dcp(self, path: Path) -> DcpReader:
         return DcpReader(path, self.trust_pickle)
 

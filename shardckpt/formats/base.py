@@ -98,6 +98,14 @@ class Reader(ABC):
         """
         raise NotImplementedError(f"{self.format} sources are read from one shared filesystem")
 
+    def members(self) -> frozenset[str]:
+        """Return the files this checkpoint is made of, read or carried, relative to SRC.
+
+        POSIX paths, ``""`` for a one-file SRC itself; called after ``index``. Whatever
+        else a directory holds is no part of it: ``--overwrite`` will not delete it.
+        """
+        return frozenset({""})
+
     def notes(self) -> list[str]:
         """Return what ``inspect`` should warn about this source that its index cannot show."""
         return []

@@ -385,6 +385,18 @@ class DcpReader(Reader):
                 items.append((path, values[key]))
         return Index(self.format, str(self.src), world_size, build(items))
 
+    def members(self) -> frozenset[str]:
+        """Return ``.metadata``, the files it stores data in, and any ``__R_0.distcp`` beside them.
+
+        A target rank that held nothing still gets its (empty) data file from DCP's writer.
+        """
+        stored = {info.relative_path for info in (self.metadata.storage_data or {}).values()}
+        try:
+            empty = {p.name for p in self.src.iterdir() if _RANK_FILE.match(p.name)}
+        except OSError as exc:
+            raise os_error(exc, self.src) from None
+        return frozenset({METADATA_FILE} | stored | empty)
+
     def _files_on_disk(self) -> int | None:
         """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""
         try:

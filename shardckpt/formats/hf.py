@@ -27,7 +27,7 @@ from safetensors import safe_open
 from shardckpt.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.files import os_error, source_file, writing
-from shardckpt.formats.hf_config import copy_files
+from shardckpt.formats.hf_config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.safetensors_file import layout, opened, tensor_meta
 from shardckpt.regions import spread
 from shardckpt.tree import TensorMeta, dotted, model_leaves, model_prefix
@@ -220,6 +220,11 @@ class HfReader(Reader):
 
     def index(self) -> Index:
         return Index(self.format, str(self.src), 1, {"model": dict(self._metas)})
+
+    def members(self) -> frozenset[str]:
+        """Return the index, its shards, and ``config.json`` with the friends an ``hf`` DST gets."""
+        configs = hf_config(self.src).files if (self.src / CONFIG_FILE).exists() else ()
+        return frozenset({INDEX_FILE, *self._file.values(), *configs})
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime

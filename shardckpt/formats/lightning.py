@@ -78,6 +78,9 @@ class LightningReader(Reader):
         parts = tuple(SourcePart(META_FILE, "torch", key) for key in meta)
         return Index(self.format, str(self.src), index.world_size, tree, parts=parts)
 
+    def members(self) -> frozenset[str]:
+        return self._dcp.members() | {META_FILE}
+
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:

@@ -106,6 +106,19 @@ class PartsReader(Reader):
         )
         return self._index
 
+    def members(self) -> frozenset[str]:
+        """Return each part's files, under its name in SRC, and the carried files ``kept`` says."""
+        read = {
+            f"{part.file}/{name}" if name else part.file
+            for part in self.parts
+            for name in part.reader.members()
+        }
+        return frozenset(read | {p.file for p in self.carried if self.kept(p.file)})
+
+    def kept(self, name: str) -> bool:
+        """Return whether carried file ``name`` is one the trainer writes (else a stranger here)."""
+        return False
+
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:

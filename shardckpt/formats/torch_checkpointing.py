@@ -148,6 +148,11 @@ class TorchCheckpointingReader(Reader):
             self._files[key] = files
             self.items[key] = None
 
+    def members(self) -> frozenset[str]:
+        return frozenset(
+            {METADATA_FILE} | {f for files in self._files.values() for f in files.values()}
+        )
+
     def _path(self, key: str, rank: int) -> Path:
         path = self.src / self._files[key][rank]
         if not path.exists():
