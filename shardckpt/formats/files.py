@@ -184,14 +184,6 @@ def has_file(path: str | os.PathLike, within: str | os.PathLike) -> bool:
     return True
 
 
-def is_source_file(path: Path) -> bool:
-    """Return whether ``path`` is a regular file (symlinks followed); never raises, never blocks."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
 def source_tree(top: str | os.PathLike, within: str | os.PathLike) -> list[tuple[str, bool]]:
     """Return every entry under the directory ``top`` of ``within``: ``(name, is a directory)``, parents first.
 
