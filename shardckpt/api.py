@@ -40,7 +40,7 @@ from shardckpt.formats import (
     open_reader,
 )
 from shardckpt.formats.dcp import as_stored
-from shardckpt.formats.hf_config import HfConfig, check_names, config_beside
+from shardckpt.formats.hf_config import HfConfig, check_names, config_beside, config_in
 from shardckpt.formats.hf_config import hf_config as read_hf_config
 from shardckpt.model import model_params
 from shardckpt.placement import Placement, open_destination
@@ -466,15 +466,21 @@ def convert(
 def _with_hf_config(
     plan: ConvertPlan, companions: HfConfig | None, src, runtime: Runtime
 ) -> ConvertPlan:
-    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found beside SRC."""
+    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found in SRC."""
 
     def note(text: str) -> None:
         if runtime.coordinator:
             notice(text)
 
     if companions is None:
-        found = config_beside(src)
+        found = config_in(src)
         if found is None:
+            # The directory SRC sits in may be a shared download folder: another model's.
+            if (beside := config_beside(src)) is not None:
+                note(
+                    f"not copying config.json from '{beside}', the directory SRC is in: pass "
+                    f"--hf-config '{beside}' if it is this model's"
+                )
             return plan
         try:
             companions = read_hf_config(found, detected=True)

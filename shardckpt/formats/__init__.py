@@ -15,7 +15,7 @@ from shardckpt.formats.accelerate import AccelerateReader, AccelerateWriter, loo
 from shardckpt.formats.base import Index, Reader, Writer
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
 from shardckpt.formats.dcp_write import DcpWriter
-from shardckpt.formats.files import os_error, source_file, source_stat
+from shardckpt.formats.files import has_file, os_error, source_file, source_stat
 from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
 from shardckpt.formats.fsdp1_write import Fsdp1LocalWriter, Fsdp1ShardedWriter
@@ -240,14 +240,14 @@ def default_format(layout: str, dst: str | os.PathLike) -> str:
 def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     if stat.S_ISDIR(source_stat(src).st_mode):
-        if (src / METADATA_FILE).is_file():
+        if has_file(src / METADATA_FILE, src):
             # Lightning's sharded checkpoints keep what is not DCP's beside it.
-            if (src / META_FILE).is_file():
+            if has_file(src / META_FILE, src):
                 return "lightning"
             return "torchtitan" if looks_like_torchtitan(src) else "dcp"
         if is_torch_checkpointing_dir(src):
             return "torch-checkpointing"
-        if (src / INDEX_FILE).is_file():
+        if has_file(src / INDEX_FILE, src):
             return "hf"
         if looks_like(src):
             return "accelerate"

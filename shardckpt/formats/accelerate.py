@@ -27,7 +27,6 @@ from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError, Usage
 from shardckpt.formats.base import Index, SourcePart
 from shardckpt.formats.dcp import DcpReader
 from shardckpt.formats.dcp_write import DcpWriter
-from shardckpt.formats.files import os_error
 from shardckpt.formats.parts import Part, PartsReader, PartsWriter, SubCheckpoint
 from shardckpt.formats.safetensors_file import SafetensorsReader
 from shardckpt.formats.torch_file import TorchReader
@@ -72,15 +71,11 @@ class AccelerateReader(PartsReader):
     format = "accelerate"
 
     def open_parts(self) -> tuple[list[Part], list[SourcePart]]:
-        try:
-            entries = sorted(self.src.iterdir(), key=lambda p: p.name)
-        except OSError as exc:
-            raise os_error(exc, self.src) from None
         parts: list[Part] = []
         carried: list[SourcePart] = []
-        for path in entries:
+        for path, is_dir in self.entries():
             name = path.name
-            if path.is_dir():
+            if is_dir:
                 # A model or optimizer directory without .metadata is a save that did not
                 # finish: DcpReader says so, naming it.
                 if m := _MODEL_DIR.fullmatch(name):

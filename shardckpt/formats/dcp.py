@@ -52,7 +52,7 @@ from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp_check import check_metadata
 from shardckpt.formats.dcp_rows import StoredRows
 from shardckpt.formats.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
-from shardckpt.formats.files import os_error, os_error_in
+from shardckpt.formats.files import has_file, os_error, os_error_in
 from shardckpt.formats.pickle_scan import (
     TRUST_HINT,
     first_line,
@@ -122,7 +122,7 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
             path=path,
             hint="check the path of the DCP checkpoint directory",
         )
-    if not file.is_file():
+    if not has_file(file, path):
         raise BadInputError(
             f"no '{METADATA_FILE}' in this directory",
             path=path,

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from shardckpt.errors import BadInputError
-from shardckpt.formats.files import check_separate, source_file
+from shardckpt.formats.files import check_separate, outside, source_file
 
 METADATA_FILE = ".metadata"
 _DAMAGED = (
@@ -381,14 +381,13 @@ def _data_file_size(
             src,
             "copy every *.distcp file of the checkpoint",
         )
-    real, root = os.path.realpath(path), os.path.realpath(src)
-    if os.path.commonpath([real, root]) != root:
+    if (real := outside(path, src)) is not None:
         raise _bad(
             f"links outside the checkpoint directory (to '{real}'), and .metadata stores {key!r} in it",
             path,
             "copy the data files into the checkpoint directory instead of linking to them",
         )
-    return source_file(path).stat().st_size
+    return source_file(path, src).stat().st_size
 
 
 def _check_disjoint(name: str, spans: list[tuple[int, int, str]], where: Path) -> None:

@@ -3,9 +3,14 @@
 A training checkpoint holds weights, not the model's description, so ``--hf-config DIR``
 names a directory holding ``config.json`` (the model's original directory, a hub
 snapshot, a transformers ``Trainer`` checkpoint). Without the option, a ``config.json``
-in SRC (a directory) or beside it (the directory SRC sits in) is used, with a note:
-that is where ``Trainer`` puts it next to ``model.safetensors`` or
-``pytorch_model_fsdp_0/``.
+in SRC (a directory) is used, with a note. One beside SRC (in the directory SRC sits
+in, which may be a shared download folder) is not: a note says how to name it.
+
+Every file copied passes the source-file gate (``files.py``): a regular file inside the
+config directory once symlinks are resolved (a hub snapshot's links into its
+``blobs/`` included). A companion that is a link out of it, a FIFO or a dangling link
+is refused, naming it, rather than left out of an export that would then lack it; a
+config found in SRC is then not copied at all, with a note.
 
 Copied: the files ``from_pretrained``, ``AutoTokenizer`` and ``AutoProcessor`` read that
 are not weights (``COMPANIONS``), plus the ``*.py`` files ``config.json``'s ``auto_map``
@@ -24,13 +29,13 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.errors import BadInputError, UsageError
-from shardckpt.formats.files import is_source_file, os_error, source_file, writing
+from shardckpt.formats.copies import copy_file
+from shardckpt.formats.files import has_file, os_error, source_file
 from shardckpt.words import counted
 
 CONFIG_FILE = "config.json"
@@ -99,13 +104,13 @@ def _auto_map_code(config: dict, root: Path) -> list[str]:
         # "repo--module.Class" is code in another repository: not in root.
         if isinstance(ref, str) and "--" not in ref and "." in ref:
             name = ref.rsplit(".", 1)[0] + ".py"
-            if "/" not in name and is_source_file(root / name) and name not in names:
+            if "/" not in name and name not in names and has_file(root / name, root):
                 names.append(name)
     return names
 
 
 def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
-    """Return what to copy from ``root``; refuse a directory without ``config.json``."""
+    """Return what to copy from ``root``; refuse a directory without ``config.json``, or a file that fails the gate."""
     root = Path(root)
     if root.is_file():
         raise UsageError(
@@ -113,7 +118,7 @@ def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
             path=root,
             hint=f"pass --hf-config '{root.parent}'",
         )
-    if not (root / CONFIG_FILE).exists():
+    if not has_file(root / CONFIG_FILE, root):
         raise UsageError(
             f"--hf-config: no '{CONFIG_FILE}' in this directory",
             path=root,
@@ -124,31 +129,30 @@ def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
     files = [CONFIG_FILE]
     for entry in sorted(p.name for p in root.iterdir()):
         if entry != CONFIG_FILE and any(fnmatch.fnmatchcase(entry, g) for g in COMPANIONS):
-            if is_source_file(root / entry):
-                files.append(entry)
+            files.append(source_file(root / entry, root).name)
     files += [f for f in _auto_map_code(config, root) if f not in files]
     return HfConfig(root, tuple(files), detected, config)
 
 
-def config_beside(src: str | os.PathLike) -> Path | None:
-    """Return the directory holding ``config.json`` that SRC is (a directory) or sits in, if any."""
+def config_in(src: str | os.PathLike) -> Path | None:
+    """Return SRC when it is a directory with something called ``config.json`` in it, else None.
+
+    ``hf_config`` then reads it through the gate.
+    """
     src = Path(src)
-    places = ([src] if src.is_dir() else []) + [src.resolve().parent]
-    return next((p for p in places if is_source_file(p / CONFIG_FILE)), None)
+    return src if src.is_dir() and os.path.lexists(src / CONFIG_FILE) else None
+
+
+def config_beside(src: str | os.PathLike) -> Path | None:
+    """Return the directory SRC sits in when it holds ``config.json``: used only when named."""
+    parent = Path(src).resolve().parent
+    return parent if os.path.lexists(parent / CONFIG_FILE) else None
 
 
 def copy_files(config: HfConfig, dst: Path) -> None:
     """Copy the config directory's files into ``dst`` (the staged output), each flushed to disk."""
     for name in config.files:
-        src = source_file(config.root / name)
-        try:
-            fin = open(src, "rb")  # noqa: SIM115 - closed below; a read error names SRC's file
-        except OSError as exc:
-            raise os_error(exc, src) from None
-        with fin, writing(dst / name), open(dst / name, "wb") as fout:
-            shutil.copyfileobj(fin, fout)
-            fout.flush()
-            os.fsync(fout.fileno())
+        copy_file(config.root / name, dst / name, config.root)
 
 
 def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:

@@ -26,7 +26,13 @@ from shardckpt.errors import SRC_FORMAT, BadInputError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
 from shardckpt.formats.dcp import DcpReader
 from shardckpt.formats.dcp_write import DcpWriter
-from shardckpt.formats.torch_file import TorchReader, placeholders, skeleton_file, storage_of
+from shardckpt.formats.files import has_file
+from shardckpt.formats.torch_file import (
+    TorchReader,
+    placeholders,
+    skeleton_file,
+    storage_of,
+)
 from shardckpt.target_ranks import merge_frames
 from shardckpt.tree import TensorMeta, is_optimizer, map_leaves, tensor_leaves, walk
 
@@ -46,7 +52,7 @@ class LightningReader(Reader):
         super().__init__(src, trust_pickle)
         self._dcp = DcpReader(self.src, trust_pickle)
         meta = self.src / META_FILE
-        if not meta.is_file():
+        if not has_file(meta, self.src):
             raise BadInputError(
                 f"no '{META_FILE}' in this directory",
                 path=self.src,

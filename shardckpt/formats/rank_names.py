@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.errors import BadInputError
-from shardckpt.formats.files import check_separate
+from shardckpt.formats.files import check_separate, has_file
 
 _RANK_NAME = re.compile(
     r"^(?P<stem>.*?)rank[_-]?(?P<rank>\d+)(?:[_-]of[_-](?P<of>\d+))?\.(?:pt|pth|bin)$"
@@ -67,8 +67,9 @@ def find_rank_files(directory: Path) -> dict[str, dict[int, Path]]:
     """Return ``{part: {rank: file}}`` for the per-rank files in ``directory`` (``{}`` if none)."""
     parts: dict[str, dict[int, Path]] = {}
     for path in sorted(directory.iterdir()):
-        found = parse_rank_name(path.name) if path.is_file() else None
-        if found is None:
+        found = parse_rank_name(path.name)
+        # A rank's name on a directory, a FIFO or a link out of SRC is refused, not skipped.
+        if found is None or not has_file(path, directory):
             continue
         files = parts.setdefault(found.part, {})
         if found.rank in files:

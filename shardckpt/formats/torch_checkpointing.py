@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.base import Index, Reader, Rows
-from shardckpt.formats.files import check_separate, source_file
+from shardckpt.formats.files import check_separate, has_file, source_file
 from shardckpt.formats.fsdp2_ranks import quiet_mesh_unpickling
 from shardckpt.formats.safetensors_file import opened, tensor_meta
 from shardckpt.formats.torch_checkpointing_metadata import (
@@ -155,7 +155,7 @@ class TorchCheckpointingReader(Reader):
 
     def _path(self, key: str, rank: int) -> Path:
         path = self.src / self._files[key][rank]
-        if not path.exists():
+        if not has_file(path, self.src):
             raise BadInputError(
                 f"missing '{path.name}', rank {rank}'s file of item '{key}' named by {METADATA_FILE}",
                 path=self.src,
@@ -417,7 +417,7 @@ class TorchCheckpointingReader(Reader):
 
 def is_torch_checkpointing_dir(path: Path) -> bool:
     """Return whether ``path`` holds torch_checkpointing's ``metadata.pkl``."""
-    return (path / METADATA_FILE).is_file()
+    return has_file(path / METADATA_FILE, path)
 
 
 __all__ = ["TorchCheckpointingReader", "is_torch_checkpointing_dir"]

@@ -287,7 +287,7 @@ def read_metadata(root: Path) -> Metadata:
     """Return what ``root/metadata.pkl`` says; refuse anything but torch_checkpointing's plain values."""
     path = root / METADATA_FILE
     try:
-        raw = source_file(path).read_bytes()
+        raw = source_file(path, root).read_bytes()
     except OSError as exc:
         raise os_error(exc, path) from None
     try:
