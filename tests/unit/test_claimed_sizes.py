@@ -1,6 +1,7 @@
-"""Counts that metadata claims, checked before anything is sized by them (issue 24 item 8): a
-world size a file claims must fit the rank files there, instead of a run that fills memory
-for minutes and ends as an internal error."""
+"""Counts that metadata or an option claims, checked before anything is sized by them (issue 24
+item 8): a world size a file claims must fit the rank files there, and a --world-size is
+refused up front past the bounds of ``shardckpt.world_limits``, instead of a run that fills
+memory for minutes and ends as an internal error."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 import pytest
 import torch
 from conditions import run_capped
+from optim_models import tiny
 
 from shardckpt import api
 from shardckpt.cli import run
+from shardckpt.world_limits import ANY_CHECKPOINT_RANKS, MAX_RANK_ENTRIES, MAX_WORLD_SIZE
 
 CAP = 2 << 30  # address space: torch's import takes about 650 MiB of it
 HUGE = 10**12
@@ -106,3 +109,98 @@ def test_a_world_size_of_10_to_the_12_in_rank_file_names_names_the_first_missing
         "copy every rank's file of the checkpoint",
     )
     assert seconds < 30 and nothing_written(out)
+
+
+# --- a world size the user asks for ---------------------------------------------------------
+
+FEWER = "a DCP checkpoint, --to sharded, loads at any world size: dcp.load reshards it"
+
+
+@pytest.fixture
+def small(tmp_path):
+    """Return a 3 KB checkpoint of Tiny's model and SGD-like state: at most 5 rows a tensor."""
+    model = tiny().state_dict()
+    torch.save({"model": model, "optim": {"step": 3, "lr": 0.1}}, tmp_path / "small.pt")
+    return tmp_path / "small.pt"
+
+
+@pytest.mark.parametrize("to", ["sharded", "local"])
+def test_a_world_size_past_the_most_is_refused_before_src_is_read(small, to):
+    out = small.parent / "out"
+    argv = ["convert", small, out, "--to", to, "--world-size", MAX_WORLD_SIZE + 1]
+    # The issue's case was --world-size 100000 on a 95 KB checkpoint: 275 s, then out of memory.
+    code, line, seconds = run_capped([*argv, "--model", "optim_models:tiny"], CAP)
+    assert (code, line) == (
+        2,
+        f"shardckpt: error: --world-size {MAX_WORLD_SIZE + 1} is more than {MAX_WORLD_SIZE}, "
+        "the most ranks shardckpt writes a checkpoint for: every rank's files are planned and "
+        f"written one by one: pass the number of ranks that will load DST ({FEWER})",
+    )
+    assert seconds < 60 and nothing_written(out)
+
+
+@pytest.mark.parametrize(
+    "options, what, parts",
+    [
+        (["--to", "sharded"], "SRC's tensors have at most 5 rows", 5),
+        (["--to", "local", "--model", "optim_models:tiny"], "SRC's tensors have at most 5 rows", 5),
+        # FSDP1's flat parameters are split by elements: 64 in Tiny, fewer than the floor.
+        (["--to", "local", "--format", "fsdp1-local", "--model", "optim_models:tiny", "--wrap",
+          "optim_models:Tiny"], "SRC's tensors hold 64 elements in all", 64),
+    ],
+)  # fmt: skip
+def test_more_ranks_than_a_small_checkpoint_can_split_over_are_refused(
+    small, capsys, options, what, parts
+):
+    out = small.parent / "out"
+    world_size = 20_000  # the issue's --to local case: 9 files a second for 37 minutes
+    code, line, seconds = error_of(
+        capsys, ["convert", small, out, *options, "--world-size", world_size, "--only", "model"]
+    )
+    assert (code, line) == (
+        2,
+        f"shardckpt: error: --world-size {world_size} is more than {ANY_CHECKPOINT_RANKS} ranks, "
+        f"and {what}: every rank past the first {parts} would hold no part of any split tensor: "
+        f"pass --world-size {ANY_CHECKPOINT_RANKS} or less, the ranks that will load DST ({FEWER})",
+    )
+    assert seconds < 30 and nothing_written(out)
+
+
+def test_past_the_floor_the_rows_of_the_tallest_tensor_are_the_most_ranks(tmp_path, capsys):
+    torch.save(
+        {"w": torch.zeros(2000, 2, dtype=torch.int8), "b": torch.zeros(3)}, tmp_path / "t.pt"
+    )
+    out = tmp_path / "out"
+    argv = ["convert", tmp_path / "t.pt", out, "--to", "sharded", "--world-size", 2001]
+    code, line, seconds = error_of(capsys, argv)
+    assert (code, line) == (
+        2,
+        f"shardckpt: error: --world-size 2001 is more than {ANY_CHECKPOINT_RANKS} ranks, and "
+        "SRC's tensors have at most 2000 rows: every rank past the first 2000 would hold no "
+        f"part of any split tensor: pass --world-size 2000 or less, the ranks that will load "
+        f"DST ({FEWER})",
+    )
+    assert seconds < 30 and nothing_written(out)
+
+
+def test_more_ranks_times_leaves_than_are_laid_out_in_memory_are_refused(tmp_path, capsys):
+    leaves, world_size = 1100, 4096
+    assert world_size * leaves > MAX_RANK_ENTRIES
+    tensors = {f"w{i}": torch.zeros(world_size, dtype=torch.int8) for i in range(leaves)}
+    torch.save(tensors, tmp_path / "many.pt")
+    out = tmp_path / "out"
+    argv = ["convert", tmp_path / "many.pt", out, "--to", "sharded", "--world-size", world_size]
+    code, line, seconds = error_of(capsys, argv)
+    assert (code, line) == (
+        2,
+        f"shardckpt: error: --world-size {world_size} puts {leaves} tensors and values on each "
+        f"rank, {world_size * leaves} in all, more than the {MAX_RANK_ENTRIES} shardckpt lays "
+        f"out in memory at once: pass --world-size {MAX_RANK_ENTRIES // leaves} or less, or "
+        "select fewer tensors (--only, --filter)",
+    )
+    assert seconds < 30 and nothing_written(out)
+
+
+def test_a_small_checkpoint_is_still_written_for_a_few_more_ranks_than_it_has_rows(small, tmp_path):
+    api.convert(small, tmp_path / "out", to="sharded", world_size=7, only="model")
+    assert len(list((tmp_path / "out").glob("*.distcp"))) == 7
