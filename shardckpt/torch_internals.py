@@ -212,8 +212,9 @@ def mesh_without_group(world_size: int, rank: int) -> Any:
     return mesh
 
 
-# What a DeviceMesh built by ``_new_mesh`` holds (torch 2.11 to 2.14): only ``_rank`` and
-# ``_coordinate_on_dim`` depend on the rank, and ``_flatten_mapping`` is filled in use.
+# What a DeviceMesh built by ``_new_mesh`` holds (read on torch 2.13): only ``_rank`` and
+# ``_coordinate_on_dim`` depend on the rank, and ``_flatten_mapping`` is filled in use. A
+# torch whose mesh holds other fields gets each rank's mesh built whole, as before.
 _MESH_FIELDS = frozenset(
     {
         "_device_type",
