@@ -36,7 +36,9 @@ def saved(tmp_path_factory):
         logits = model(INPUT).logits
     ckpt = root / "checkpoint-2"
     ckpt.mkdir()
-    run_ranks(hf_export_jobs.save_fsdp2_dcp, 2, str(root / "base"), str(ckpt / "pytorch_model_fsdp_0"))
+    run_ranks(
+        hf_export_jobs.save_fsdp2_dcp, 2, str(root / "base"), str(ckpt / "pytorch_model_fsdp_0")
+    )
     for name in ("config.json", "generation_config.json"):
         shutil.copy(root / "base" / name, ckpt / name)
     torch.save(model.state_dict(), ckpt / "pytorch_model.bin")  # flat, tied weights shared
