@@ -66,6 +66,8 @@ from shardckpt.tree import (
     walk,
 )
 from shardckpt.words import counted
+from shardckpt.world_limits import check_rank_work
+from shardckpt.world_limits import check_world_size as check_most_ranks
 
 LAYOUTS = ("full", "sharded", "local")
 
@@ -228,7 +230,8 @@ def _target_world_size(to: str, world_size: int | None, runtime: Runtime) -> int
 
 
 def _check_world_size(form: Format, world_size: int) -> None:
-    """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD)."""
+    """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD), or too many ranks."""
+    check_most_ranks(world_size)
     if world_size < form.min_world_size:
         raise UsageError(
             f"--format {form.name} for --world-size {world_size}: FSDP1 on one rank runs "
@@ -236,6 +239,18 @@ def _check_world_size(form: Format, world_size: int) -> None:
             hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
             f"or pass --world-size {form.min_world_size} or more",
         )
+
+
+def _check_rank_work(plan: ConvertPlan, form: Format) -> None:
+    """Refuse a world size out of proportion with what each rank would hold (``world_limits``)."""
+    metas = [m for _, m in plan.tensors]
+    if form.needs_model:  # FSDP1's flat parameters are split by elements, not rows
+        parts = sum(m.numel for m in metas)
+        what = f"SRC's tensors hold {parts} elements in all"
+    else:
+        parts = max((m.shape[0] for m in metas if m.shape), default=0)
+        what = f"SRC's tensors have at most {parts} rows"
+    check_rank_work(plan.world_size, parts, what, len(metas) + plan.num_values)
 
 
 def _check_dst_name(dst: str | os.PathLike, form: Format) -> None:
@@ -409,6 +424,8 @@ def convert(
             flat_model=flat_model,
             use_orig_params=use_orig_params,
         )
+        if to != "full":
+            _check_rank_work(plan, form)
         if form.name == "hf":
             plan = _with_hf_config(plan, companions, src, runtime)
         reader.check_selected(plan.tree)

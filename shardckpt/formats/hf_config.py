@@ -20,7 +20,10 @@ trainer state, anything else.
 Before anything is written, the output's tensor names are checked against the model
 ``config.json`` describes (built by ``transformers`` on the meta device, when it is
 installed and knows the architecture): a weight the model has and DST lacks would be
-left at random by ``from_pretrained``.
+left at random by ``from_pretrained``. That model is never built larger than DST could
+match (``build_limit``): the counts the config claims are checked before transformers
+reads it, and the build stops at the limit, so a config claiming 200,000 layers is
+refused in seconds instead of building for hours.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.errors import BadInputError, UsageError
 from shardckpt.formats.copies import copy_file
 from shardckpt.formats.files import has_file, os_error, source_file
+from shardckpt.tree import TensorMeta
 from shardckpt.words import counted
 
 CONFIG_FILE = "config.json"
@@ -155,11 +160,81 @@ def copy_files(config: HfConfig, dst: Path) -> None:
         copy_file(config.root / name, dst / name, config.root)
 
 
-def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:
+def build_limit(tensors: int) -> int:
+    """Return the most weights and buffers the model built to check DST's ``tensors`` may register.
+
+    A model DST fits registers each of DST's tensors once, plus a few non-persistent
+    buffers and tied duplicates; twice DST's count and a thousand more leaves room for
+    those, and building that many meta tensors takes seconds. A model past it has
+    weights DST lacks, whatever they are.
+    """
+    return 2 * tensors + 1000
+
+
+class _OutOfProportion(Exception):
+    """``config.json`` describes a model far larger than DST: what it claims, as a phrase."""
+
+
+# Keys whose integer is a count of layers: num_hidden_layers, n_layer, encoder_layers, ...
+_LAYER_COUNT = re.compile(r"(^|_)layers?$")
+
+
+def _check_claims(config: dict, limit: int, largest: int) -> None:
+    """Refuse counts in ``config`` (sub-configs too) that transformers would loop over, out of proportion.
+
+    A layer holds at least one weight, so a layer count over ``limit`` cannot fit DST;
+    ``num_labels`` sizes a classifier whose weight holds at least that many elements,
+    at most ``largest`` in DST. Checked before transformers reads the config, whose
+    own code makes a list entry per layer and a dict entry per label.
+    """
+    todo = [config]
+    while todo:
+        node = todo.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                todo.append(value)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if _LAYER_COUNT.search(key) and value > limit:
+                raise _OutOfProportion(f"{key} is {value}")
+            if key == "num_labels" and value > largest:
+                raise _OutOfProportion(
+                    f"num_labels is {value}, more than the {largest} elements of DST's "
+                    "largest tensor"
+                )
+
+
+@contextmanager
+def _registering_at_most(limit: int, claim: str) -> Iterator[None]:
+    """Within the block, raise ``_OutOfProportion(claim)`` once modules register over ``limit`` tensors."""
+    from torch.nn.modules import module
+
+    count = 0
+
+    def counting(*_args) -> None:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _OutOfProportion(claim)
+
+    handles = [
+        module.register_module_parameter_registration_hook(counting),
+        module.register_module_buffer_registration_hook(counting),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def expected_names(config: HfConfig, limit: int, largest: int) -> tuple[set[str], set[str]] | None:
     """Return the weight names of the model ``config`` describes and those it ties, or None.
 
     None when that cannot be told cheaply: ``transformers`` is not installed, or does
     not know the architecture (a model with its own code is never imported here).
+    ``_OutOfProportion`` when the model would register more than ``limit`` tensors, or
+    the config claims counts out of proportion (``_check_claims``).
     """
     archs = config.config.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
@@ -174,29 +249,53 @@ def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:
     model_class = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
     if not model_class or config.config.get("auto_map"):
         return None
+    _check_claims(config.config, limit, largest)
     try:
         conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
-        with torch.device("meta"):
+        claim = f"the {archs[0]} model it describes has more weights than DST"
+        with torch.device("meta"), _registering_at_most(limit, claim):
             model = cls(conf)
+    except _OutOfProportion:
+        raise
     except Exception:  # noqa: BLE001 - any failure means "cannot tell cheaply"
         return None
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     return set(model.state_dict()), set(tied)
 
 
-def check_names(config: HfConfig, names: Iterable[str], note: Callable[[str], None]) -> bool:
-    """Return whether DST's tensor ``names`` load into the model ``config`` describes.
+def check_names(
+    config: HfConfig, tensors: Mapping[str, object], note: Callable[[str], None]
+) -> bool:
+    """Return whether DST's ``tensors`` (name to metadata) load into the model ``config`` describes.
 
     An explicit ``--hf-config`` whose model lacks a weight DST holds, or has one DST
     lacks, is refused (one line, the first name and the count); a detected one is
     only left out, with a ``note``. Unexpected names alone are a note: ``from_pretrained``
-    ignores them.
+    ignores them. A config out of proportion with DST (``build_limit``) is refused
+    before its model is built (exit 3), or, detected, left out with a note.
     """
-    expected = expected_names(config)
+    names = set(tensors)
+    limit = build_limit(len(names))
+    largest = max((t.numel for t in tensors.values() if isinstance(t, TensorMeta)), default=0)
+    try:
+        expected = expected_names(config, limit, largest)
+    except _OutOfProportion as exc:
+        where = config.root / CONFIG_FILE
+        what = (
+            f"{exc}: a model that large is not built to check DST's "
+            f"{counted(len(names), 'tensor')} (at most {limit} weights)"
+        )
+        if config.detected:
+            note(f"'{where}': {what}: not copying it (pass --hf-config DIR)")
+            return False
+        raise BadInputError(
+            what,
+            path=where,
+            hint="pass --hf-config the directory of the model these weights belong to",
+        ) from None
     if expected is None:
         return True
     model, tied = expected
-    names = set(names)
     missing = sorted(model - names - tied)
     unexpected = sorted(names - model)
     where = config.root / CONFIG_FILE

@@ -16,6 +16,7 @@ parts, each one tree; ``rank3.pt`` is the only part, ``""``.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +134,14 @@ def check_complete(
     if world_size is None:
         world_size = _named_world_size(src, parts)
     for files in parts.values():
-        missing = [r for r in range(world_size) if r not in files]
-        if missing:
-            name = _name_like(next(iter(files.values())).name, missing[0])
+        # The world size comes from names or pickles (10**12 is a few bytes there): the
+        # first rank without a file is at most the count of files, never found by
+        # walking every rank below world_size.
+        missing = next(r for r in itertools.count() if r not in files)
+        if missing < world_size:
+            name = _name_like(next(iter(files.values())).name, missing)
             raise BadInputError(
-                f"no file for rank {missing[0]} of {world_size} ({name})",
+                f"no file for rank {missing} of {world_size} ({name})",
                 path=src,
                 hint="copy every rank's file of the checkpoint",
             )

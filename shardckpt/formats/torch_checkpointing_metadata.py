@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from shardckpt.errors import BadInputError
 from shardckpt.formats.files import os_error, source_file
 from shardckpt.torch_internals import shard_chunk
+from shardckpt.words import counted
 
 METADATA_FILE = "metadata.pkl"
 VERSION = "2.0"
@@ -283,6 +285,15 @@ def _check_unshared(items: dict[str, Item]) -> None:
                 )
 
 
+def _files_beside(root: Path) -> int:
+    """Return how many entries ``root`` holds besides ``metadata.pkl``."""
+    try:
+        with os.scandir(root) as entries:
+            return sum(1 for entry in entries if entry.name != METADATA_FILE)
+    except OSError as exc:
+        raise os_error(exc, root) from None
+
+
 def read_metadata(root: Path) -> Metadata:
     """Return what ``root/metadata.pkl`` says; refuse anything but torch_checkpointing's plain values."""
     path = root / METADATA_FILE
@@ -306,6 +317,14 @@ def read_metadata(root: Path) -> Metadata:
         _need(
             isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
             "world_size is not a positive int",
+        )
+        # Every rank saves a file of each item, so a world size past the files there is a
+        # lie, refused before anything is sized by it (a set of 10**12 ranks fills memory).
+        files = _files_beside(root)
+        _need(
+            world_size <= max(files, 1),
+            f"world_size is {world_size}, but the directory holds {counted(files, 'file')} "
+            f"besides {METADATA_FILE}, and each rank saves a file of each item",
         )
         items = data.get("metadata")
         _need(isinstance(items, dict), "metadata is not a mapping of items")

@@ -30,18 +30,7 @@ INPUT = torch.tensor([[1, 5, 7, 3, 30, 2, 0]])
 def saved(tmp_path_factory):
     """Return (model directory, Trainer-like checkpoint directory, the model's logits)."""
     root = tmp_path_factory.mktemp("llama")
-    config = transformers.LlamaConfig(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = hf_export_jobs.tiny_llama().eval()
     model.save_pretrained(root / "base")  # config.json, generation_config.json, weights
     with torch.no_grad():
         logits = model(INPUT).logits
