@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hf_export_jobs import tiny_llama
 
 from shardckpt.cli import run
@@ -121,13 +122,14 @@ def test_the_models_own_config_is_built_under_the_limit_and_copied(llama, tmp_pa
     assert (tmp_path / "hf" / "config.json").read_bytes() == (base / "config.json").read_bytes()
 
 
-def test_a_config_beside_src_out_of_proportion_is_left_out_with_a_note(llama, tmp_path, capsys):
+def test_a_config_in_src_out_of_proportion_is_left_out_with_a_note(llama, tmp_path, capsys):
+    # Only a config inside a directory SRC is picked up by itself (one beside SRC is not).
     base, weights = llama
     ckpt = tmp_path / "checkpoint-9"
+    dcp.save(torch.load(weights, weights_only=True), checkpoint_id=ckpt, no_dist=True)
     hostile_config(base, ckpt, num_hidden_layers=200_000)
-    (ckpt / "weights.pt").write_bytes(weights.read_bytes())
     out = tmp_path / "hf"
-    code, line, seconds = export(capsys, ckpt / "weights.pt", out, "-q")
+    code, line, seconds = export(capsys, ckpt, out, "-q")
     assert (code, line) == (
         0,
         f"shardckpt: note: '{ckpt.resolve() / 'config.json'}': num_hidden_layers is 200000: a "
