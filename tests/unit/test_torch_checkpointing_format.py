@@ -211,7 +211,8 @@ def test_safetensors_files_shared_by_two_ranks_are_refused(safetensors_items, ca
         )
 
     edit_metadata(safetensors_items, both_read_rank_0s)
-    (safetensors_items / "model_1.safetensors").unlink()
+    # Rank 1's own file stays: with it gone, the metadata's world size would not match
+    # the files present, refused first (test_claimed_sizes).
     assert refused(capsys, safetensors_items, tmp_path) == (
         3,
         not_usable(
