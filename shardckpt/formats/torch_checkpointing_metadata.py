@@ -33,6 +33,7 @@ import torch
 
 from shardckpt.errors import BadInputError
 from shardckpt.formats.files import os_error, source_file
+from shardckpt.formats.pickle_bounds import check_pickle
 from shardckpt.torch_internals import shard_chunk
 
 METADATA_FILE = "metadata.pkl"
@@ -238,6 +239,7 @@ def read_metadata(root: Path) -> Metadata:
         raw = source_file(path).read_bytes()
     except OSError as exc:
         raise os_error(exc, path) from None
+    check_pickle(raw, path)
     try:
         data = _PlainValues(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
