@@ -66,6 +66,7 @@ from shardckpt.formats.zip_skeleton import FileSlice
 from shardckpt.sight import Sight
 from shardckpt.signals import Interrupted
 from shardckpt.tree import Chunk, TensorMeta, build
+from shardckpt.words import shown
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -208,12 +209,12 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             failure = judge_failed_load(exc, value, self.trust_pickle)
         if failure.kind == "refused":
             raise UnsafePickleError(
-                f"refused to unpickle value {key!r} ({failure.reason})",
+                f"refused to unpickle value {shown(key)} ({failure.reason})",
                 path=file,
                 hint=TRUST_HINT,
             )
         raise BadInputError(
-            f"value {key!r} is damaged ({failure.reason})",
+            f"value {shown(key)} is damaged ({failure.reason})",
             path=file,
             hint="re-copy the checkpoint from where it was written",
         )
