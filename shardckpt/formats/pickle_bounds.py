@@ -408,9 +408,12 @@ def check_torch_file(source: str | os.PathLike | BinaryIO, path: str | os.PathLi
 
 
 def _is_tar(stream: BinaryIO) -> bool:
-    """Return whether ``stream`` opens as an uncompressed tar archive, as ``torch.load`` tries first."""
+    """Return whether ``stream`` is an uncompressed tar archive with a member, as ``torch.load`` tries first.
+
+    Zeros read as an empty archive, from which torch unpickles nothing.
+    """
     try:
-        tarfile.open(fileobj=stream, mode="r:").close()
+        with tarfile.open(fileobj=stream, mode="r:") as tar:
+            return tar.next() is not None
     except tarfile.TarError:
         return False
-    return True
