@@ -206,8 +206,8 @@ def _table() -> list[tuple[int, int, int] | None]:
 _TABLE = _table()
 
 
-def _scan(data: bytes, at: int) -> tuple[_Shape, int]:
-    """Return what the pickle at byte ``at`` of ``data`` builds, and the offset after its STOP.
+def _scan(data: bytes) -> tuple[_Shape, int]:
+    """Return what the pickle at the start of ``data`` builds, and the offset after its STOP.
 
     Stops early, without an error, where the bytes do not decode or do not fit the stack
     or memo: an unpickler stops there too. The offset is then where decoding stopped
@@ -219,7 +219,7 @@ def _scan(data: bytes, at: int) -> tuple[_Shape, int]:
     stack: list[int] = []
     below: list[list[int]] = []  # the stacks under each MARK not yet popped
     memo: dict[int, int] = {}
-    end, i = len(data), at
+    end, i = len(data), 0
     try:
         while i < end:
             entry = _TABLE[data[i]]
@@ -327,7 +327,7 @@ def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
     where an unpickler stops too; saying that it is damaged is left to the loader.
     """
     if isinstance(source, (bytes, bytearray)):
-        shape, end = _scan(bytes(source), 0)
+        shape, end = _scan(bytes(source))
         length = len(source) if end < 0 else end
     else:
         shape, length = _scan_stream(source)
@@ -363,7 +363,7 @@ def _scan_stream(stream: BinaryIO) -> tuple[_Shape, int]:
     while window <= _MAX_STREAMED:
         stream.seek(start)
         data = stream.read(window)
-        shape, end = _scan(data, 0)
+        shape, end = _scan(data)
         if end >= 0 or len(data) < window:
             length = end if end >= 0 else len(data)
             stream.seek(start + length)

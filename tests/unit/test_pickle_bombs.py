@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import struct
 import tarfile
 import time
 import tracemalloc
@@ -221,6 +222,24 @@ def test_a_re_zipped_torch_file_is_refused_not_read_as_compressed_bytes(
     )
 
 
+def test_a_zip_record_that_claims_more_bytes_than_the_file_holds_is_damaged(capsys, tmp_path):
+    path = tmp_path / "claims.pt"
+    torch.save({"w": torch.arange(6.0)}, path)
+    data = bytearray(path.read_bytes())
+    central = data.index(b"PK\x01\x02")  # data.pkl's entry comes first
+    data[central + 20 : central + 28] = struct.pack("<II", 2**31, 2**31)  # both sizes
+    path.write_bytes(bytes(data))
+    code, err, _ = run_timed(capsys, ["inspect", path])
+    assert (code, err) == (
+        3,
+        [
+            f"shardckpt: error: '{path}': is a damaged torch.save file (zip: record "
+            f"'claims/data.pkl' claims 2,147,483,648 bytes, which a file of {len(data):,} bytes "
+            "cannot hold): re-copy it from where it was written"
+        ],
+    )
+
+
 def test_a_torch_file_of_the_tar_format_is_refused_as_what_it_is(capsys, tmp_path):
     # With --trust-pickle, torch.load would unpickle its members: the bomb among them.
     path = tmp_path / "old.pt"
@@ -315,7 +334,7 @@ def test_real_checkpoints_pickles_build_far_less_than_one_object_per_byte(tmp_pa
                       for t in range(500) for c in chunks},
     )  # fmt: skip
     for data in (saved, pickle.dumps(metadata)):
-        shape, end = pickle_bounds._scan(data, 0)
+        shape, end = pickle_bounds._scan(data)
         built, depth = shape.measure()
         assert end == len(data) and built < len(data) / 2 and depth < 20
         check_pickle(data, "real")
