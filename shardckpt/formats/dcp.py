@@ -53,14 +53,20 @@ from shardckpt.formats.dcp_check import check_metadata
 from shardckpt.formats.dcp_rows import StoredRows
 from shardckpt.formats.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
 from shardckpt.formats.files import has_file, os_error, os_error_in
+from shardckpt.formats.pickle_bounds import check_pickle, check_torch_file
 from shardckpt.formats.pickle_scan import (
     TRUST_HINT,
+    DamagedPickle,
+    LoadFailure,
     first_line,
     judge_failed_load,
     quiet_protocol_warning,
 )
+from shardckpt.formats.zip_skeleton import FileSlice
 from shardckpt.sight import Sight
+from shardckpt.signals import Interrupted
 from shardckpt.tree import Chunk, TensorMeta, build
+from shardckpt.words import shown
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -129,8 +135,13 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
             hint=f"pass the DCP checkpoint directory itself, or {SRC_FORMAT} for another format",
         )
     try:
-        with open(file, "rb") as f:
-            md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise os_error(exc, file) from None
+    check_pickle(raw, file)
+    try:
+        stream = io.BytesIO(raw)
+        md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()
     except (UnsafePickleError, UnsupportedTorchError) as exc:
         raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
@@ -184,21 +195,26 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
+        file = self._file_of(read_item)
         try:
+            check_torch_file(value, file)
             with quiet_protocol_warning():
                 self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
             return
+        except DamagedPickle as exc:
+            failure = LoadFailure("damaged", str(exc))
         except pickle.UnpicklingError as exc:
             # Refused, or a damaged pickle: only the first may be told to trust the file.
             # Other failures are DcpReader's "cannot read checkpoint data".
             failure = judge_failed_load(exc, value, self.trust_pickle)
-        file = self._file_of(read_item)
         if failure.kind == "refused":
             raise UnsafePickleError(
-                f"refused to unpickle value {key!r} ({failure.reason})", path=file, hint=TRUST_HINT
+                f"refused to unpickle value {shown(key)} ({failure.reason})",
+                path=file,
+                hint=TRUST_HINT,
             )
         raise BadInputError(
-            f"value {key!r} is damaged ({failure.reason})",
+            f"value {shown(key)} is damaged ({failure.reason})",
             path=file,
             hint="re-copy the checkpoint from where it was written",
         )
@@ -227,6 +243,12 @@ class _Storage(FileSystemReader):
 
     def _slice_file(self, file, sinfo):
         self._reading = sinfo
+        if not sinfo.transform_descriptors:
+            # DCP torch.loads each stored entry (a torch.save zip) whole: its pickle passes
+            # the same check first. A transformed entry's zip exists only once DCP's
+            # extension has undone the transform (values are checked in load_bytes).
+            entry = FileSlice(file.fileno(), sinfo.offset, sinfo.offset + sinfo.length)
+            check_torch_file(io.BufferedReader(entry), Path(self.path) / sinfo.relative_path)
         return super()._slice_file(file, sinfo)
 
     def _key_being_read(self) -> str | None:
@@ -460,7 +482,8 @@ class DcpReader(Reader):
                 )
         except (Exception, CheckpointException) as exc:
             cause = _first_cause(exc)
-            if isinstance(cause, ShardckptError):
+            # DCP wraps every BaseException, a signal's too: that one still ends the run.
+            if isinstance(cause, (ShardckptError, Interrupted)):
                 raise cause from None
             text = str(cause).strip().splitlines()
             raise BadInputError(

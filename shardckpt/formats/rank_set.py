@@ -34,6 +34,7 @@ from shardckpt.formats.sharded_tensor_load import StoredShardedTensor
 from shardckpt.torch_internals import local_chunk
 from shardckpt.tree import Path as TreePath
 from shardckpt.tree import dotted, subtree, walk
+from shardckpt.words import shown
 
 MIXED = "keep one save's rank files in the directory"
 MIXED_WORLD_SIZES = (
@@ -170,7 +171,7 @@ def _difference(leaf: object, first: object, there: str) -> str:
 
     if values_equal(leaf, first):
         return ""
-    return f"is {_short(leaf)} here but {_short(first)} {there}"
+    return f"is {shown(leaf)} here but {shown(first)} {there}"
 
 
 def _describe(leaf: object) -> str:
@@ -195,11 +196,6 @@ def _a(noun: str) -> str:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _shard_layout(leaf: StoredShardedTensor) -> list[tuple]:

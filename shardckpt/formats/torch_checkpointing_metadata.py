@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.errors import BadInputError
+from shardckpt.errors import BadInputError, UnsafePickleError
 from shardckpt.formats.files import os_error, source_file
+from shardckpt.formats.pickle_bounds import check_pickle
 from shardckpt.torch_internals import shard_chunk
-from shardckpt.words import counted
+from shardckpt.words import clipped, counted, shown
 
 METADATA_FILE = "metadata.pkl"
 VERSION = "2.0"
@@ -44,14 +45,18 @@ TORCH = "TorchSerialization"
 DTENSOR = "DTensorShardingMetadata"
 
 
+class _Named(pickle.UnpicklingError):
+    """A pickle that names a class or callable, or data outside itself: code, not plain values."""
+
+
 class _PlainValues(pickle.Unpickler):
     """Unpickles plain values only: any class or callable the pickle names is refused."""
 
     def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain values are read")
+        raise _Named(f"names {clipped(f'{module}.{name}')}")
 
     def persistent_load(self, pid):
-        raise pickle.UnpicklingError("it refers to data outside the pickle")
+        raise _Named("refers to data outside the pickle")
 
 
 @dataclass(frozen=True)
@@ -100,22 +105,11 @@ def _need(ok: bool, what: str) -> None:
         raise _Lie(what)
 
 
-def _shown(value) -> str:
-    """Return ``value`` for a message: a number, None or a short str as itself, else its type."""
-    if value is None or isinstance(value, (bool, float)):
-        return repr(value)
-    if isinstance(value, int) and abs(value) < 10**18:
-        return str(value)
-    if isinstance(value, str) and len(value) <= 40:
-        return repr(value)
-    return f"a {type(value).__name__}"
-
-
 def _index(value, what: str, stop: int) -> int:
     """Return ``value`` when it is an int from 0 to ``stop - 1``; a bool (an int to Python) is not."""
     _need(
         isinstance(value, int) and not isinstance(value, bool) and 0 <= value < stop,
-        f"{what} is {_shown(value)}, not an int from 0 to {stop - 1}",
+        f"{what} is {shown(value)}, not an int from 0 to {stop - 1}",
     )
     return value
 
@@ -130,7 +124,9 @@ def _ints(value, what: str) -> tuple[int, ...]:
 
 
 def _dtype(name) -> torch.dtype:
-    _need(isinstance(name, str) and name.startswith("torch."), f"dtype {name!r} is not torch's")
+    _need(
+        isinstance(name, str) and name.startswith("torch."), f"dtype {shown(name)} is not torch's"
+    )
     dtype = getattr(torch, name[len("torch.") :], None)
     _need(isinstance(dtype, torch.dtype), f"dtype {name!r} is not torch's")
     return dtype
@@ -145,7 +141,7 @@ def _placements(raw, mesh_dims: int, ndim: int) -> tuple[str, ...]:
         if kind == "Replicate":
             out.append("Replicate")
             continue
-        _need(kind == "Shard", f"a placement of type {_shown(kind)} is not Shard or Replicate")
+        _need(kind == "Shard", f"a placement of type {shown(kind)} is not Shard or Replicate")
         _need(ndim > 0, "a Shard placement of a 0-d tensor")
         out.append(f"Shard({_index(p.get('dim'), 'the dim of a Shard placement', ndim)})")
     return tuple(out)
@@ -153,7 +149,7 @@ def _placements(raw, mesh_dims: int, ndim: int) -> tuple[str, ...]:
 
 def _sharding(packed, world_size: int) -> Sharding:
     _need(isinstance(packed, dict), "sharding metadata is not a mapping")
-    _need(packed.get("type") == DTENSOR, f"sharding metadata of type {packed.get('type')!r}")
+    _need(packed.get("type") == DTENSOR, f"sharding metadata of type {shown(packed.get('type'))}")
     data = packed.get("data")
     _need(isinstance(data, dict), "sharding metadata has no data")
     shape = _ints(data.get("global_shape"), "global_shape")
@@ -193,7 +189,7 @@ def _path(text) -> tuple:
             isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
             for k in path
         ),
-        f"nested path {text!r} is not a JSON list of keys",
+        f"nested path {shown(text)} is not a JSON list of keys",
     )
     return tuple(path)
 
@@ -224,11 +220,11 @@ def _item(key: str, raw, world_size: int) -> Item:
             kind = form.get("type") if isinstance(form, dict) else None
             _need(
                 isinstance(file, str) and plain_file_name(file),
-                f"item {key!r}: rank {rank}'s file {file!r} is not a file name in the directory",
+                f"item {key!r}: rank {rank}'s file {shown(file)} is not a file name in the directory",
             )
             _need(
                 kind in (SAFETENSORS, TORCH),
-                f"item {key!r} is stored as {kind!r}; shardckpt reads safetensors and torch.save",
+                f"item {key!r} is stored as {shown(kind)}; shardckpt reads safetensors and torch.save",
             )
             files[rank] = file
         kinds.add(kind)
@@ -301,8 +297,16 @@ def read_metadata(root: Path) -> Metadata:
         raw = source_file(path, root).read_bytes()
     except OSError as exc:
         raise os_error(exc, path) from None
+    check_pickle(raw, path)
     try:
         data = _PlainValues(io.BytesIO(raw)).load()
+    except _Named as exc:
+        raise UnsafePickleError(
+            f"refused to unpickle ({exc}; torch_checkpointing writes plain values only)",
+            path=path,
+            hint="shardckpt runs no code from metadata.pkl, with --trust-pickle or without; "
+            "use the metadata.pkl torch_checkpointing wrote",
+        ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
             AttributeError, RecursionError, MemoryError) as exc:  # fmt: skip
         raise BadInputError(
@@ -312,7 +316,9 @@ def read_metadata(root: Path) -> Metadata:
         ) from None
     try:
         _need(isinstance(data, dict), "the top level is not a mapping")
-        _need(data.get("version") == VERSION, f"version {data.get('version')!r}, not {VERSION!r}")
+        _need(
+            data.get("version") == VERSION, f"version {shown(data.get('version'))}, not {VERSION!r}"
+        )
         world_size = data.get("world_size")
         _need(
             isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
@@ -330,7 +336,7 @@ def read_metadata(root: Path) -> Metadata:
         _need(isinstance(items, dict), "metadata is not a mapping of items")
         parsed = {}
         for key, raw_item in items.items():
-            _need(isinstance(key, str) and key, f"item key {key!r} is not a name")
+            _need(isinstance(key, str) and key, f"item key {shown(key)} is not a name")
             parsed[key] = _item(key, raw_item, world_size)
         _check_unshared(parsed)
     except _Lie as exc:

@@ -20,7 +20,13 @@ import torch
 from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.formats.files import os_error, source_file, source_stat, writing
-from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
+from shardckpt.formats.pickle_bounds import check_torch_file
+from shardckpt.formats.pickle_scan import (
+    TRUST_HINT,
+    DamagedPickle,
+    judge_failed_load,
+    quiet_protocol_warning,
+)
 from shardckpt.formats.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.regions import Region, spread
 from shardckpt.torch_internals import missing_safe_globals, storage_key
@@ -36,7 +42,8 @@ def load(
     load allows the DTensor classes newer torch releases allow, ``missing_safe_globals``);
     ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
     A failure is told as unsafe (only then is ``--trust-pickle`` suggested), damaged or
-    unreadable (``pickle_scan.judge_failed_load``).
+    unreadable (``pickle_scan.judge_failed_load``). Before torch sees the file, its
+    pickles pass ``pickle_bounds.check_torch_file``, trusted or not.
     """
     if stat.S_ISDIR(source_stat(path).st_mode):
         raise BadInputError(
@@ -45,6 +52,12 @@ def load(
             hint=f"pass the file itself, or {SRC_FORMAT} dcp for a DCP directory",
         )
     source_file(path)
+    try:
+        check_torch_file(path, path)
+    except DamagedPickle as exc:
+        raise _damaged(path, str(exc)) from None
+    except OSError as exc:
+        raise os_error(exc, path) from None
     options: dict = {"weights_only": not trust_pickle}
     allowed = [*missing_safe_globals(), *safe_globals]
     if trust_pickle and trusted_pickle is not None:
@@ -67,15 +80,19 @@ def load(
             f"refused to unpickle ({failure.reason})", path=path, hint=TRUST_HINT
         )
     if failure.kind == "damaged":
-        raise BadInputError(
-            f"is a damaged torch.save file ({failure.reason})",
-            path=path,
-            hint="re-copy it from where it was written",
-        )
+        raise _damaged(path, failure.reason)
     raise BadInputError(
         f"not a readable torch.save file ({failure.reason})",
         path=path,
         hint=f"the file is truncated or in another format; name its format with {SRC_FORMAT}",
+    )
+
+
+def _damaged(path: Path, reason: str) -> BadInputError:
+    return BadInputError(
+        f"is a damaged torch.save file ({reason})",
+        path=path,
+        hint="re-copy it from where it was written",
     )
 
 

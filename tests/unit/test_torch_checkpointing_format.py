@@ -322,7 +322,7 @@ SHARD_DIM = WEIGHT + "the dim of a Shard placement is {}, not an int from 0 to 1
         (_set_dim(2), SHARD_DIM.format("2")),
         (_set_dim("0"), SHARD_DIM.format("'0'")),
         (_set_dim(None), SHARD_DIM.format("None")),
-        (_set_dim([0]), SHARD_DIM.format("a list")),
+        (_set_dim([0]), SHARD_DIM.format("[0]")),
         (_group_ranks, WEIGHT + "a rank of a sharding group is True, not an int from 0 to 1"),
         (_bool_layout_ranks, "item 'model': a rank of rank_to_layout_info is False, not an int from 0 to 1"),
         (_float_layout_rank, "item 'model': a rank of rank_to_layout_info is 1.0, not an int from 0 to 1"),
