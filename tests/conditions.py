@@ -1,7 +1,7 @@
-"""Real adverse conditions for tests: a full disk, an unreadable file.
+"""Real adverse conditions for tests: a full disk, an unreadable file, a memory cap.
 
-Both need privileges a CI machine may not give; each helper skips, with the reason,
-where it cannot make the condition for real.
+Most need privileges a CI machine may not give; each such helper skips, with the
+reason, where it cannot make the condition for real.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,3 +164,31 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def run_capped(argv: list, memory_bytes: int, timeout: float = 120) -> tuple[int, str, float]:
+    """Run ``python -m shardckpt ARGV`` with its address space capped at ``memory_bytes``.
+
+    Return its exit code, its last line on stderr and its wall seconds. The cap
+    (``RLIMIT_AS``) needs no privilege: a run that would fill memory fails at the cap
+    in its own process instead of taking the machine with it, and one that would run
+    for hours is killed at ``timeout`` (exit code -9).
+    """
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    cmd = [sys.executable, "-m", "shardckpt", *map(str, argv)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # no thread pool reserving address space
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=capped,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    lines = err.strip().splitlines()
+    return proc.returncode, lines[-1] if lines else "", time.monotonic() - start

@@ -1,5 +1,6 @@
 """Functions run on gloo ranks for the ``--hf-config`` tests: a transformers model trained
-under FSDP2 and saved as a training job saves it (importable by spawned ranks)."""
+under FSDP2 and saved as a training job saves it (importable by spawned ranks); the tiny
+Llama those tests export."""
 
 from __future__ import annotations
 
@@ -7,6 +8,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
+
+
+def tiny_llama():
+    """Return a randomly initialised Llama of 2 layers and 21 tensors (tied embeddings), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
 
 
 def save_fsdp2_dcp(model_dir: str, dcp_dir: str) -> None:

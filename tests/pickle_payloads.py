@@ -20,11 +20,14 @@ import pickle
 import shlex
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from isal import isal_zlib
 
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 SHARDED_TENSOR = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
@@ -204,3 +207,186 @@ def torch_save_bytes(pickle_bytes: bytes) -> bytes:
         for name, data in records:
             zf.writestr(name, pickle_bytes if name.endswith("/data.pkl") else data)
     return out.getvalue()
+
+
+def lightning_dir(path: Path, pickle_bytes: bytes) -> Path:
+    """Write a DCP checkpoint with ``pickle_bytes`` as the pickle of Lightning's ``meta.pt`` beside it."""
+    dcp_dir(path)
+    torch_file(path / "meta.pt", pickle_bytes)
+    return path
+
+
+@dataclass(frozen=True)
+class Carrier:
+    """A format that unpickles: how to hide a pickle in it, its ``--format`` name, the file refused."""
+
+    build: Callable[[Path, bytes], Path]
+    fmt: str
+    refused: Callable[[Path], Path]
+
+
+CARRIERS = {
+    "torch": Carrier(lambda d, pk: torch_file(d / "evil.pt", pk), "torch", lambda src: src),
+    "dcp-metadata": Carrier(
+        lambda d, pk: dcp_with_metadata(d / "ckpt", pk), "dcp", lambda src: src / ".metadata"
+    ),
+    "dcp-value": Carrier(
+        lambda d, pk: dcp_with_value(d / "ckpt", torch_save_bytes(pk)),
+        "dcp",
+        lambda src: src / "__0_0.distcp",
+    ),
+    "lightning-meta": Carrier(
+        lambda d, pk: lightning_dir(d / "ckpt", pk), "lightning", lambda src: src / "meta.pt"
+    ),
+    "fsdp2-ranks": Carrier(
+        lambda d, pk: rank_dir(d / "ranks", pk), "fsdp2-ranks", lambda src: src / "rank_0.pt"
+    ),
+    "fsdp1-sharded": Carrier(
+        lambda d, pk: rank_dir(d / "ranks", as_state_dict(pk)),
+        "fsdp1-sharded",
+        lambda src: src / "rank_0.pt",
+    ),
+    "fsdp1-local": Carrier(
+        lambda d, pk: rank_dir(d / "ranks", as_state_dict(pk, flat_param=True)),
+        "fsdp1-local",
+        lambda src: src / "rank_0.pt",
+    ),
+}
+"""Every format that unpickles with torch's loaders, and where in it a pickle goes."""
+
+
+# Pickles that name nothing unsafe but cost without bound once built: each is a few hundred
+# bytes (or a few hundred kilobytes) that, unpickled, hashes, prints or walks for hours,
+# inside C where no signal is acted on. Every object below is reused through the memo.
+
+
+def _get(index: int) -> bytes:
+    return pickle.LONG_BINGET + struct.pack("<I", index)
+
+
+def _put(index: int) -> bytes:
+    return pickle.LONG_BINPUT + struct.pack("<I", index)
+
+
+def _tuple_dag(levels: int) -> bytes:
+    """Push ``t[levels]``, where ``t[0] = ()`` and ``t[i + 1] = (t[i], t[i])``: 2**levels tuples once expanded."""
+    out = pickle.EMPTY_TUPLE + _put(0)
+    for i in range(levels):
+        out += _get(i) + pickle.TUPLE2 + _put(i + 1)
+    return out
+
+
+def tuple_dag_key(levels: int = 40) -> bytes:
+    """Return ``{t: None}`` with ``t`` the tuple DAG: inserting the key hashes 2**levels tuples."""
+    return (
+        _proto(2)
+        + pickle.EMPTY_DICT
+        + _tuple_dag(levels)
+        + pickle.NONE
+        + pickle.SETITEM
+        + pickle.STOP
+    )
+
+
+def dropped_dag_key(levels: int = 40) -> bytes:
+    """Return ``{}``, after a dict keyed by the tuple DAG that the pickle builds and drops (POP).
+
+    Torch's weights-only loader reads no POP; pickle's own unpicklers (DCP's metadata,
+    ``--trust-pickle``) do, and hash the key all the same.
+    """
+    dropped = pickle.EMPTY_DICT + _tuple_dag(levels) + pickle.NONE + pickle.SETITEM + pickle.POP
+    return _proto(2) + dropped + pickle.EMPTY_DICT + pickle.STOP
+
+
+def list_dag_value(levels: int = 40, key: str = "version") -> bytes:
+    """Return ``{key: [l[0], ..., l[levels]]}`` with ``l[i + 1] = [l[i], l[i]]``: its ``repr`` never ends."""
+    out = _proto(2) + pickle.EMPTY_DICT + _str(key) + pickle.EMPTY_LIST + pickle.MARK
+    out += pickle.EMPTY_LIST + _put(0)
+    for i in range(levels):
+        out += pickle.EMPTY_LIST + _put(i + 1) + pickle.MARK + _get(i) + _get(i) + pickle.APPENDS
+    return out + pickle.APPENDS + pickle.SETITEM + pickle.STOP
+
+
+def late_filled_lists(levels: int = 40) -> bytes:
+    """Return ``{"w": [l[0], ..., l[levels], ...]}``, the list DAG filled from the top down.
+
+    Every list is made empty first, then ``l[i]`` gets its two copies of ``l[i - 1]``
+    from ``i = levels`` down: each list is already held by the one above when its parts
+    arrive, so a count taken as each list is finished sees two parts at each level.
+    """
+    out = _proto(2) + pickle.EMPTY_DICT + _str("w") + pickle.EMPTY_LIST + pickle.MARK
+    for i in range(levels + 1):
+        out += pickle.EMPTY_LIST + _put(i)
+    for i in range(levels, 0, -1):
+        out += _get(i) + pickle.MARK + _get(i - 1) + _get(i - 1) + pickle.APPENDS
+    return out + pickle.APPENDS + pickle.SETITEM + pickle.STOP
+
+
+def deep_tuple_key(depth: int = 200_000) -> bytes:
+    """Return ``{((((),),),...): None}``, tuples nested ``depth`` deep (200 KB).
+
+    Hashing the key recurses in C: Python's own unpickler crashes (SIGSEGV) at this depth.
+    """
+    nested = pickle.EMPTY_TUPLE + pickle.TUPLE1 * depth
+    return _proto(2) + pickle.EMPTY_DICT + nested + pickle.NONE + pickle.SETITEM + pickle.STOP
+
+
+def one_key_in_many_dicts(levels: int = 18, dicts: int = 64) -> bytes:
+    """Return ``{}``, after ``dicts`` dicts each keyed by one tuple DAG and dropped: each insertion hashes it."""
+    each = pickle.EMPTY_DICT + _get(levels) + pickle.NONE + pickle.SETITEM + pickle.POP
+    return (
+        _proto(2) + _tuple_dag(levels) + pickle.POP + each * dicts + pickle.EMPTY_DICT + pickle.STOP
+    )
+
+
+BOMBS: dict[str, Callable[[], bytes]] = {
+    "tuple-dag-key": tuple_dag_key,
+    "dropped-dag-key": dropped_dag_key,
+    "list-dag-value": list_dag_value,
+    "late-filled-lists": late_filled_lists,
+    "deep-tuple-key": deep_tuple_key,
+}
+
+
+def deflated_torch_file(path: Path, inflated: int = 2**31) -> Path:
+    """Write a ``torch.save`` zip whose ``data.pkl`` is deflated zeros that inflate to ``inflated`` bytes.
+
+    One deflate block of 1 MiB of zeros, flushed so that it stands alone, is repeated:
+    a 2 GiB ``data.pkl`` in about 2 MB, written in well under a second.
+    """
+    chunk = 1 << 20
+    assert inflated % chunk == 0 and inflated < 2**32  # no zip64 fields needed
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = squeeze.compress(bytes(chunk)) + squeeze.flush(zlib.Z_FULL_FLUSH)
+    deflated = block * (inflated // chunk) + squeeze.flush(zlib.Z_FINISH)
+    crc = one = zlib.crc32(bytes(chunk))
+    for _ in range(inflated // chunk - 1):
+        crc = isal_zlib.crc32_combine(crc, one, chunk)
+    name = b"archive/data.pkl"
+    fields = struct.pack(
+        "<HHHIIIHH", zipfile.ZIP_DEFLATED, 0, 0, crc, len(deflated), inflated, len(name), 0
+    )
+    local = b"PK\x03\x04" + struct.pack("<HH", 20, 0) + fields + name
+    central = (
+        b"PK\x01\x02"
+        + struct.pack("<HHH", 20, 20, 0)
+        + fields
+        + struct.pack("<HHHII", 0, 0, 0, 0, 0)
+        + name
+    )
+    end = b"PK\x05\x06" + struct.pack(
+        "<HHHHIIH", 0, 0, 1, 1, len(central), len(local) + len(deflated), 0
+    )
+    path.write_bytes(local + deflated + central + end)
+    return path
+
+
+def rezipped(torch_file_path: Path, which: Callable[[str], bool] = lambda name: True) -> Path:
+    """Re-zip a ``torch.save`` file with its records ``which`` names deflated (all: as ``zip -r`` does)."""
+    with zipfile.ZipFile(torch_file_path) as zf:
+        records = [(info.filename, zf.read(info)) for info in zf.infolist()]
+    with zipfile.ZipFile(torch_file_path, "w") as zf:
+        for name, data in records:
+            method = zipfile.ZIP_DEFLATED if which(name) else zipfile.ZIP_STORED
+            zf.writestr(name, data, compress_type=method)
+    return torch_file_path

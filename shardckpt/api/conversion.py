@@ -1,9 +1,12 @@
 """``convert``: another layout, format or world size, exactly, in named steps.
 
 Call order (every rank makes every call, with the same request):
-  1) ``prepare`` (inside the first agreed step, so a bad input seen by any rank stops
-     all of them with one error): check the request, open SRC, plan, lay out DST's writer.
-  2) ``write`` (not on a dry run): open DST, fill it (``engine.fill``), ``--verify`` it,
+  1) ``validate`` (an agreed step: a bad input seen by any rank stops all of them with
+     one error): the request, the output format, the option rules, no I/O but configs.
+  2) ``Destination.check`` (unless a dry run), judged by each rank where it sees DST
+     (its node's disk) and agreed in one collective before anything waits on every rank.
+  3) ``prepare`` (an agreed step): open SRC, plan, lay out DST's writer.
+  4) ``write`` (not on a dry run): open DST, fill it (``engine.fill``), ``--verify`` it,
      rename it into place; on any failure no DST is left.
 """
 
@@ -26,14 +29,22 @@ from shardckpt.core.sight import Sight, look
 from shardckpt.core.words import counted
 from shardckpt.engine import fill
 from shardckpt.engine.exchange import SharedReader
-from shardckpt.formats import FILE_SUFFIXES, Format, default_format, format_named, holds_checkpoint
+from shardckpt.formats import (
+    FILE_SUFFIXES,
+    Format,
+    checkpoint_files,
+    default_format,
+    format_named,
+)
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.formats.fsdp1.flat_layout import FlatModel
-from shardckpt.formats.hf.config import HfConfig, check_names, config_beside
+from shardckpt.formats.hf.config import HfConfig, check_names, config_beside, config_in
 from shardckpt.formats.hf.config import hf_config as read_hf_config
 from shardckpt.plan.cast import CastReader, dtype_name, target_dtype
 from shardckpt.plan.plan import ConvertPlan, make_plan
 from shardckpt.plan.selection import Selection, parse_edit
+from shardckpt.plan.world_limits import check_rank_work
+from shardckpt.plan.world_limits import check_world_size as check_most_ranks
 from shardckpt.state.choices import LAYOUTS
 from shardckpt.state.model import model_params
 
@@ -83,9 +94,14 @@ def convert(
         overwrite=request.overwrite,
         is_dir=form is not None and form.directory,
         srcs=(Path(request.src),),
-        holds_checkpoint=holds_checkpoint,
+        checkpoint_files=checkpoint_files,
     )
-    prepared = runtime.agreed(lambda: prepare(request, form, destination, runtime))
+    valid = runtime.agreed(lambda: validate(request, form, runtime))
+    if not request.dry_run:
+        # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
+        # before anything that waits on every rank (listing SRC, reading it) starts.
+        runtime.check(destination.check)
+    prepared = runtime.agreed(lambda: prepare(request, valid, destination, runtime))
     verified = None if request.dry_run else write(request, prepared, destination, runtime, progress)
     plan = prepared.plan
     return ConvertResult(
@@ -111,13 +127,24 @@ def output_format(request: ConvertRequest) -> Format | None:
     return format_named(request.format or default_format(request.to, request.dst))
 
 
-# ---------------------------------------------------------------- 1) prepare
+# ---------------------------------------------------------------- 1) validate
 
 
-def prepare(
-    request: ConvertRequest, form: Format | None, destination: Destination, runtime: Runtime
-) -> Prepared:
-    """Check the request against the output and SRC, open SRC, plan, and make DST's writer."""
+@dataclass(frozen=True)
+class Valid:
+    """What ``validate`` made of a request: the output format, world size, rules' view, selection."""
+
+    form: Format
+    world_size: int
+    choice: applies.Choice
+    companions: HfConfig | None
+    cast_to: object
+    """The dtype model tensors are cast to (``torch.dtype``), or None."""
+    selection: Selection
+
+
+def validate(request: ConvertRequest, form: Format | None, runtime: Runtime) -> Valid:
+    """Check the request against the output format and the option rules; read ``--hf-config``."""
     request.check()
     assert form is not None  # check() refuses the --to that has none
     _check_output(request, form)
@@ -129,9 +156,17 @@ def prepare(
     companions = read_hf_config(request.hf_config) if request.hf_config is not None else None
     _check_dst_name(request.dst, form)
     cast_to = target_dtype(choice.dtype)
-    selection = _selection(request)
-    if not request.dry_run:
-        destination.check()
+    return Valid(form, world_size, choice, companions, cast_to, _selection(request))
+
+
+# ---------------------------------------------------------------- 3) prepare
+
+
+def prepare(
+    request: ConvertRequest, valid: Valid, destination: Destination, runtime: Runtime
+) -> Prepared:
+    """Open SRC, plan, and make DST's writer."""
+    form, choice = valid.form, valid.choice
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
     sight = _source_sight(request, runtime)
     reader = open_checked(
@@ -149,9 +184,11 @@ def prepare(
             path=request.src,
             hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
         )
-    plan = _plan(request, reader, form, selection, world_size, cast_to, flat_model, runtime)
+    plan = _plan(request, reader, valid, flat_model, runtime)
+    if request.to != "full":
+        _check_rank_work(plan, form)
     if form.name == "hf":
-        plan = _with_hf_config(plan, companions, request.src, runtime)
+        plan = _with_hf_config(plan, valid.companions, request.src, runtime)
     reader.check_selected(plan.tree)
     if runtime.coordinator:
         for note in form.notes(plan.tree, plan.world_size):
@@ -215,7 +252,8 @@ def _target_world_size(request: ConvertRequest, runtime: Runtime) -> int:
 
 
 def _check_world_size(form: Format, world_size: int) -> None:
-    """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD)."""
+    """Refuse a world size the format cannot describe (FSDP1 on one rank runs NO_SHARD), or too many ranks."""
+    check_most_ranks(world_size)
     if world_size < form.min_world_size:
         raise UsageError(
             f"--format {form.name} for --world-size {world_size}: FSDP1 on one rank runs "
@@ -223,6 +261,18 @@ def _check_world_size(form: Format, world_size: int) -> None:
             hint="convert --to full for a one-rank job (it loads with FULL_STATE_DICT), "
             f"or pass --world-size {form.min_world_size} or more",
         )
+
+
+def _check_rank_work(plan: ConvertPlan, form: Format) -> None:
+    """Refuse a world size out of proportion with what each rank would hold (``world_limits``)."""
+    metas = [m for _, m in plan.tensors]
+    if form.needs_model:  # FSDP1's flat parameters are split by elements, not rows
+        parts = sum(m.numel for m in metas)
+        what = f"SRC's tensors hold {parts} elements in all"
+    else:
+        parts = max((m.shape[0] for m in metas if m.shape), default=0)
+        what = f"SRC's tensors have at most {parts} rows"
+    check_rank_work(plan.world_size, parts, what, len(metas) + plan.num_values)
 
 
 def _choice(request: ConvertRequest, form: Format, runtime: Runtime) -> applies.Choice:
@@ -277,14 +327,12 @@ def _source_sight(request: ConvertRequest, runtime: Runtime) -> Sight | None:
 def _plan(
     request: ConvertRequest,
     reader: Reader,
-    form: Format,
-    selection: Selection,
-    world_size: int,
-    cast_to,
+    valid: Valid,
     flat_model: FlatModel | None,
     runtime: Runtime,
 ) -> ConvertPlan:
     """Return the frozen plan: the selected tree, its tensors, who writes what, in batches."""
+    form = valid.form
     index = reader.index()
     carried = [p.file for p in index.parts if p.key is None]
     if carried and not form.carries_files and runtime.coordinator:
@@ -295,11 +343,11 @@ def _plan(
         )
     return make_plan(
         index,
-        selection,
+        valid.selection,
         form.name,
-        world_size,
+        valid.world_size,
         request.buffer_bytes,
-        dtype=cast_to,
+        dtype=valid.cast_to,
         cast_optim=request.cast_optim,
         max_shard_size=request.max_shard_size,
         flat_model=flat_model,
@@ -310,15 +358,21 @@ def _plan(
 def _with_hf_config(
     plan: ConvertPlan, companions: HfConfig | None, src, runtime: Runtime
 ) -> ConvertPlan:
-    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found beside SRC."""
+    """Return ``plan`` with the config files an ``hf`` DST gets: named, else found in SRC."""
 
     def note(text: str) -> None:
         if runtime.coordinator:
             notice(text)
 
     if companions is None:
-        found = config_beside(src)
+        found = config_in(src)
         if found is None:
+            # The directory SRC sits in may be a shared download folder: another model's.
+            if (beside := config_beside(src)) is not None:
+                note(
+                    f"not copying config.json from '{beside}', the directory SRC is in: pass "
+                    f"--hf-config '{beside}' if it is this model's"
+                )
             return plan
         try:
             companions = read_hf_config(found, detected=True)

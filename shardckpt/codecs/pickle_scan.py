@@ -19,7 +19,6 @@ import pickletools
 import re
 import warnings
 import zipfile
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,8 +50,28 @@ class DamagedPickle(Exception):
     """A pickle (or the zip it is stored in) that does not decode: damaged, not unsafe."""
 
 
+class DamagedZip(DamagedPickle):
+    """A ``torch.save`` zip that does not read: torch's own zip reader may read it otherwise, so nothing of it is loaded."""
+
+
 class NotTorchFile(Exception):
     """Bytes that are neither a ``torch.save`` zip nor a legacy ``torch.save`` pickle stream."""
+
+
+class CompressedRecord(NotTorchFile):
+    """A zip with a compressed record, which ``torch.save`` never writes.
+
+    ``torch.load`` would inflate such a ``data.pkl`` whatever size it claims, and reads
+    a memory-mapped compressed tensor record as if its bytes were the tensor's.
+    """
+
+    def __init__(self, name: str, method: int):
+        self.name = name
+        self.method = _METHODS.get(method, f"method {method}")
+        super().__init__(f"record {name!r} is compressed ({self.method})")
+
+
+_METHODS = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}
 
 
 @dataclass(frozen=True)
@@ -120,18 +139,20 @@ class _Discard(io.TextIOBase):
 
 
 @contextmanager
-def _torch_pickles(source: str | os.PathLike | BinaryIO) -> Iterator[list[BinaryIO]]:
+def torch_pickles(source: str | os.PathLike | BinaryIO) -> Iterator[list[BinaryIO]]:
     """Yield the pickles of a ``torch.save`` file or stream, each as a stream at its start.
 
-    A zip's ``data.pkl`` is read whole, so its CRC is checked; the legacy format's five
-    pickles follow each other in one stream, so that stream is listed five times and
-    each reader of one pickle leaves it at the start of the next.
+    A zip's ``data.pkl`` is read whole, so its CRC is checked, and every record named so
+    is listed: torch's zip reader matches names regardless of case, and which of two it
+    takes is its own affair. The legacy format's five pickles follow each other in one
+    stream, so that stream is listed five times and each reader of one pickle leaves it
+    at the start of the next.
     """
-    with _opened(source) as stream:
+    with opened(source) as stream:
         head = stream.read(4)
         stream.seek(0)
         if head == _ZIP_MAGIC:
-            yield [io.BytesIO(_data_pkl(stream))]
+            yield [io.BytesIO(data) for data in _data_pkls(stream)]
         elif head[:1] == pickle.PROTO and _starts_with_magic(stream):
             stream.seek(0)
             yield [stream] * _LEGACY_PICKLES
@@ -140,13 +161,17 @@ def _torch_pickles(source: str | os.PathLike | BinaryIO) -> Iterator[list[Binary
 
 
 @contextmanager
-def _opened(source: str | os.PathLike | BinaryIO) -> Iterator[BinaryIO]:
+def opened(source: str | os.PathLike | BinaryIO) -> Iterator[BinaryIO]:
+    """Yield ``source`` as a binary stream at its start: a path opened, a stream rewound (before and after)."""
     if isinstance(source, (str, os.PathLike)):
         with open(source, "rb") as f:
             yield f
     else:
         source.seek(0)
-        yield source
+        try:
+            yield source
+        finally:
+            source.seek(0)
 
 
 def _starts_with_magic(stream: BinaryIO) -> bool:
@@ -157,22 +182,37 @@ def _starts_with_magic(stream: BinaryIO) -> bool:
         raise DamagedPickle(str(exc)) from None
 
 
-def _data_pkl(stream: BinaryIO) -> bytes:
+def _data_pkls(stream: BinaryIO) -> list[bytes]:
+    """Return the ``data.pkl`` records of a zip, read as stored; nothing is ever inflated."""
     try:
         with zipfile.ZipFile(stream) as zf:
-            names = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            size = stream.seek(0, os.SEEK_END)
+            for info in zf.infolist():
+                _check_stored(info, size)
+            names = [i for i in zf.infolist() if i.filename.lower().endswith("data.pkl")]
             if not names:
                 raise NotTorchFile("a zip without data.pkl")
-            return zf.read(names[0])
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, ValueError) as exc:
-        raise DamagedPickle(f"zip: {exc}") from None
+            return [zf.read(info) for info in names]
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
+        raise DamagedZip(f"zip: {exc}") from None
+
+
+def _check_stored(info: zipfile.ZipInfo, size: int) -> None:
+    """Raise unless ``info`` is a stored record (as ``torch.save`` writes each) that fits in a zip of ``size`` bytes."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CompressedRecord(info.filename, info.compress_type)
+    if info.file_size != info.compress_size or info.header_offset + info.file_size > size:
+        raise DamagedZip(
+            f"zip: record {info.filename!r} claims {info.file_size:,} bytes, which a file of "
+            f"{size:,} bytes cannot hold"
+        )
 
 
 def scan_torch_file(source: str | os.PathLike | BinaryIO) -> Scan:
     """Return what the pickles of a ``torch.save`` file name; raise ``DamagedPickle`` or ``NotTorchFile``."""
     names: set[str] = set()
     strings: set[str] = set()
-    with _torch_pickles(source) as pickles:
+    with torch_pickles(source) as pickles:
         for stream in pickles:
             found = scan(stream)
             names |= found.globals
@@ -183,7 +223,7 @@ def scan_torch_file(source: str | os.PathLike | BinaryIO) -> Scan:
 def damage(source: str | os.PathLike | BinaryIO) -> str | None:
     """Return what is damaged in a ``torch.save`` file's pickles, or None when they all decode."""
     try:
-        with _torch_pickles(source) as pickles:
+        with torch_pickles(source) as pickles:
             for stream in pickles:
                 check(stream)
     except DamagedPickle as exc:

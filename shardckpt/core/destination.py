@@ -1,9 +1,10 @@
 """Outputs that appear only when complete: written beside DST, renamed into place.
 
 Protocol (in this order):
-  1) (every rank) ``check()`` before any collective, looking only: refuse a DST that is
-     SRC, inside SRC or around it, the current directory or one around it, an existing
-     DST without --overwrite, and with --overwrite a directory that holds no checkpoint.
+  1) (every rank) ``check()`` before any collective, looking and reading metadata only:
+     refuse a DST that is SRC, inside SRC or around it, the current directory or one
+     around it, an existing DST without --overwrite, and with --overwrite one that does
+     not read as a checkpoint or holds anything besides its files.
   2) (coordinator; with DST on the nodes' own disks, the lowest rank of each node:
      ``placement.py``) ``open()`` takes the exclusive lock on DST for the whole run
      (``shardckpt.core.lock``), repairs what a killed run left in DST's directory, checks
@@ -24,9 +25,10 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from shardckpt.core.errors import (
     DestinationExistsError,
@@ -38,6 +40,17 @@ from shardckpt.core.errors import (
 from shardckpt.core.lock import FileLock, LockBusy, read_owner
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardckpt-(?P<kind>partial|old)$")
+_OURS = re.compile(r"^\..+\.shardckpt-(?:partial|old|lock)$")
+"""What shardckpt leaves beside an output it writes: staging, moved-aside old output, lock."""
+
+CheckpointFiles = Callable[[Path], "tuple[str, frozenset[str]] | None"]
+"""How ``--overwrite`` asks what a path holds (``formats.checkpoint_files``): the title of
+the checkpoint it reads as and the files it is made of, None when it names no format;
+raises when a format it names does not read."""
+
+
+def _no_checkpoints(_path: Path) -> tuple[str, frozenset[str]] | None:
+    return None
 
 
 def _real(path: str | os.PathLike) -> Path:
@@ -73,15 +86,13 @@ class Destination:
         overwrite: bool,
         is_dir: bool,
         srcs: tuple[Path, ...] = (),
-        holds_checkpoint: Callable[[Path], bool] = lambda _directory: False,
+        checkpoint_files: CheckpointFiles = _no_checkpoints,
     ):
         self.dst = Path(dst)
         self.overwrite = overwrite
         self.is_dir = is_dir
         self.srcs = srcs
-        # Asked of an existing directory DST before --overwrite replaces it; the formats
-        # know what a checkpoint is, so the caller supplies it (refuse, when it does not).
-        self._holds_checkpoint = holds_checkpoint
+        self.checkpoint_files = checkpoint_files
         name = self.dst.name
         self.tmp = self.dst.with_name(f".{name}.shardckpt-partial") if name else self.dst
         self._old = self.dst.with_name(f".{name}.shardckpt-old") if name else self.dst
@@ -95,7 +106,7 @@ class Destination:
     # ------------------------------------------------------------ 1) every rank
 
     def check(self) -> None:
-        """Raise when DST may not be written; does no I/O beyond looking."""
+        """Raise when DST may not be written; writes nothing (with --overwrite, reads DST's metadata)."""
         dst = _real(self.dst)
         cwd = _real(os.getcwd())
         if self.dst.name in ("", ".", "..") or _within(cwd, dst):
@@ -118,21 +129,65 @@ class Destination:
                     path=self.dst,
                     hint="write the conversion somewhere else; SRC is never modified",
                 )
-        self._check_existing()
+        self._check_existing(locked=False)
 
-    def _check_existing(self) -> None:
+    def _check_existing(self, *, locked: bool) -> None:
         if not _lexists(self.dst):
             return
         if not self.overwrite:
             raise DestinationExistsError(
                 "already exists", path=self.dst, hint="pass --overwrite to replace it"
             )
-        if self.dst.is_dir() and not self.dst.is_symlink() and not self._holds_checkpoint(self.dst):
+        if self.dst.is_symlink():
+            return  # replaced, never followed: removing the link loses nothing
+        before = _identity(self.dst)
+        why = self._not_replaceable()
+        # Unlocked, another run may be renaming its output onto DST while it is read:
+        # a DST that changed under the reading is judged again under the lock, in open().
+        if why is not None and (locked or _identity(self.dst) == before):
             raise UsageError(
-                "is a directory that holds no checkpoint, so --overwrite will not replace it",
+                f"{why}, so --overwrite will not replace it",
                 path=self.dst,
                 hint="remove it yourself if you mean it, or choose another DST",
             )
+
+    def _not_replaceable(self) -> str | None:
+        """Return what DST holds that is no checkpoint's file, or None when it may be replaced.
+
+        Replaced is an empty file or directory, and what reads as a checkpoint (metadata
+        only) and, for a directory, holds nothing else: every entry, down the tree and
+        links not followed, is a file of that checkpoint or shardckpt's own leftover.
+        """
+        try:
+            st = self.dst.lstat()
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if (st.st_size == 0 and stat.S_ISREG(st.st_mode)) or (
+                is_dir and not any(self.dst.iterdir())
+            ):
+                return None
+            found = self.checkpoint_files(self.dst)
+            if found is None:
+                return f"is a {'directory' if is_dir else 'file'} that holds no checkpoint"
+            title, members = found
+            stranger = _stranger(self.dst, members) if is_dir else None
+        except Exception as exc:  # noqa: BLE001 - whatever stops the reading, DST is not known safe
+            return f"does not read as the checkpoint it looks like ({self._reason(exc)})"
+        if stranger is not None:
+            return f"holds '{stranger}', which is no part of the {title} checkpoint in it"
+        return None
+
+    def _reason(self, exc: Exception) -> str:
+        """Return why reading DST failed, naming the file inside DST it concerns."""
+        if isinstance(exc, OSError):
+            path, what = exc.filename, exc.strerror or type(exc).__name__
+        elif isinstance(exc, ShardckptError):
+            path, what = exc.path, exc.message
+        else:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            path, what = None, f"{type(exc).__name__}: {first}".rstrip(": ")
+        if path is None or Path(path) == self.dst:
+            return what
+        return f"'{os.path.relpath(path, self.dst)}': {what}"
 
     # ------------------------------------------------------------ 2)-4) coordinator
 
@@ -160,7 +215,7 @@ class Destination:
             raise _cannot_prepare(exc, self.dst) from None
         try:
             self._repair_leftovers()
-            self._check_existing()
+            self._check_existing(locked=True)
             _remove(self.tmp)
             if self.is_dir:
                 self.tmp.mkdir()
@@ -245,6 +300,42 @@ def _repair(leftover: Path, dst: Path, kind: str) -> None:
     _remove(leftover)
     what = "partial output" if kind == "partial" else "replaced output"
     notice(f"removed '{leftover}', the {what} of a shardckpt run that was killed")
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Return what tells ``path``'s entry apart from one renamed onto it (None when gone)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _stranger(directory: Path, members: frozenset[str]) -> str | None:
+    """Return the first entry under ``directory`` that is neither one of ``members`` nor ours.
+
+    ``members`` are files, relative to ``directory``. A directory is walked when members
+    lie in it, and named (ending in ``/``) when none do; a link is an entry of its own,
+    never followed, so removing it removes the link alone.
+    """
+    holders = {str(parent) + "/" for m in members for parent in PurePosixPath(m).parents}
+    return _first_stranger(directory, members, holders, "")
+
+
+def _first_stranger(
+    directory: Path, members: frozenset[str], holders: set[str], under: str
+) -> str | None:
+    """Return ``_stranger`` of ``directory``, which lies at ``under`` in the checkpoint."""
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        name = under + entry.name
+        is_dir = entry.is_dir(follow_symlinks=False)
+        if (name in members and not is_dir) or _OURS.match(entry.name):
+            continue
+        if name + "/" not in holders:
+            return name + "/" if is_dir else name
+        if is_dir and (found := _first_stranger(Path(entry.path), members, holders, name + "/")):
+            return found
+    return None
 
 
 def _cannot_prepare(exc: OSError, dst: Path) -> ShardckptError:

@@ -8,7 +8,9 @@ when every rank has a GPU of its own (``--device`` overrides), CUDA tensors go o
 Protocol, per command:
   1) (all ranks) ``launch(device)`` enters; every rank validates its inputs identically.
   2) (all ranks) each phase that can fail on one rank only is wrapped in ``agreed(...)``,
-     so every rank learns of the first failure instead of waiting in a collective.
+     so every rank learns of the first failure instead of waiting in a collective; a
+     check of what each rank sees for itself (DST on its node's disk) runs in
+     ``check(...)``, which raises the same error on every rank.
   3) (all ranks) ``launch`` exits: barrier on success, then ``destroy_process_group``.
 
 Every collective runs through a ``Runtime`` method. One that fails (a peer died, or
@@ -21,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,9 +95,28 @@ class Runtime:
         except CollectiveFailure:
             raise  # the group is broken: there is no agreeing over it
         except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            if known_everywhere(exc):
+                # An agreement inside ``fn`` already told every rank; the ranks that saw it
+                # there are past it, and would never answer another collective.
+                raise
             error = exc
         self.raise_if_any_failed(error)
         return result  # type: ignore[return-value]
+
+    def check(self, fn: Callable[[], None]) -> None:
+        """Run the check ``fn`` on every rank; raise one error, the same on every rank, if it failed on any.
+
+        For what each rank judges from its own view (DST on its node's disk): the outcomes
+        are shared in one collective, and where not every rank failed alike, the line
+        says which ranks (and hosts) did. ``fn`` must run no collective.
+        """
+        if not self.distributed:
+            fn()
+            return
+        error = _first_failure(self.all_gather((socket.gethostname(), _failure_of(fn))))
+        if error is not None:
+            error.everywhere = True  # every rank raises it; rank 0 reports it
+            raise error
 
     def raise_if_any_failed(self, error: BaseException | None) -> None:
         """Share ``error`` with all ranks; re-raise the lowest failing rank's error everywhere."""
@@ -203,7 +226,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         dist.init_process_group(backend="gloo", timeout=timeout)
     except Exception as exc:
         raise IOFailure(
-            f"could not join the process group: {_one_line(exc)}",
+            f"could not join the process group ({_backend_cause(exc)})",
             hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
         ) from exc
     in_step = False  # whether every rank is known to reach the teardown together
@@ -223,7 +246,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
     except BaseException as exc:
         # A failure every rank agreed on brings them all here; one only this rank saw
         # may have left the others in a collective, and a barrier would wait for them.
-        in_step = isinstance(exc, RemoteRankError) or getattr(exc, "agreed", False)
+        in_step = known_everywhere(exc)
         raise
     finally:
         # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that are
@@ -278,7 +301,6 @@ def _join_device(dev_type: str, local_rank: int, world_size: int) -> tuple[torch
 
 def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> CollectiveFailure:
     """Return the one-line error for a failed collective: a timeout, or a peer that went away."""
-    text = str(exc).strip().splitlines()
     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
         return CollectiveFailure(
             f"rank {rank} waited {timeout_s:g} s for the other ranks and gave up",
@@ -286,9 +308,81 @@ def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> Collective
             "raise SHARDCKPT_TIMEOUT if a rank is only slow",
         )
     return CollectiveFailure(
-        f"rank {rank} lost contact with another rank ({text[0] if text else type(exc).__name__})",
+        f"rank {rank} lost contact with another rank ({_backend_cause(exc)})",
         hint="another rank died; its error, if it printed one, is above",
     )
+
+
+# gloo's messages start with the source line that raised them ("[.../pair.cc:537] ").
+_SOURCE_LINE = re.compile(r"^\[[^\]]*:\d+\]\s*")
+
+
+def _backend_cause(exc: BaseException) -> str:
+    """Return what gloo or NCCL says failed, as a short ASCII phrase for our one line.
+
+    Their text is several sentences, lines and a source location, with advice and an
+    emoji after the cause ("... Connection reset by peer. This is typically caused by
+    ... GLHF! ..."): only the first sentence of the first line is kept.
+    """
+    lines = str(exc).strip().splitlines()
+    first = _SOURCE_LINE.sub("", lines[0] if lines else "").split(". ")[0]
+    cause = first.encode("ascii", "ignore").decode().strip().rstrip(".")
+    return cause or type(exc).__name__
+
+
+_Failure = tuple[type, str, "str | None", str]
+"""A failed check as it travels between ranks: error type, message, path, hint."""
+
+
+def _failure_of(fn: Callable[[], None]) -> _Failure | None:
+    """Return how ``fn`` failed on this rank, or None when it passed."""
+    try:
+        fn()
+    except CollectiveFailure:
+        raise
+    except ShardckptError as exc:
+        return type(exc), exc.message, exc.path, exc.hint
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        return IOFailure, _one_line(exc), None, ""
+    return None
+
+
+def _first_failure(everyone: list[tuple[str, _Failure | None]]) -> ShardckptError | None:
+    """Return the lowest failing rank's error, saying where it was seen when not everywhere.
+
+    ``everyone`` is each rank's host and failure, in rank order.
+    """
+    failed = [(rank, seen) for rank, (_, seen) in enumerate(everyone) if seen is not None]
+    if not failed:
+        return None
+    cls, message, path, hint = failed[0][1]
+    alike = [rank for rank, seen in failed if seen == failed[0][1]]
+    if len(alike) < len(everyone):
+        hosts = sorted({everyone[r][0] for r in alike})
+        clean = [r for r, (_, seen) in enumerate(everyone) if seen is None]
+        message += (
+            f" (on {_ranks(alike)}, {'host' if len(hosts) == 1 else 'hosts'} "
+            f"{', '.join(hosts)}{f'; not on {_ranks(clean)}' if clean else ''})"
+        )
+    return cls(message, path=path, hint=hint)
+
+
+def known_everywhere(error: BaseException) -> bool:
+    """Return whether every rank knows of ``error``: it came out of an agreement (``agreed``, ``check``)."""
+    return (
+        isinstance(error, RemoteRankError)
+        or getattr(error, "agreed", False)
+        or getattr(error, "everywhere", False)
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """Return ``rank 3``, ``ranks 0-3`` or ``ranks 0, 2, 5`` for sorted ``ranks``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"
 
 
 def _one_line(error: BaseException) -> str:

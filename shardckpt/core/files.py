@@ -1,8 +1,12 @@
 """Source files: what a reader may open, and what an OS error on a file means to the user.
 
-Every reader opens SRC's files through ``source_file``, so a FIFO, a socket or a device
-is refused before ``open`` could block on it, and a symlink loop or a denied permission
-is named as what it is instead of as a missing or truncated file.
+Every file a source contributes, read or carried unread into DST, passes one gate
+(``source_file``, ``source_entry``, ``source_tree``): a regular file (or, for a carried
+tree, a directory) that lies inside SRC once symlinks are resolved. So a FIFO, a socket
+or a device is refused before ``open`` could block on it, a link to ``/etc/passwd`` or
+``~/.ssh`` never brings that file into DST, and a dangling link, a symlink loop or a
+denied permission is named as what it is instead of as a missing or truncated file.
+Files meant to be different (each rank's) are checked to be so (``check_separate``).
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError
 
@@ -65,32 +70,96 @@ def source_stat(path: str | os.PathLike) -> os.stat_result:
     try:
         return os.stat(path)
     except OSError as exc:
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            raise BadInputError(
+                f"is a symlink to '{os.readlink(path)}', which does not exist",
+                path=path,
+                hint="put the file it stood for in its place, or remove the link",
+            ) from None
         raise os_error(exc, path) from None
 
 
-def source_file(path: str | os.PathLike) -> Path:
-    """Return ``path`` when it is a readable regular file (symlinks followed); else raise one line.
+def _bounds(within: str | os.PathLike) -> tuple[str, ...]:
+    """Return the resolved directories that the files of directory ``within`` may lie in.
 
-    The file is opened once here: libraries report a denied read their own way
-    (safetensors says the file does not exist), and a regular file cannot block ``open``.
+    ``within`` itself; and for a Hugging Face hub snapshot (``models--x/snapshots/REV``),
+    whose every file is the hub's link into ``models--x/blobs``, that directory too.
     """
-    mode = source_stat(path).st_mode
-    if stat.S_ISDIR(mode):
+    root = os.path.realpath(within)
+    snapshots = os.path.dirname(root)
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs):
+        return root, os.path.realpath(blobs)
+    return (root,)
+
+
+def outside(path: str | os.PathLike, within: str | os.PathLike) -> str | None:
+    """Return where ``path`` lies, symlinks resolved, when that is outside ``within``; else None."""
+    real = os.path.realpath(path)
+    if any(os.path.commonpath([real, bound]) == bound for bound in _bounds(within)):
+        return None
+    return real
+
+
+def _gate(path: str | os.PathLike, within: str | os.PathLike | None) -> os.stat_result:
+    """Return the stat of ``path``, a regular file or a directory inside ``within``; else raise."""
+    st = source_stat(path)
+    if within is not None and (real := outside(path, within)) is not None:
+        # A link could bring any file this user can read (~/.ssh, cloud credentials)
+        # into an output that is then shared.
         raise BadInputError(
-            "is a directory, not a file",
+            f"resolves to '{real}', outside '{within}'",
             path=path,
-            hint="pass the checkpoint file itself, or the directory as SRC for a directory format",
+            hint="shardckpt reads only the files inside it: copy the file in instead of "
+            "linking to it, or remove the link",
         )
-    if not stat.S_ISREG(mode):
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         raise BadInputError(
-            f"is a {_kind(mode)}, not a regular file",
+            f"is a {_kind(st.st_mode)}, not a regular file",
             path=path,
             hint="copy the checkpoint into a regular file first; shardckpt does not read pipes or devices",
         )
+    return st
+
+
+def open_source(path: str | os.PathLike) -> int:
+    """Return a read-only descriptor of the regular file ``path``; raise one line if it is not one.
+
+    Opened without blocking, so a FIFO put in the file's place since it was checked
+    cannot stall the run.
+    """
     try:
-        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise os_error(exc, path) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise BadInputError(
+            f"is a {'directory' if stat.S_ISDIR(mode) else _kind(mode)}, not a regular file",
+            path=path,
+            hint="put the checkpoint's own file in its place",
+        )
+    return fd
+
+
+def source_file(path: str | os.PathLike, within: str | os.PathLike | None = None) -> Path:
+    """Return ``path`` when it is a readable regular file inside ``within``; else raise one line.
+
+    ``within`` is the directory whose file it is (None for a file the user named as
+    SRC): the file must lie inside it once symlinks are resolved. The file is opened once
+    here: libraries report a denied read their own way (safetensors says the file does
+    not exist).
+    """
+    if stat.S_ISDIR(_gate(path, within).st_mode):
+        raise BadInputError(
+            "is a directory, not a file",
+            path=path,
+            hint="pass the checkpoint file itself, or the directory as SRC for a directory format"
+            if within is None
+            else "a file is expected under this name; re-copy it from where it was saved",
+        )
+    os.close(open_source(path))
     return Path(path)
 
 
@@ -103,12 +172,86 @@ def read_head(path: str | os.PathLike, size: int) -> bytes:
         raise os_error(exc, path) from None
 
 
-def is_source_file(path: Path) -> bool:
-    """Return whether ``path`` is a regular file (symlinks followed); never raises, never blocks."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
+def source_entry(path: str | os.PathLike, within: str | os.PathLike) -> bool:
+    """Return whether the entry ``path`` of ``within`` is a directory; else it is a readable regular file.
+
+    Anything else (a link out of ``within``, a dangling link, a FIFO, a device) raises.
+    """
+    if stat.S_ISDIR(_gate(path, within).st_mode):
+        return True
+    os.close(open_source(path))
+    return False
+
+
+def has_file(path: str | os.PathLike, within: str | os.PathLike) -> bool:
+    """Return whether ``within`` holds the file ``path``: False when nothing is there.
+
+    Something there that is not a readable regular file inside ``within`` raises: a
+    format that reads the file must not take it for absent and read SRC as another.
+    """
+    if not os.path.lexists(path):
         return False
+    source_file(path, within)
+    return True
+
+
+def source_tree(top: str | os.PathLike, within: str | os.PathLike) -> list[tuple[str, bool]]:
+    """Return every entry under the directory ``top`` of ``within``: ``(name, is a directory)``, parents first.
+
+    Names are POSIX paths relative to ``top``; every entry passes the gate
+    (``source_entry``), and a directory that leads back to one the walk is in
+    (``extra -> .``) is refused as a loop: copying it would never end.
+    """
+    rel = Path(top).relative_to(within)
+    enclosing = frozenset(os.path.realpath(Path(within) / p) for p in rel.parents)
+    entries: list[tuple[str, bool]] = []
+    walking = [(Path(top), "", enclosing)]
+    while walking:
+        here, prefix, above = walking.pop()
+        real = os.path.realpath(here)
+        if real in above:
+            raise BadInputError(
+                f"is a symlink loop: it leads back to '{real}', a directory it lies in",
+                path=here,
+                hint="remove the link from the checkpoint",
+            )
+        try:
+            names = sorted(os.listdir(here))
+        except OSError as exc:
+            raise os_error(exc, here) from None
+        for name in names:
+            is_dir = source_entry(here / name, within)
+            entries.append((prefix + name, is_dir))
+            if is_dir:
+                walking.append((here / name, f"{prefix}{name}/", above | {real}))
+    return entries
+
+
+K = TypeVar("K")
+
+
+def check_separate(files: Mapping[K, Path], whose: Callable[[K], str]) -> None:
+    """Return once no two of ``files`` are one file on disk; else raise one line naming both.
+
+    A symlink or a hard link from one name to another passes every per-file check, and
+    a reader would then take one rank's (or one data file's) bytes for another's: a
+    silent wrong result. ``whose`` says what each key's file is meant to be
+    (``rank 1's file``), for the message.
+    """
+    seen: dict[tuple[int, int], K] = {}
+    for key, path in files.items():
+        st = source_stat(path)
+        first = seen.setdefault((st.st_dev, st.st_ino), key)
+        if first != key:
+            if os.path.islink(files[first]) and not os.path.islink(path):
+                first, key, path = key, first, files[first]  # name the link, not its target
+            raise BadInputError(
+                f"is the same file as '{files[first].name}' (a symlink or hard link), but "
+                f"{whose(key)} and {whose(first)} must be two files",
+                path=path,
+                hint="copy each file itself into the checkpoint directory, "
+                "from where the checkpoint was saved",
+            )
 
 
 def os_error_in(exc: BaseException) -> OSError | None:

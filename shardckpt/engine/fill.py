@@ -126,22 +126,28 @@ def _copy_to_every_disk(writer: Writer, runtime) -> None:
     if placement is None or not placement.several or not writer.every_copy:
         return
 
-    def read() -> dict[str, bytes] | None:
+    def read() -> dict[str, tuple[int, bytes]] | None:
         if not runtime.coordinator:
             return None
-        return {name: (writer.root / name).read_bytes() for name in writer.every_copy}
+        # Each with its permission bits: a carried 0600 file stays 0600 on every disk.
+        return {
+            name: (os.stat(writer.root / name).st_mode & 0o777, (writer.root / name).read_bytes())
+            for name in writer.every_copy
+        }
 
     files = runtime.broadcast(runtime.agreed(read))
 
     def write() -> None:
         if runtime.coordinator or not placement.opener:
             return
-        for name, data in files.items():
+        for name, (mode, data) in files.items():
             path = writer.root / name
-            with writing(path), open(path, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            with writing(path):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
 
     runtime.agreed(write)
 

@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardckpt.core.errors import SRC_FORMAT, BadInputError, ShardckptError, UsageError
+from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError, UsageError
 from shardckpt.core.files import read_head, source_stat
 from shardckpt.formats import dcp, fsdp1, fsdp2, hf, torch_save, trainers
 from shardckpt.formats.format import Format
@@ -108,15 +108,26 @@ def detect(src: Path) -> str:
     )
 
 
-def holds_checkpoint(directory: Path) -> bool:
-    """Return whether ``directory`` is empty or holds a checkpoint of a format shardckpt detects."""
+def checkpoint_files(path: Path) -> tuple[str, frozenset[str]] | None:
+    """Return how messages name the checkpoint ``path`` reads as, and the files it is made of.
+
+    None when no format is detected. Read as a source is, metadata only and no pickle
+    trusted; a format detected but not read raises its reader's error. A one-file
+    checkpoint whose pickle names objects (only ``--trust-pickle`` loads it) still counts:
+    it is a checkpoint, made of itself. This is what ``--overwrite`` asks of DST.
+    """
     try:
-        if not any(directory.iterdir()):
-            return True
-        detect(directory)
-    except (ShardckptError, OSError):
-        return False
-    return True
+        form = format_named(detect(path))
+    except BadInputError:
+        return None
+    try:
+        reader = open_reader(path, form.name)
+        reader.index()
+    except UnsafePickleError:
+        if form.directory:
+            raise
+        return form.title, frozenset({""})
+    return form.title, reader.members()
 
 
 def open_reader(
@@ -164,9 +175,10 @@ __all__ = [
     "FORMATS",
     "Format",
     "SUPPORTED_READ",
+    "checkpoint_files",
     "default_format",
     "detect",
     "format_named",
-    "holds_checkpoint",
+    "checkpoint_files",
     "open_reader",
 ]

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.core.errors import BadInputError
 from shardckpt.core.placement import shared
 from shardckpt.state.regions import Piece, Record, Region
 from shardckpt.state.tree import TensorMeta, tensor_leaves
@@ -97,6 +96,14 @@ class Reader(ABC):
         spread over the ranks' own disks says (``Format.src_local``).
         """
         raise NotImplementedError(f"{self.format} sources are read from one shared filesystem")
+
+    def members(self) -> frozenset[str]:
+        """Return the files this checkpoint is made of, read or carried, relative to SRC.
+
+        POSIX paths, ``""`` for a one-file SRC itself; called after ``index``. Whatever
+        else a directory holds is no part of it: ``--overwrite`` will not delete it.
+        """
+        return frozenset({""})
 
     def notes(self) -> list[str]:
         """Return what ``inspect`` should warn about this source that its index cannot show."""
@@ -179,13 +186,3 @@ def read_grouped(
             out[i] = t
         left = later
     return out  # type: ignore[return-value]
-
-
-def too_deep(path: str | os.PathLike) -> BadInputError:
-    """Return the error for a source whose tree nests deeper than Python's recursion allows."""
-    return BadInputError(
-        "its tree of dicts and lists is nested too deeply to walk",
-        path=path,
-        hint="shardckpt reads trees a few hundred levels deep; this one was not written "
-        "by a training job",
-    )

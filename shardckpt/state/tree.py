@@ -12,12 +12,15 @@ dots, so a path is a tuple and a dotted string is only ever for display.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+
+from shardckpt.core.errors import BadInputError
 
 PathItem = str | int
 Path = tuple[PathItem, ...]
@@ -464,3 +467,13 @@ def model_leaves(tree: Mapping) -> list[tuple[Path, object]]:
         for path, leaf in walk(tree)
         if path[: len(prefix)] == prefix and not any(path[: len(o)] == o for o in optimizers)
     ]
+
+
+def too_deep(path: str | os.PathLike) -> BadInputError:
+    """Return the error for a source whose tree nests deeper than Python's recursion allows."""
+    return BadInputError(
+        "its tree of dicts and lists is nested too deeply to walk",
+        path=path,
+        hint="shardckpt reads trees a few hundred levels deep; this one was not written "
+        "by a training job",
+    )

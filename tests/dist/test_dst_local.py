@@ -9,13 +9,15 @@ at M loading the DCP output, and torch's ``Shard(0)`` rule for the per-rank file
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import pytest
-import torch
-
 import ranks
+import torch
 from harness import run_ranks
 from rank_bytes import assert_rank_files_hold_torchs_shards, file_hashes
 from reference import assert_trees_equal, load_dcp_into_fsdp2
@@ -40,9 +42,7 @@ def _names(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-def test_dcp_at_m_lands_on_each_nodes_disk_as_a_shared_dst_would_hold_it(
-    fsdp2_ckpt, ref, tmp_path
-):
+def test_dcp_at_m_lands_on_each_nodes_disk_as_a_shared_dst_would_hold_it(fsdp2_ckpt, ref, tmp_path):
     # Nodes of 2 and 1 ranks, M = 5: target ranks 0-2 on node 0, 3-4 on node 1.
     dsts = _dsts(tmp_path, [[0, 1], [2]], "ckpt")
     kwargs = {"world_size": 5, "verify": True}
@@ -112,3 +112,58 @@ def test_what_disks_the_ranks_do_not_share_cannot_hold_is_refused_and_nothing_is
     assert out[1] == ("RemoteRankError", 2, f"rank 0 failed: {out[0][2]}")
     for dst in dsts:
         assert _names(Path(dst).parent) == []
+
+
+def _stale_dir(dst: Path) -> None:
+    dst.mkdir()
+    (dst / "todo.txt").write_text("keep")
+
+
+def _dangling_link(dst: Path) -> None:
+    dst.symlink_to(dst.parent / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "make, overwrite, line",
+    [
+        (_stale_dir, False, "already exists{where}: pass --overwrite to replace it"),
+        (_dangling_link, False, "already exists{where}: pass --overwrite to replace it"),
+        (
+            _stale_dir,
+            True,
+            "is a directory that holds no checkpoint, so --overwrite will not replace it{where}: "
+            "remove it yourself if you mean it, or choose another DST",
+        ),
+    ],
+    ids=["directory", "dangling symlink", "not a checkpoint, with overwrite"],
+)
+@pytest.mark.parametrize("seen_on", [[2], [0, 1, 2]], ids=["one node", "every node"])
+def test_a_dst_refused_on_some_nodes_stops_every_rank_at_once_with_that_line(
+    tmp_path, seen_on, make, overwrite, line
+):
+    # Nodes of ranks 0-1 and 2; what is at DST differs between them.
+    dsts = _dsts(tmp_path, [[0, 1], [2]], "out")
+    for rank in seen_on:
+        if not os.path.lexists(dsts[rank]):
+            make(Path(dsts[rank]))
+    before = {n: _names(tmp_path / f"node{n}") for n in (0, 1)}
+    src = tmp_path / "small.pt"
+    torch.save({"w": torch.arange(21.0).reshape(7, 3)}, src)
+    kwargs = {"world_size": 3, "overwrite": overwrite}
+    start = time.monotonic()
+    # SHARDCKPT_TIMEOUT's wait, or a hang, would outlast the harness's 60 s.
+    out = run_ranks(
+        ranks.convert_to_own_expecting_failure, 3, str(src), dsts, "sharded", kwargs, timeout=60
+    )
+    assert time.monotonic() - start < 30
+    code = 2 if overwrite else 5
+    kind = "UsageError" if overwrite else "DestinationExistsError"
+    host = socket.gethostname()
+    # Every rank raises the same line: the real cause, and which ranks saw it. (Here each
+    # node's DST has a path of its own, so node 0's refusal is not node 1's.)
+    where = f" (on ranks 0-1, host {host})" if seen_on == [0, 1, 2] else ""
+    if seen_on == [2]:
+        where = f" (on rank 2, host {host}; not on ranks 0-1)"
+    line = line.format(where=where)
+    assert out == [(kind, code, f"'{dsts[seen_on[0]]}': {line}")] * 3
+    assert {n: _names(tmp_path / f"node{n}") for n in (0, 1)} == before

@@ -30,24 +30,15 @@ INPUT = torch.tensor([[1, 5, 7, 3, 30, 2, 0]])
 def saved(tmp_path_factory):
     """Return (model directory, Trainer-like checkpoint directory, the model's logits)."""
     root = tmp_path_factory.mktemp("llama")
-    config = transformers.LlamaConfig(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = hf_export_jobs.tiny_llama().eval()
     model.save_pretrained(root / "base")  # config.json, generation_config.json, weights
     with torch.no_grad():
         logits = model(INPUT).logits
     ckpt = root / "checkpoint-2"
     ckpt.mkdir()
-    run_ranks(hf_export_jobs.save_fsdp2_dcp, 2, str(root / "base"), str(ckpt / "pytorch_model_fsdp_0"))
+    run_ranks(
+        hf_export_jobs.save_fsdp2_dcp, 2, str(root / "base"), str(ckpt / "pytorch_model_fsdp_0")
+    )
     for name in ("config.json", "generation_config.json"):
         shutil.copy(root / "base" / name, ckpt / name)
     torch.save(model.state_dict(), ckpt / "pytorch_model.bin")  # flat, tied weights shared
@@ -86,15 +77,22 @@ def test_an_export_with_hf_config_loads_with_from_pretrained_bit_identically(sav
     assert loads_identically(out, logits)
 
 
-def test_the_trainer_checkpoints_config_is_found_beside_src(saved, tmp_path, capsys):
+def test_the_trainer_checkpoints_config_beside_src_is_named_in_a_note_and_used_when_passed(
+    saved, tmp_path, capsys
+):
+    # The directory SRC sits in may be a shared download folder: its config is used only
+    # when named.
     _, ckpt, logits = saved
-    out = tmp_path / "hf"
-    argv = ["convert", str(ckpt / "pytorch_model_fsdp_0"), str(out), "--to", "full"]
+    argv = ["convert", str(ckpt / "pytorch_model_fsdp_0"), str(tmp_path / "bare"), "--to", "full"]
     assert run([*argv, "--format", "hf", "-q"]) == 0
     assert capsys.readouterr().err.strip() == (
-        f"shardckpt: note: copying config.json and 1 other file from '{ckpt.resolve()}', "
-        "where SRC is (pass --hf-config DIR for another model's)"
+        f"shardckpt: note: not copying config.json from '{ckpt.resolve()}', the directory SRC "
+        f"is in: pass --hf-config '{ckpt.resolve()}' if it is this model's"
     )
+    assert not (tmp_path / "bare" / "config.json").exists()
+    out = tmp_path / "hf"
+    argv = ["convert", str(ckpt / "pytorch_model_fsdp_0"), str(out), "--to", "full"]
+    assert run([*argv, "--format", "hf", "--hf-config", str(ckpt), "-q"]) == 0
     assert not (out / "optimizer.pt").exists() and not (out / "trainer_state.json").exists()
     assert loads_identically(out, logits)
 
@@ -103,7 +101,7 @@ def test_a_flat_state_dict_beside_its_config_exports_the_same_names(saved, tmp_p
     _, ckpt, logits = saved
     out = tmp_path / "hf"
     assert run(["convert", str(ckpt / "pytorch_model.bin"), str(out), "--to", "full"]
-               + ["--format", "hf", "-q"]) == 0  # fmt: skip
+               + ["--format", "hf", "--hf-config", str(ckpt), "-q"]) == 0  # fmt: skip
     assert loads_identically(out, logits)
 
 
@@ -124,11 +122,14 @@ def test_names_the_configs_model_lacks_are_refused_with_the_rename_that_fits(
 
 def test_a_found_config_that_does_not_fit_is_left_out_with_a_note(saved, tmp_path, capsys):
     _, ckpt, _ = saved
+    src = tmp_path / "with-config"  # a DCP directory holding its config.json
+    shutil.copytree(ckpt / "pytorch_model_fsdp_0", src)
+    shutil.copy(ckpt / "config.json", src / "config.json")
     out = tmp_path / "hf"
-    argv = ["convert", str(ckpt / "pytorch_model_fsdp_0"), str(out), "--to", "full"]
+    argv = ["convert", str(src), str(out), "--to", "full"]
     assert run([*argv, "--format", "hf", "--rename", r"^model\.=", "-q"]) == 0
     assert capsys.readouterr().err.strip() == (
-        f"shardckpt: note: the LlamaForCausalLM model of '{ckpt.resolve() / 'config.json'}' "
+        f"shardckpt: note: the LlamaForCausalLM model of '{src / 'config.json'}' "
         "has 20 weights DST would lack, e.g. 'model.embed_tokens.weight': not copying it (add "
         "the prefix with --rename '^=model.', or pass --hf-config DIR)"
     )

@@ -83,9 +83,10 @@ def test_metadata_that_names_a_class_is_refused_not_run(copy, capsys):
     (copy / "metadata.pkl").write_bytes(pickle.dumps(print))
     assert error_of(capsys, ["inspect", copy]) == (
         3,
-        f"shardckpt: error: '{copy / 'metadata.pkl'}': not torch_checkpointing metadata "
-        "(UnpicklingError: it names builtins.print, and only plain values are read): the "
-        "file is damaged, or was not written by torch_checkpointing; re-copy it",
+        f"shardckpt: error: '{copy / 'metadata.pkl'}': refused to unpickle (names "
+        "builtins.print; torch_checkpointing writes plain values only): shardckpt runs no code "
+        "from metadata.pkl, with --trust-pickle or without; use the metadata.pkl "
+        "torch_checkpointing wrote",
     )
 
 

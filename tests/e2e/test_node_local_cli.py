@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,13 +35,13 @@ def _can_unshare() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(probe).returncode == 0
 
 
-def _torchrun(tmp_path: Path, nodes: Path, mounted: Path, *args: str):
+def _torchrun(tmp_path: Path, nodes: Path, mounted: Path, *args: str, timeout_s: int = 60):
     """Run ``shardckpt ARGS`` under torchrun at 2, where each rank sees ``nodes/node{rank}`` at ``mounted``."""
     (tmp_path / "node.sh").write_text(NODE_SH)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["--no-python", "bash", str(tmp_path / "node.sh"), str(nodes), str(mounted)]
     cmd += [sys.executable, "-m", "shardckpt", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT="60")
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT=str(timeout_s))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
 
 
@@ -97,3 +99,46 @@ def test_torchrun_writes_each_nodes_target_ranks_to_its_own_disk(fsdp2_ckpt, tmp
         shutil.copy(file, gathered)
     ref = torch.load(fsdp2_ckpt.ref, weights_only=True)
     assert_trees_equal(load_dcp_into_fsdp2(gathered, 4), ref)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("on_nodes", [[1], [0, 1]], ids=["one node", "every node"])
+def test_a_dst_that_exists_on_some_nodes_disks_stops_every_rank_at_once_naming_it(
+    tmp_path, on_nodes
+):
+    if not _can_unshare():
+        pytest.skip("cannot make a mount namespace here (unshare -m needs root)")
+    nodes = tmp_path / "nodes"
+    for node in (0, 1):
+        (nodes / f"node{node}").mkdir(parents=True)
+    for node in on_nodes:
+        (nodes / f"node{node}" / "out").symlink_to("elsewhere")  # dangling: still there
+    disk = tmp_path / "disk"  # empty here; each rank sees its node's directory at this path
+    disk.mkdir()
+    src = tmp_path / "small.pt"
+    torch.save({"w": torch.arange(21.0).reshape(7, 3)}, src)
+    args = ["convert", str(src), str(disk / "out"), "--to", "sharded", "--world-size", "2"]
+    start = time.monotonic()
+    # A rank left waiting for the others would give up only after SHARDCKPT_TIMEOUT.
+    proc = _torchrun(tmp_path, nodes, disk, *args, timeout_s=300)
+    assert time.monotonic() - start < 100, proc.stderr
+    assert proc.returncode != 0
+    where = (
+        "" if on_nodes == [0, 1] else f" (on rank 1, host {socket.gethostname()}; not on rank 0)"
+    )
+    line = (
+        f"shardckpt: error: '{disk / 'out'}': already exists{where}: pass --overwrite to replace it"
+    )
+    ours = [text for text in proc.stderr.splitlines() if text.startswith("shardckpt:")]
+    assert ours == [line]  # printed once, by rank 0, and nothing else before it
+    # torchrun's summary names the same cause for every rank, never a stalled one.
+    causes = [
+        text.split("traceback : ", 1)[1]
+        for text in proc.stderr.splitlines()
+        if "traceback : " in text
+    ]
+    assert causes and set(causes) == {line}
+    assert "stalled" not in proc.stderr and "lost contact" not in proc.stderr
+    for node in (0, 1):
+        expect = ["out"] if node in on_nodes else []
+        assert sorted(p.name for p in (nodes / f"node{node}").iterdir()) == expect

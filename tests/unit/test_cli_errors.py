@@ -121,12 +121,14 @@ def test_corrupt_data_file_leaves_no_destination(capsys, small):
 
 
 def test_existing_destination_needs_overwrite(capsys, small):
-    (small / "out.pt").write_bytes(b"keep me")
+    # An earlier output: --overwrite replaces only what reads as a checkpoint (test_overwrite.py).
+    torch.save({"w": torch.zeros(2)}, small / "out.pt")
+    kept = (small / "out.pt").read_bytes()
     assert error_of(capsys, ["convert", small / "small.pt", small / "out.pt", "--to", "full"]) == (
         5,
         f"shardckpt: error: '{small / 'out.pt'}': already exists: pass --overwrite to replace it",
     )
-    assert (small / "out.pt").read_bytes() == b"keep me"
+    assert (small / "out.pt").read_bytes() == kept
     assert (
         run(
             [

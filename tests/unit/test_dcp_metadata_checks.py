@@ -224,8 +224,8 @@ def test_a_data_file_that_is_a_directory_is_refused(capsys, ckpt):
     (ckpt / DATA).mkdir()
     assert convert_error(capsys, ckpt) == (
         3,
-        f"shardckpt: error: '{ckpt / DATA}': is a directory, not a file: pass the checkpoint "
-        "file itself, or the directory as SRC for a directory format",
+        f"shardckpt: error: '{ckpt / DATA}': is a directory, not a file: a file is expected "
+        "under this name; re-copy it from where it was saved",
     )
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from reference import assert_trees_equal
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -405,10 +406,26 @@ def test_code_that_auto_map_names_is_copied(src, tmp_path):
     assert not (tmp_path / "out" / "other.py").exists()
 
 
-def test_a_config_in_the_directory_src_sits_in_is_used_with_a_note(capsys, tmp_path):
-    ckpt = model_dir(tmp_path / "checkpoint-7", **{"optimizer.pt": "state"})
+def test_a_config_in_the_directory_src_sits_in_is_not_used_but_named_in_a_note(capsys, tmp_path):
+    # The directory SRC sits in may be a shared download folder holding another model's.
+    ckpt = model_dir(tmp_path / "checkpoint-7", **{"tokenizer.json": "{}"})
     torch.save(training_tree(), ckpt / "full.pt")
     assert run(["convert", str(ckpt / "full.pt"), str(tmp_path / "out"), "--to", "full"]
+               + ["--format", "hf", "-q"]) == 0  # fmt: skip
+    assert capsys.readouterr().err.strip() == (
+        f"shardckpt: note: not copying config.json from '{ckpt}', the directory SRC is in: "
+        f"pass --hf-config '{ckpt}' if it is this model's"
+    )
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "model-00001-of-00001.safetensors",
+        INDEX_FILE,
+    ]
+
+
+def test_a_config_in_a_directory_src_is_used_with_a_note(capsys, tmp_path):
+    ckpt = model_dir(tmp_path / "checkpoint-7", **{"optimizer.pt": "state"})
+    dcp.save(training_tree(), checkpoint_id=ckpt, no_dist=True)
+    assert run(["convert", str(ckpt), str(tmp_path / "out"), "--to", "full"]
                + ["--format", "hf", "-q"]) == 0  # fmt: skip
     assert capsys.readouterr().err.strip() == (
         f"shardckpt: note: copying config.json from '{ckpt}', where SRC is (pass "

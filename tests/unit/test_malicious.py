@@ -22,56 +22,6 @@ from shardckpt.cli.app import run
 HINT = ": pass --trust-pickle only if you trust this file"
 
 
-@dataclass(frozen=True)
-class Carrier:
-    """A format that unpickles: how to hide a pickle in it, its ``--format`` name, the file refused."""
-
-    build: Callable[[Path, bytes], Path]
-    fmt: str
-    refused: Callable[[Path], Path]
-
-
-def _lightning(path: Path, pickle_bytes: bytes) -> Path:
-    """Write a DCP checkpoint with ``pickle_bytes`` as the pickle of Lightning's ``meta.pt`` beside it."""
-    payloads.dcp_dir(path)
-    payloads.torch_file(path / "meta.pt", pickle_bytes)
-    return path
-
-
-CARRIERS = {
-    "torch": Carrier(
-        lambda d, pk: payloads.torch_file(d / "evil.pt", pk), "torch", lambda src: src
-    ),
-    "dcp-metadata": Carrier(
-        lambda d, pk: payloads.dcp_with_metadata(d / "ckpt", pk),
-        "dcp",
-        lambda src: src / ".metadata",
-    ),
-    "dcp-value": Carrier(
-        lambda d, pk: payloads.dcp_with_value(d / "ckpt", payloads.torch_save_bytes(pk)),
-        "dcp",
-        lambda src: src / "__0_0.distcp",
-    ),
-    "lightning-meta": Carrier(
-        lambda d, pk: _lightning(d / "ckpt", pk), "lightning", lambda src: src / "meta.pt"
-    ),
-    "fsdp2-ranks": Carrier(
-        lambda d, pk: payloads.rank_dir(d / "ranks", pk),
-        "fsdp2-ranks",
-        lambda src: src / "rank_0.pt",
-    ),
-    "fsdp1-sharded": Carrier(
-        lambda d, pk: payloads.rank_dir(d / "ranks", payloads.as_state_dict(pk)),
-        "fsdp1-sharded",
-        lambda src: src / "rank_0.pt",
-    ),
-    "fsdp1-local": Carrier(
-        lambda d, pk: payloads.rank_dir(d / "ranks", payloads.as_state_dict(pk, flat_param=True)),
-        "fsdp1-local",
-        lambda src: src / "rank_0.pt",
-    ),
-}
-
 COMMANDS = {
     "inspect": lambda src, out, fmt: ["inspect", src] + (["--format", fmt] if fmt else []),
     "convert": lambda src, out, fmt: (
@@ -98,8 +48,8 @@ def make_evil(root: Path, carrier: str, payload: str) -> Evil:
     marker = root / "PAYLOAD-RAN"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dcp.save's own, while building: not under test
-        src = CARRIERS[carrier].build(root, payloads.PAYLOADS[payload](marker))
-    return Evil(src, marker, CARRIERS[carrier].refused(src))
+        src = payloads.CARRIERS[carrier].build(root, payloads.PAYLOADS[payload](marker))
+    return Evil(src, marker, payloads.CARRIERS[carrier].refused(src))
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +74,13 @@ def run_cli(capsys, argv) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("named", [False, True], ids=["detected", "named"])
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("payload", payloads.PAYLOADS)
-@pytest.mark.parametrize("carrier", CARRIERS)
+@pytest.mark.parametrize("carrier", payloads.CARRIERS)
 def test_a_malicious_pickle_is_refused_and_never_runs(
     capsys, recwarn, evil, tmp_path, carrier, payload, command, named
 ):
     bad = evil(carrier, payload)
     out = tmp_path / "out.pt"
-    argv = COMMANDS[command](bad.src, out, CARRIERS[carrier].fmt if named else None)
+    argv = COMMANDS[command](bad.src, out, payloads.CARRIERS[carrier].fmt if named else None)
     code, err = run_cli(capsys, argv)
     assert not bad.marker.exists(), "the payload ran"
     assert code == 3 and len(err) == 1, err
@@ -140,7 +90,7 @@ def test_a_malicious_pickle_is_refused_and_never_runs(
 
 
 @pytest.mark.parametrize("payload", payloads.PAYLOADS)
-@pytest.mark.parametrize("carrier", CARRIERS)
+@pytest.mark.parametrize("carrier", payloads.CARRIERS)
 def test_the_same_payload_runs_with_trust_pickle(capsys, tmp_path, carrier, payload):
     bad = make_evil(tmp_path / "evil", carrier, payload)
     run_cli(capsys, ["inspect", bad.src, "--trust-pickle"])

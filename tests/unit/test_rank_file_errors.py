@@ -12,6 +12,7 @@ import textwrap
 import fsdp1_jobs
 import pytest
 import torch
+from conditions import tiny_disk
 
 from shardckpt import api
 from shardckpt.cli.app import run
@@ -61,6 +62,40 @@ def test_a_full_disk_while_writing_a_rank_file_is_one_line(optim_only, small_fs,
     assert os.listdir(small_fs) == []
     # Nothing of the failed write stays open: the filesystem is not busy.
     assert subprocess.run(["umount", str(small_fs)], check=False).returncode == 0
+
+
+# A plain value bigger than the disk: the first file's torch.save skeleton cannot be written.
+BIG_VALUE = "x" * 256 * 1024
+
+
+@pytest.mark.parametrize(
+    "fmt, to, first",
+    [
+        ("fsdp2-ranks", "local", "rank_0.pt"),
+        ("fsdp1-sharded", "local", "rank_0.pt"),
+        ("torch-checkpointing", "sharded", "optim_0.pt"),
+        ("lightning", "sharded", "meta.pt"),
+    ],
+)
+def test_a_full_disk_while_laying_out_a_file_names_it(capsys, tmp_path, fmt, to, first):
+    # Before, the skeleton's write was outside the guard that names the file: "No space
+    # left on device" with no file, or an internal error from torch's zip writer.
+    state = {"w": {"exp_avg": torch.ones(64, 64)}}
+    tree = {"optim": {"state": state, "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    if fmt == "lightning":  # its DCP part fits; meta.pt, written last, holds the big value
+        tree = {"model": {"w": torch.ones(8, 4)}, "loops": {"note": BIG_VALUE}}
+    else:
+        tree["optim"]["param_groups"][0]["note"] = BIG_VALUE
+    torch.save(tree, tmp_path / "src.pt")
+    with tiny_disk("64k") as disk:
+        argv = ["convert", str(tmp_path / "src.pt"), str(disk / "out"), "--to", to]
+        code = run([*argv, "--format", fmt, "--world-size", "2"])
+        assert (code, capsys.readouterr().err.strip().splitlines()[-1]) == (
+            4,
+            f"shardckpt: error: '{disk / '.out.shardckpt-partial' / first}': No space left on "
+            "device while writing: free some space, or write DST on another filesystem",
+        )
+        assert list(disk.iterdir()) == []
 
 
 # Runs the CLI on each directory and prints [exit code, error line] per directory as JSON.

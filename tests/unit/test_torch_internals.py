@@ -97,6 +97,29 @@ def test_every_private_name_is_found_on_the_torch_under_test():
     assert torch_internals.mesh_world_size(mesh) == 4 and torch_internals.mesh_rank(mesh) == 2
 
 
+@pytest.mark.parametrize("world_size, rank", [(1, 0), (5, 0), (5, 3), (7, 6)])
+def test_a_target_ranks_mesh_is_field_for_field_the_one_devicemesh_builds(world_size, rank):
+    built = DeviceMesh("cpu", list(range(world_size)), _init_backend=False, _rank=rank)
+    mesh = mesh_without_group(world_size, rank)
+    # In the same order: a pickled mesh (in every DTensor of a rank file) keeps it.
+    assert list(vars(mesh)) == list(vars(built))
+    for name, value in vars(built).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(mesh, name), value), name
+        else:
+            assert getattr(mesh, name) == value, name
+    assert (list(mesh.get_coordinate()), mesh) == ([rank], built)
+
+
+def test_meshes_of_many_target_ranks_share_what_does_not_depend_on_the_rank():
+    # Each of M meshes holding all M ranks made a writer at M = 100,000 run out of memory.
+    first, other = mesh_without_group(100_000, 1), mesh_without_group(100_000, 99_999)
+    assert first._flatten_rank_map is other._flatten_rank_map
+    assert first._rank_map is other._rank_map
+    assert (list(first.get_coordinate()), list(other.get_coordinate())) == ([1], [99_999])
+    assert first._flatten_mapping is not other._flatten_mapping
+
+
 # --- DTensor placements ---------------------------------------------------------------------
 
 

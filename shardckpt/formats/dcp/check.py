@@ -2,8 +2,9 @@
 
 DCP's loader believes ``.metadata``: a chunk list with a gap leaves that part of the
 target as ``torch.empty`` left it, two keys pointed at one byte range read the same
-bytes, a ``relative_path`` with ``..`` reads outside SRC, and a shape of 10**12 rows is
-allocated before a byte is read. ``check_metadata`` refuses each of these with one
+bytes, a ``relative_path`` with ``..`` reads outside SRC, two data files that are one
+file (a symlink or hard link) give one rank's bytes for another's, and a shape of 10**12
+rows is allocated before a byte is read. ``check_metadata`` refuses each of these with one
 line that names the file (``.metadata``, or the data file) and the key, so ``inspect``,
 ``convert`` and ``diff`` stop before reading. It reads no data (one ``stat`` per data
 file) and costs O(n log n) in the number of chunks and values.
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import source_file
+from shardckpt.core.files import check_separate, outside, source_file
 from shardckpt.formats.dcp import METADATA_FILE
 
 _DAMAGED = (
@@ -271,7 +272,7 @@ def _first_overlap(boxes: list[tuple[Ints, Ints]]) -> tuple | None:
 def _check_storage(
     md: Metadata, entries: dict, boxes: dict, src: Path, where: Path, elsewhere: Mapping[str, int]
 ) -> None:
-    """Refuse storage that is missing, outside SRC, past a file's end, or shared by two keys."""
+    """Refuse storage that is missing, outside SRC, past a file's end, or shared by two keys or files."""
     stored = _storage_index(md, where)
     # relative path -> [(offset, end, key)] of every entry with bytes.
     ranges: dict[str, list[tuple[int, int, str]]] = {}
@@ -313,6 +314,10 @@ def _check_storage(
             )
         if info.length:
             ranges.setdefault(name, []).append((info.offset, end, key))
+    # Each saving rank wrote its own file: two names of one file would read one rank's
+    # bytes as another's, at offsets that may well be in range.
+    here = {name: src / name for name in sizes if os.path.lexists(src / name)}
+    check_separate(here, lambda name: f"'{name}'")
     for name, spans in ranges.items():
         _check_disjoint(name, spans, where)
 
@@ -376,14 +381,13 @@ def _data_file_size(
             src,
             "copy every *.distcp file of the checkpoint",
         )
-    real, root = os.path.realpath(path), os.path.realpath(src)
-    if os.path.commonpath([real, root]) != root:
+    if (real := outside(path, src)) is not None:
         raise _bad(
             f"links outside the checkpoint directory (to '{real}'), and .metadata stores {key!r} in it",
             path,
             "copy the data files into the checkpoint directory instead of linking to them",
         )
-    return source_file(path).stat().st_size
+    return source_file(path, src).stat().st_size
 
 
 def _check_disjoint(name: str, spans: list[tuple[int, int, str]], where: Path) -> None:

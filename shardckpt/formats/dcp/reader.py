@@ -40,12 +40,16 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
+from shardckpt.codecs.pickle_bounds import check_pickle, check_torch_file
 from shardckpt.codecs.pickle_scan import (
     TRUST_HINT,
+    DamagedPickle,
+    LoadFailure,
     first_line,
     judge_failed_load,
     quiet_protocol_warning,
 )
+from shardckpt.codecs.zip_skeleton import FileSlice
 from shardckpt.core import torch_internals
 from shardckpt.core.errors import (
     SRC_FORMAT,
@@ -54,8 +58,10 @@ from shardckpt.core.errors import (
     UnsafePickleError,
     UnsupportedTorchError,
 )
-from shardckpt.core.files import os_error, os_error_in
+from shardckpt.core.files import has_file, os_error, os_error_in
 from shardckpt.core.sight import Sight
+from shardckpt.core.signals import Interrupted
+from shardckpt.core.words import shown
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.dcp import METADATA_FILE
 from shardckpt.formats.dcp.check import check_metadata
@@ -122,15 +128,20 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
             path=path,
             hint="check the path of the DCP checkpoint directory",
         )
-    if not file.is_file():
+    if not has_file(file, path):
         raise BadInputError(
             f"no '{METADATA_FILE}' in this directory",
             path=path,
             hint=f"pass the DCP checkpoint directory itself, or {SRC_FORMAT} for another format",
         )
     try:
-        with open(file, "rb") as f:
-            md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise os_error(exc, file) from None
+    check_pickle(raw, file)
+    try:
+        stream = io.BytesIO(raw)
+        md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()
     except (UnsafePickleError, UnsupportedTorchError) as exc:
         raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
@@ -184,21 +195,26 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
+        file = self._file_of(read_item)
         try:
+            check_torch_file(value, file)
             with quiet_protocol_warning():
                 self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
             return
+        except DamagedPickle as exc:
+            failure = LoadFailure("damaged", str(exc))
         except pickle.UnpicklingError as exc:
             # Refused, or a damaged pickle: only the first may be told to trust the file.
             # Other failures are DcpReader's "cannot read checkpoint data".
             failure = judge_failed_load(exc, value, self.trust_pickle)
-        file = self._file_of(read_item)
         if failure.kind == "refused":
             raise UnsafePickleError(
-                f"refused to unpickle value {key!r} ({failure.reason})", path=file, hint=TRUST_HINT
+                f"refused to unpickle value {shown(key)} ({failure.reason})",
+                path=file,
+                hint=TRUST_HINT,
             )
         raise BadInputError(
-            f"value {key!r} is damaged ({failure.reason})",
+            f"value {shown(key)} is damaged ({failure.reason})",
             path=file,
             hint="re-copy the checkpoint from where it was written",
         )
@@ -227,6 +243,12 @@ class _Storage(FileSystemReader):
 
     def _slice_file(self, file, sinfo):
         self._reading = sinfo
+        if not sinfo.transform_descriptors:
+            # DCP torch.loads each stored entry (a torch.save zip) whole: its pickle passes
+            # the same check first. A transformed entry's zip exists only once DCP's
+            # extension has undone the transform (values are checked in load_bytes).
+            entry = FileSlice(file.fileno(), sinfo.offset, sinfo.offset + sinfo.length)
+            check_torch_file(io.BufferedReader(entry), Path(self.path) / sinfo.relative_path)
         return super()._slice_file(file, sinfo)
 
     def _key_being_read(self) -> str | None:
@@ -385,6 +407,18 @@ class DcpReader(Reader):
                 items.append((path, values[key]))
         return Index(self.format, str(self.src), world_size, build(items))
 
+    def members(self) -> frozenset[str]:
+        """Return ``.metadata``, the files it stores data in, and any ``__R_0.distcp`` beside them.
+
+        A target rank that held nothing still gets its (empty) data file from DCP's writer.
+        """
+        stored = {info.relative_path for info in (self.metadata.storage_data or {}).values()}
+        try:
+            empty = {p.name for p in self.src.iterdir() if _RANK_FILE.match(p.name)}
+        except OSError as exc:
+            raise os_error(exc, self.src) from None
+        return frozenset({METADATA_FILE} | stored | empty)
+
     def _files_on_disk(self) -> int | None:
         """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""
         try:
@@ -448,7 +482,8 @@ class DcpReader(Reader):
                 )
         except (Exception, CheckpointException) as exc:
             cause = _first_cause(exc)
-            if isinstance(cause, ShardckptError):
+            # DCP wraps every BaseException, a signal's too: that one still ends the run.
+            if isinstance(cause, (ShardckptError, Interrupted)):
                 raise cause from None
             text = str(cause).strip().splitlines()
             raise BadInputError(
@@ -481,7 +516,7 @@ __all__ = ["DcpReader", "read_metadata"]
 
 def is_dcp_dir(path: Path) -> bool:
     """Return whether ``path`` holds DCP's ``.metadata``."""
-    return (path / METADATA_FILE).is_file()
+    return has_file(path / METADATA_FILE, path)
 
 
 def dcp_tells_whole(index) -> bool:

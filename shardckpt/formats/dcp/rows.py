@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from shardckpt.codecs.pickle_bounds import check_torch_file
 from shardckpt.codecs.pickle_scan import first_line
 from shardckpt.codecs.zip_skeleton import FileSlice
-from shardckpt.core.errors import BadInputError
+from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import os_error
 from shardckpt.core.torch_internals import stored_offset
 
@@ -132,17 +133,18 @@ def _locate(
     path = src / file
     with ExitStack() as files:
         fd = _open(path, files)
+        chunk = io.BufferedReader(FileSlice(fd, offset, offset + length))
         try:
-            with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, offset, offset + length))) as zf:
+            check_torch_file(chunk, path)
+            with zipfile.ZipFile(chunk) as zf:
                 orders = [n for n in zf.namelist() if n.rsplit("/", 1)[-1] == "byteorder"]
                 order = zf.read(orders[0]).decode() if orders else "little"
-            stored = torch.load(
-                io.BufferedReader(FileSlice(fd, offset, offset + length)),
-                map_location="meta",
-                weights_only=True,
-            )
+            chunk.seek(0)
+            stored = torch.load(chunk, map_location="meta", weights_only=True)
         except OSError as exc:
             raise os_error(exc, path) from None
+        except ShardckptError:
+            raise
         except Exception as exc:
             raise BadInputError(
                 f"cannot read the chunk at {list(offsets)} of {key!r} ({first_line(exc)})",

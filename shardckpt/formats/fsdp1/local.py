@@ -136,6 +136,9 @@ class Fsdp1LocalReader(Reader):
         self._slices: dict[str, _Slice] = {}
         self._tree = self._expand(self.raw.index().tree) if flat_model else self._label_raw()
 
+    def members(self) -> frozenset[str]:
+        return self.raw.members()
+
     def _label_raw(self) -> dict:
         """Return the raw tree, each ``_flat_param`` labelled with its world size and tail padding."""
         tree = self.raw.index().tree

@@ -54,6 +54,9 @@ class Fsdp1ShardedReader(Reader):
         self._tree = map_leaves(trees[0], self._describe)
         self._collect_pieces(trees)
 
+    def members(self) -> frozenset[str]:
+        return frozenset(p.name for files in self.files for p in files)
+
     def own_tensors(self, tree: dict) -> OwnTensors:
         """Return which plain tensors of a part's ``tree`` each rank holds its own of: none here."""
         return none_own

@@ -97,6 +97,9 @@ class Fsdp2RanksReader(Reader):
         self._sources: dict[str, _Source] = {}
         self._tree = self._describe()
 
+    def members(self) -> frozenset[str]:
+        return frozenset(p.name for files in self.parts.values() for p in files.values())
+
     def _check_world_size(self) -> int:
         """Return the job's world size; every file must be one rank of it, and none may be missing."""
         sizes: dict[tuple[str, int], int] = {}

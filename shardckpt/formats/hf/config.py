@@ -3,9 +3,14 @@
 A training checkpoint holds weights, not the model's description, so ``--hf-config DIR``
 names a directory holding ``config.json`` (the model's original directory, a hub
 snapshot, a transformers ``Trainer`` checkpoint). Without the option, a ``config.json``
-in SRC (a directory) or beside it (the directory SRC sits in) is used, with a note:
-that is where ``Trainer`` puts it next to ``model.safetensors`` or
-``pytorch_model_fsdp_0/``.
+in SRC (a directory) is used, with a note. One beside SRC (in the directory SRC sits
+in, which may be a shared download folder) is not: a note says how to name it.
+
+Every file copied passes the source-file gate (``files.py``): a regular file inside the
+config directory once symlinks are resolved (a hub snapshot's links into its
+``blobs/`` included). A companion that is a link out of it, a FIFO or a dangling link
+is refused, naming it, rather than left out of an export that would then lack it; a
+config found in SRC is then not copied at all, with a note.
 
 Copied: the files ``from_pretrained``, ``AutoTokenizer`` and ``AutoProcessor`` read that
 are not weights (``COMPANIONS``), plus the ``*.py`` files ``config.json``'s ``auto_map``
@@ -15,7 +20,10 @@ trainer state, anything else.
 Before anything is written, the output's tensor names are checked against the model
 ``config.json`` describes (built by ``transformers`` on the meta device, when it is
 installed and knows the architecture): a weight the model has and DST lacks would be
-left at random by ``from_pretrained``.
+left at random by ``from_pretrained``. That model is never built larger than DST could
+match (``build_limit``): the counts the config claims are checked before transformers
+reads it, and the build stops at the limit, so a config claiming 200,000 layers is
+refused in seconds instead of building for hours.
 """
 
 from __future__ import annotations
@@ -24,14 +32,16 @@ import fnmatch
 import json
 import os
 import re
-import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardckpt.core.copies import copy_file
 from shardckpt.core.errors import BadInputError, UsageError
-from shardckpt.core.files import is_source_file, os_error, source_file, writing
+from shardckpt.core.files import has_file, os_error, source_file
 from shardckpt.core.words import counted
+from shardckpt.state.tree import TensorMeta
 
 CONFIG_FILE = "config.json"
 
@@ -99,13 +109,13 @@ def _auto_map_code(config: dict, root: Path) -> list[str]:
         # "repo--module.Class" is code in another repository: not in root.
         if isinstance(ref, str) and "--" not in ref and "." in ref:
             name = ref.rsplit(".", 1)[0] + ".py"
-            if "/" not in name and is_source_file(root / name) and name not in names:
+            if "/" not in name and name not in names and has_file(root / name, root):
                 names.append(name)
     return names
 
 
 def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
-    """Return what to copy from ``root``; refuse a directory without ``config.json``."""
+    """Return what to copy from ``root``; refuse a directory without ``config.json``, or a file that fails the gate."""
     root = Path(root)
     if root.is_file():
         raise UsageError(
@@ -113,7 +123,7 @@ def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
             path=root,
             hint=f"pass --hf-config '{root.parent}'",
         )
-    if not (root / CONFIG_FILE).exists():
+    if not has_file(root / CONFIG_FILE, root):
         raise UsageError(
             f"--hf-config: no '{CONFIG_FILE}' in this directory",
             path=root,
@@ -124,38 +134,107 @@ def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
     files = [CONFIG_FILE]
     for entry in sorted(p.name for p in root.iterdir()):
         if entry != CONFIG_FILE and any(fnmatch.fnmatchcase(entry, g) for g in COMPANIONS):
-            if is_source_file(root / entry):
-                files.append(entry)
+            files.append(source_file(root / entry, root).name)
     files += [f for f in _auto_map_code(config, root) if f not in files]
     return HfConfig(root, tuple(files), detected, config)
 
 
-def config_beside(src: str | os.PathLike) -> Path | None:
-    """Return the directory holding ``config.json`` that SRC is (a directory) or sits in, if any."""
+def config_in(src: str | os.PathLike) -> Path | None:
+    """Return SRC when it is a directory with something called ``config.json`` in it, else None.
+
+    ``hf_config`` then reads it through the gate.
+    """
     src = Path(src)
-    places = ([src] if src.is_dir() else []) + [src.resolve().parent]
-    return next((p for p in places if is_source_file(p / CONFIG_FILE)), None)
+    return src if src.is_dir() and os.path.lexists(src / CONFIG_FILE) else None
+
+
+def config_beside(src: str | os.PathLike) -> Path | None:
+    """Return the directory SRC sits in when it holds ``config.json``: used only when named."""
+    parent = Path(src).resolve().parent
+    return parent if os.path.lexists(parent / CONFIG_FILE) else None
 
 
 def copy_files(config: HfConfig, dst: Path) -> None:
     """Copy the config directory's files into ``dst`` (the staged output), each flushed to disk."""
     for name in config.files:
-        src = source_file(config.root / name)
-        try:
-            fin = open(src, "rb")  # noqa: SIM115 - closed below; a read error names SRC's file
-        except OSError as exc:
-            raise os_error(exc, src) from None
-        with fin, writing(dst / name), open(dst / name, "wb") as fout:
-            shutil.copyfileobj(fin, fout)
-            fout.flush()
-            os.fsync(fout.fileno())
+        copy_file(config.root / name, dst / name, config.root)
 
 
-def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:
+def build_limit(tensors: int) -> int:
+    """Return the most weights and buffers the model built to check DST's ``tensors`` may register.
+
+    A model DST fits registers each of DST's tensors once, plus a few non-persistent
+    buffers and tied duplicates; twice DST's count and a thousand more leaves room for
+    those, and building that many meta tensors takes seconds. A model past it has
+    weights DST lacks, whatever they are.
+    """
+    return 2 * tensors + 1000
+
+
+class _OutOfProportion(Exception):
+    """``config.json`` describes a model far larger than DST: what it claims, as a phrase."""
+
+
+# Keys whose integer is a count of layers: num_hidden_layers, n_layer, encoder_layers, ...
+_LAYER_COUNT = re.compile(r"(^|_)layers?$")
+
+
+def _check_claims(config: dict, limit: int, largest: int) -> None:
+    """Refuse counts in ``config`` (sub-configs too) that transformers would loop over, out of proportion.
+
+    A layer holds at least one weight, so a layer count over ``limit`` cannot fit DST;
+    ``num_labels`` sizes a classifier whose weight holds at least that many elements,
+    at most ``largest`` in DST. Checked before transformers reads the config, whose
+    own code makes a list entry per layer and a dict entry per label.
+    """
+    todo = [config]
+    while todo:
+        node = todo.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                todo.append(value)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if _LAYER_COUNT.search(key) and value > limit:
+                raise _OutOfProportion(f"{key} is {value}")
+            if key == "num_labels" and value > largest:
+                raise _OutOfProportion(
+                    f"num_labels is {value}, more than the {largest} elements of DST's "
+                    "largest tensor"
+                )
+
+
+@contextmanager
+def _registering_at_most(limit: int, claim: str) -> Iterator[None]:
+    """Within the block, raise ``_OutOfProportion(claim)`` once modules register over ``limit`` tensors."""
+    from torch.nn.modules import module
+
+    count = 0
+
+    def counting(*_args) -> None:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _OutOfProportion(claim)
+
+    handles = [
+        module.register_module_parameter_registration_hook(counting),
+        module.register_module_buffer_registration_hook(counting),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def expected_names(config: HfConfig, limit: int, largest: int) -> tuple[set[str], set[str]] | None:
     """Return the weight names of the model ``config`` describes and those it ties, or None.
 
     None when that cannot be told cheaply: ``transformers`` is not installed, or does
     not know the architecture (a model with its own code is never imported here).
+    ``_OutOfProportion`` when the model would register more than ``limit`` tensors, or
+    the config claims counts out of proportion (``_check_claims``).
     """
     archs = config.config.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
@@ -170,29 +249,53 @@ def expected_names(config: HfConfig) -> tuple[set[str], set[str]] | None:
     model_class = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
     if not model_class or config.config.get("auto_map"):
         return None
+    _check_claims(config.config, limit, largest)
     try:
         conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
-        with torch.device("meta"):
+        claim = f"the {archs[0]} model it describes has more weights than DST"
+        with torch.device("meta"), _registering_at_most(limit, claim):
             model = cls(conf)
+    except _OutOfProportion:
+        raise
     except Exception:  # noqa: BLE001 - any failure means "cannot tell cheaply"
         return None
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     return set(model.state_dict()), set(tied)
 
 
-def check_names(config: HfConfig, names: Iterable[str], note: Callable[[str], None]) -> bool:
-    """Return whether DST's tensor ``names`` load into the model ``config`` describes.
+def check_names(
+    config: HfConfig, tensors: Mapping[str, object], note: Callable[[str], None]
+) -> bool:
+    """Return whether DST's ``tensors`` (name to metadata) load into the model ``config`` describes.
 
     An explicit ``--hf-config`` whose model lacks a weight DST holds, or has one DST
     lacks, is refused (one line, the first name and the count); a detected one is
     only left out, with a ``note``. Unexpected names alone are a note: ``from_pretrained``
-    ignores them.
+    ignores them. A config out of proportion with DST (``build_limit``) is refused
+    before its model is built (exit 3), or, detected, left out with a note.
     """
-    expected = expected_names(config)
+    names = set(tensors)
+    limit = build_limit(len(names))
+    largest = max((t.numel for t in tensors.values() if isinstance(t, TensorMeta)), default=0)
+    try:
+        expected = expected_names(config, limit, largest)
+    except _OutOfProportion as exc:
+        where = config.root / CONFIG_FILE
+        what = (
+            f"{exc}: a model that large is not built to check DST's "
+            f"{counted(len(names), 'tensor')} (at most {limit} weights)"
+        )
+        if config.detected:
+            note(f"'{where}': {what}: not copying it (pass --hf-config DIR)")
+            return False
+        raise BadInputError(
+            what,
+            path=where,
+            hint="pass --hf-config the directory of the model these weights belong to",
+        ) from None
     if expected is None:
         return True
     model, tied = expected
-    names = set(names)
     missing = sorted(model - names - tied)
     unexpected = sorted(names - model)
     where = config.root / CONFIG_FILE

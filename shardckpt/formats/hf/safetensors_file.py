@@ -28,9 +28,9 @@ from safetensors import safe_open
 from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import os_error, read_head, source_file, writing
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.state.regions import Region, spread, whole
-from shardckpt.state.tree import TensorMeta, dotted, walk
+from shardckpt.state.tree import TensorMeta, dotted, too_deep, walk
 
 TREE_KEY = "shardckpt"
 

@@ -25,9 +25,9 @@ import torch
 from safetensors import safe_open
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.core.files import os_error, source_file, writing
+from shardckpt.core.files import has_file, os_error, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
-from shardckpt.formats.hf.config import copy_files
+from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.safetensors_file import layout, opened, tensor_meta
 from shardckpt.state.regions import spread
 from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
@@ -140,14 +140,14 @@ class HfReader(Reader):
 
     def _read_index(self) -> dict[str, str]:
         index_path = self.src / INDEX_FILE
-        if not index_path.exists():
+        if not has_file(index_path, self.src):
             raise BadInputError(
                 f"no '{INDEX_FILE}' in this directory",
                 path=self.src,
                 hint=f"pass the Hugging Face model directory itself, or {SRC_FORMAT} for another format",
             )
         try:
-            weight_map = json.loads(source_file(index_path).read_text())["weight_map"]
+            weight_map = json.loads(index_path.read_text())["weight_map"]
             ok = isinstance(weight_map, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
             )
@@ -189,13 +189,12 @@ class HfReader(Reader):
 
     def _read_shard(self, file: str, wanted: set[str]) -> list[tuple[str, TensorMeta]]:
         path = self.src / file
-        if not path.exists():
+        if not has_file(path, self.src):
             raise BadInputError(
                 f"missing shard '{file}' named by {INDEX_FILE}",
                 path=self.src,
                 hint="copy every *.safetensors shard of the checkpoint",
             )
-        source_file(path)
         with opened(path, "the shard is truncated or damaged; re-copy it") as f:
             # File order: the writer's tree order for our own output.
             keys = list(f.offset_keys())
@@ -221,6 +220,11 @@ class HfReader(Reader):
     def index(self) -> Index:
         return Index(self.format, str(self.src), 1, {"model": dict(self._metas)})
 
+    def members(self) -> frozenset[str]:
+        """Return the index, its shards, and ``config.json`` with the friends an ``hf`` DST gets."""
+        configs = hf_config(self.src).files if (self.src / CONFIG_FILE).exists() else ()
+        return frozenset({INDEX_FILE, *self._file.values(), *configs})
+
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
@@ -242,4 +246,4 @@ class HfReader(Reader):
 
 def is_hf_dir(path: Path) -> bool:
     """Return whether ``path`` holds a Hugging Face ``model.safetensors.index.json``."""
-    return (path / INDEX_FILE).is_file()
+    return has_file(path / INDEX_FILE, path)

@@ -12,15 +12,14 @@ each tensor a storage of exactly its own bytes before it is saved.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from shardckpt.codecs.zip_skeleton import fake_mode
 from shardckpt.formats.base import Frame
-from shardckpt.formats.ranks.target_ranks import create, shard_dtensor
-from shardckpt.formats.torch_save.file import skeleton_regions, storage_of
+from shardckpt.formats.ranks.target_ranks import shard_dtensor
+from shardckpt.formats.torch_save.file import skeleton_file, storage_of
 from shardckpt.state.regions import dim0_rows, row_elements
 from shardckpt.state.tree import TensorMeta, map_leaves
 
@@ -48,11 +47,7 @@ def frame_rank_file(path: Path, state_dict: dict, fills: Fills) -> Frame:
     Returns the regions that fill it (``fills``), as a rank's file of the format is
     read back: each tensor holding only its own bytes.
     """
-    fd = create(path)
-    try:
-        return skeleton_regions(fd, 0, state_dict, fills, path.name)
-    finally:
-        os.close(fd)
+    return skeleton_file(path, state_dict, fills, path.name)
 
 
 def placeholder_whole(fills: Fills, meta: TensorMeta) -> torch.Tensor:

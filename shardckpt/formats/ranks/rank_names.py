@@ -16,11 +16,13 @@ parts, each one tree; ``rank3.pt`` is the only part, ``""``.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.core.errors import BadInputError
+from shardckpt.core.files import check_separate, has_file
 
 _RANK_NAME = re.compile(
     r"^(?P<stem>.*?)rank[_-]?(?P<rank>\d+)(?:[_-]of[_-](?P<of>\d+))?\.(?:pt|pth|bin)$"
@@ -66,8 +68,9 @@ def find_rank_files(directory: Path) -> dict[str, dict[int, Path]]:
     """Return ``{part: {rank: file}}`` for the per-rank files in ``directory`` (``{}`` if none)."""
     parts: dict[str, dict[int, Path]] = {}
     for path in sorted(directory.iterdir()):
-        found = parse_rank_name(path.name) if path.is_file() else None
-        if found is None:
+        found = parse_rank_name(path.name)
+        # A rank's name on a directory, a FIFO or a link out of SRC is refused, not skipped.
+        if found is None or not has_file(path, directory):
             continue
         files = parts.setdefault(found.part, {})
         if found.rank in files:
@@ -91,7 +94,8 @@ def present_rank_files(src: Path) -> dict[str, dict[int, Path]]:
     """Return ``{part: {rank: file}}`` of the per-rank files in ``src``, not yet checked complete.
 
     A reader that learns the job's world size from the files' contents checks them
-    against it (``check_complete``); the names alone miss a missing last rank.
+    against it (``check_complete``); the names alone miss a missing last rank. Two names
+    of one file (a link) are refused here, before any is loaded (``check_separate``).
     """
     if not src.is_dir():
         raise BadInputError(
@@ -106,7 +110,16 @@ def present_rank_files(src: Path) -> dict[str, dict[int, Path]]:
             path=src,
             hint=f"name them like {rank_file_name(0)} (or STEM_rank_R.pt, STEM_world_size_N_rank_R.pt)",
         )
+    check_separate(
+        {(part, rank): path for part, files in parts.items() for rank, path in files.items()},
+        _whose,
+    )
     return {part: dict(sorted(files.items())) for part, files in parts.items()}
+
+
+def _whose(key: tuple[str, int]) -> str:
+    part, rank = key
+    return f"rank {rank}'s file" + (f" of '{part}'" if part else "")
 
 
 def check_complete(
@@ -121,11 +134,14 @@ def check_complete(
     if world_size is None:
         world_size = _named_world_size(src, parts)
     for files in parts.values():
-        missing = [r for r in range(world_size) if r not in files]
-        if missing:
-            name = _name_like(next(iter(files.values())).name, missing[0])
+        # The world size comes from names or pickles (10**12 is a few bytes there): the
+        # first rank without a file is at most the count of files, never found by
+        # walking every rank below world_size.
+        missing = next(r for r in itertools.count() if r not in files)
+        if missing < world_size:
+            name = _name_like(next(iter(files.values())).name, missing)
             raise BadInputError(
-                f"no file for rank {missing[0]} of {world_size} ({name})",
+                f"no file for rank {missing} of {world_size} ({name})",
                 path=src,
                 hint="copy every rank's file of the checkpoint",
             )

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.torch_internals import local_chunk
+from shardckpt.core.words import shown
 from shardckpt.formats.ranks.rank_names import check_complete
 from shardckpt.formats.ranks.sharded_tensor_load import StoredShardedTensor
 from shardckpt.state.tree import Path as TreePath
@@ -168,7 +169,7 @@ def _difference(leaf: object, first: object, there: str) -> str:
         return f"holds other values here than {there}"
     if values_equal(leaf, first):
         return ""
-    return f"is {_short(leaf)} here but {_short(first)} {there}"
+    return f"is {shown(leaf)} here but {shown(first)} {there}"
 
 
 def _describe(leaf: object) -> str:
@@ -193,11 +194,6 @@ def _a(noun: str) -> str:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _shard_layout(leaf: StoredShardedTensor) -> list[tuple]:

@@ -17,14 +17,20 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.codecs.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
+from shardckpt.codecs.pickle_bounds import check_torch_file
+from shardckpt.codecs.pickle_scan import (
+    TRUST_HINT,
+    DamagedPickle,
+    judge_failed_load,
+    quiet_protocol_warning,
+)
 from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
+from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.state.regions import Region, spread
-from shardckpt.state.tree import TensorMeta, map_leaves
+from shardckpt.state.tree import TensorMeta, map_leaves, too_deep
 
 
 def load(
@@ -36,7 +42,8 @@ def load(
     load allows the DTensor classes newer torch releases allow, ``missing_safe_globals``);
     ``trusted_pickle`` is the pickle module used with ``--trust-pickle`` (default: pickle).
     A failure is told as unsafe (only then is ``--trust-pickle`` suggested), damaged or
-    unreadable (``pickle_scan.judge_failed_load``).
+    unreadable (``pickle_scan.judge_failed_load``). Before torch sees the file, its
+    pickles pass ``pickle_bounds.check_torch_file``, trusted or not.
     """
     if stat.S_ISDIR(source_stat(path).st_mode):
         raise BadInputError(
@@ -45,6 +52,12 @@ def load(
             hint=f"pass the file itself, or {SRC_FORMAT} dcp for a DCP directory",
         )
     source_file(path)
+    try:
+        check_torch_file(path, path)
+    except DamagedPickle as exc:
+        raise _damaged(path, str(exc)) from None
+    except OSError as exc:
+        raise os_error(exc, path) from None
     options: dict = {"weights_only": not trust_pickle}
     allowed = [*missing_safe_globals(), *safe_globals]
     if trust_pickle and trusted_pickle is not None:
@@ -67,15 +80,19 @@ def load(
             f"refused to unpickle ({failure.reason})", path=path, hint=TRUST_HINT
         )
     if failure.kind == "damaged":
-        raise BadInputError(
-            f"is a damaged torch.save file ({failure.reason})",
-            path=path,
-            hint="re-copy it from where it was written",
-        )
+        raise _damaged(path, failure.reason)
     raise BadInputError(
         f"not a readable torch.save file ({failure.reason})",
         path=path,
         hint=f"the file is truncated or in another format; name its format with {SRC_FORMAT}",
+    )
+
+
+def _damaged(path: Path, reason: str) -> BadInputError:
+    return BadInputError(
+        f"is a damaged torch.save file ({reason})",
+        path=path,
+        hint="re-copy it from where it was written",
     )
 
 
@@ -164,6 +181,22 @@ def skeleton_regions(
     return Frame(regions, records, pieces)
 
 
+def skeleton_file(
+    path: Path, obj, fills: dict[int, list[tuple[str, int, int, int]]], file: str
+) -> Frame:
+    """Create ``path`` holding the ``torch.save`` skeleton of ``obj``; return what fills it.
+
+    Creating and writing the skeleton are one ``writing`` guard: a full disk while
+    ``torch.save`` writes it is one line naming ``path``, as a failed fill is.
+    """
+    with writing(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            return skeleton_regions(fd, 0, obj, fills, file)
+        finally:
+            os.close(fd)
+
+
 def storage_of(tensor: torch.Tensor) -> int:
     """Return the identity ``torch.save`` gives ``tensor``'s storage."""
     return storage_key(tensor.untyped_storage())
@@ -180,12 +213,7 @@ class TorchWriter(Writer):
             }
             # Through a stream, torch names the archive "archive" instead of after the
             # (temporary) file name, so the bytes do not depend on where it is staged.
-            with writing(self.root):
-                fd = os.open(self.root, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    return skeleton_regions(fd, 0, skeleton, fills, "")
-                finally:
-                    os.close(fd)
+            return skeleton_file(self.root, skeleton, fills, "")
 
         frame = runtime.agreed(lambda: create() if runtime.coordinator else None)
         regions = runtime.broadcast(frame.regions if frame is not None else None)

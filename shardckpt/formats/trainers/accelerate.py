@@ -24,7 +24,6 @@ import re
 from pathlib import Path
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError, UsageError, notice
-from shardckpt.core.files import os_error
 from shardckpt.formats.base import Index, SourcePart
 from shardckpt.formats.dcp.reader import DcpReader
 from shardckpt.formats.dcp.writer import DcpWriter
@@ -72,15 +71,11 @@ class AccelerateReader(PartsReader):
     format = "accelerate"
 
     def open_parts(self) -> tuple[list[Part], list[SourcePart]]:
-        try:
-            entries = sorted(self.src.iterdir(), key=lambda p: p.name)
-        except OSError as exc:
-            raise os_error(exc, self.src) from None
         parts: list[Part] = []
         carried: list[SourcePart] = []
-        for path in entries:
+        for path, is_dir in self.entries():
             name = path.name
-            if path.is_dir():
+            if is_dir:
                 # A model or optimizer directory without .metadata is a save that did not
                 # finish: DcpReader says so, naming it.
                 if m := _MODEL_DIR.fullmatch(name):
@@ -125,6 +120,10 @@ class AccelerateReader(PartsReader):
                 hint=f"pass the directory Accelerator.save_state wrote, or {SRC_FORMAT} another format",
             )
         return parts, carried
+
+    def kept(self, name: str) -> bool:
+        # What save_state writes and shardckpt carries; anything else beside it is the user's.
+        return any(p.fullmatch(name) for p, _ in _CARRIED) or bool(_VALUE_FILE.fullmatch(name))
 
     def _dcp(self, path: Path) -> DcpReader:
         return DcpReader(path, self.trust_pickle)

@@ -16,7 +16,6 @@ at M reads.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -24,7 +23,7 @@ from types import MappingProxyType
 import torch
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
-from shardckpt.core.files import writing
+from shardckpt.core.files import has_file
 from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
 from shardckpt.formats.dcp.reader import DcpReader, is_dcp_dir
 from shardckpt.formats.dcp.writer import DcpWriter
@@ -32,7 +31,7 @@ from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.formats.torch_save.file import (
     TorchReader,
     placeholders,
-    skeleton_regions,
+    skeleton_file,
     storage_of,
 )
 from shardckpt.state.tree import TensorMeta, is_optimizer, map_leaves, tensor_leaves, walk
@@ -53,7 +52,7 @@ class LightningReader(Reader):
         super().__init__(src, trust_pickle)
         self._dcp = DcpReader(self.src, trust_pickle)
         meta = self.src / META_FILE
-        if not meta.is_file():
+        if not has_file(meta, self.src):
             raise BadInputError(
                 f"no '{META_FILE}' in this directory",
                 path=self.src,
@@ -84,6 +83,9 @@ class LightningReader(Reader):
         tree.update(meta)
         parts = tuple(SourcePart(META_FILE, "torch", key) for key in meta)
         return Index(self.format, str(self.src), index.world_size, tree, parts=parts)
+
+    def members(self) -> frozenset[str]:
+        return self._dcp.members() | {META_FILE}
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
@@ -169,13 +171,7 @@ class LightningWriter(Writer):
         fills = {
             storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in tensor_leaves(self._meta)
         }
-        path = self.root / META_FILE
-        with writing(path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            return skeleton_regions(fd, 0, skeleton, fills, META_FILE)
-        finally:
-            os.close(fd)
+        return skeleton_file(self.root / META_FILE, skeleton, fills, META_FILE)
 
     def finish(self) -> None:
         self._dcp.finish()
@@ -186,4 +182,4 @@ __all__ = ["META_FILE", "LightningReader", "LightningWriter", "in_meta", "split_
 
 def looks_like(src: Path) -> bool:
     """Return whether directory ``src`` is Lightning's sharded checkpoint: DCP with ``meta.pt`` beside it."""
-    return is_dcp_dir(src) and (src / META_FILE).is_file()
+    return is_dcp_dir(src) and has_file(src / META_FILE, src)

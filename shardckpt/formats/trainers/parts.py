@@ -13,7 +13,7 @@ two parts may use the same key without clashing in a plan.
 
 from __future__ import annotations
 
-import shutil
+import os
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,8 +22,9 @@ from types import MappingProxyType
 
 import torch
 
+from shardckpt.core.copies import copy_entry
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import writing
+from shardckpt.core.files import os_error, source_entry, source_tree, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
 from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.state.regions import Record
@@ -60,6 +61,12 @@ class PartsReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         self.parts, self.carried = self.open_parts()
+        for carried in self.carried:
+            # A carried directory is walked now: a bad entry deep inside it is refused
+            # before any data moves, not when DST is nearly written.
+            path = self.src / carried.file
+            if source_entry(path, self.src):
+                source_tree(path, self.src)
         self._by_key: dict[str, Part] = {}
         for part in self.parts:
             if (first := self._by_key.setdefault(part.key, part)) is not part:
@@ -74,6 +81,18 @@ class PartsReader(Reader):
     @abstractmethod
     def open_parts(self) -> tuple[list[Part], list[SourcePart]]:
         """Return the parts read, and the files carried unread (each with what it holds)."""
+
+    def entries(self) -> list[tuple[Path, bool]]:
+        """Return SRC's entries by name, each with whether it is a directory (else a regular file).
+
+        Each passes the source-file gate: a link out of SRC, a dangling link, a FIFO or a
+        device is refused here, before any part is opened.
+        """
+        try:
+            names = sorted(os.listdir(self.src))
+        except OSError as exc:
+            raise os_error(exc, self.src) from None
+        return [(self.src / name, source_entry(self.src / name, self.src)) for name in names]
 
     def world_size(self, indexes: dict[str, Index]) -> int | None:
         """Return the world size of the job that saved SRC, from its parts' indexes."""
@@ -105,6 +124,19 @@ class PartsReader(Reader):
             self.format, str(self.src), self.world_size(indexes), tree, parts=described
         )
         return self._index
+
+    def members(self) -> frozenset[str]:
+        """Return each part's files, under its name in SRC, and the carried files ``kept`` says."""
+        read = {
+            f"{part.file}/{name}" if name else part.file
+            for part in self.parts
+            for name in part.reader.members()
+        }
+        return frozenset(read | {p.file for p in self.carried if self.kept(p.file)})
+
+    def kept(self, name: str) -> bool:
+        """Return whether carried file ``name`` is one the trainer writes (else a stranger here)."""
+        return False
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
@@ -214,8 +246,4 @@ class PartsWriter(Writer):
         for _, writer in self.subs:
             writer.finish()
         for src, name in self.copied:
-            with writing(self.root / name):
-                if src.is_dir():
-                    shutil.copytree(src, self.root / name)
-                else:
-                    shutil.copyfile(src, self.root / name)
+            copy_entry(src, self.root / name, Path(self.plan.src))

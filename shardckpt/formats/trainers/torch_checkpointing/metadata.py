@@ -25,15 +25,18 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shardckpt.core.errors import BadInputError
+from shardckpt.codecs.pickle_bounds import check_pickle
+from shardckpt.core.errors import BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, source_file
 from shardckpt.core.torch_internals import shard_chunk
+from shardckpt.core.words import clipped, counted, shown
 
 METADATA_FILE = "metadata.pkl"
 VERSION = "2.0"
@@ -42,14 +45,18 @@ TORCH = "TorchSerialization"
 DTENSOR = "DTensorShardingMetadata"
 
 
+class _Named(pickle.UnpicklingError):
+    """A pickle that names a class or callable, or data outside itself: code, not plain values."""
+
+
 class _PlainValues(pickle.Unpickler):
     """Unpickles plain values only: any class or callable the pickle names is refused."""
 
     def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain values are read")
+        raise _Named(f"names {clipped(f'{module}.{name}')}")
 
     def persistent_load(self, pid):
-        raise pickle.UnpicklingError("it refers to data outside the pickle")
+        raise _Named("refers to data outside the pickle")
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,15 @@ def _need(ok: bool, what: str) -> None:
         raise _Lie(what)
 
 
+def _index(value, what: str, stop: int) -> int:
+    """Return ``value`` when it is an int from 0 to ``stop - 1``; a bool (an int to Python) is not."""
+    _need(
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value < stop,
+        f"{what} is {shown(value)}, not an int from 0 to {stop - 1}",
+    )
+    return value
+
+
 def _ints(value, what: str) -> tuple[int, ...]:
     _need(
         isinstance(value, (list, tuple))
@@ -108,29 +124,32 @@ def _ints(value, what: str) -> tuple[int, ...]:
 
 
 def _dtype(name) -> torch.dtype:
-    _need(isinstance(name, str) and name.startswith("torch."), f"dtype {name!r} is not torch's")
+    _need(
+        isinstance(name, str) and name.startswith("torch."), f"dtype {shown(name)} is not torch's"
+    )
     dtype = getattr(torch, name[len("torch.") :], None)
     _need(isinstance(dtype, torch.dtype), f"dtype {name!r} is not torch's")
     return dtype
 
 
-def _placements(raw, mesh_dims: int) -> tuple[str, ...]:
+def _placements(raw, mesh_dims: int, ndim: int) -> tuple[str, ...]:
     _need(isinstance(raw, list) and len(raw) == mesh_dims, "placements do not match the mesh")
     out = []
     for p in raw:
         _need(isinstance(p, dict), "a placement is not a mapping")
-        if p.get("type") == "Replicate":
+        kind = p.get("type")
+        if kind == "Replicate":
             out.append("Replicate")
-        elif p.get("type") == "Shard" and isinstance(p.get("dim"), int):
-            out.append(f"Shard({p['dim']})")
-        else:
-            _need(False, f"placement {p!r} is not Shard or Replicate")
+            continue
+        _need(kind == "Shard", f"a placement of type {shown(kind)} is not Shard or Replicate")
+        _need(ndim > 0, "a Shard placement of a 0-d tensor")
+        out.append(f"Shard({_index(p.get('dim'), 'the dim of a Shard placement', ndim)})")
     return tuple(out)
 
 
 def _sharding(packed, world_size: int) -> Sharding:
     _need(isinstance(packed, dict), "sharding metadata is not a mapping")
-    _need(packed.get("type") == DTENSOR, f"sharding metadata of type {packed.get('type')!r}")
+    _need(packed.get("type") == DTENSOR, f"sharding metadata of type {shown(packed.get('type'))}")
     data = packed.get("data")
     _need(isinstance(data, dict), "sharding metadata has no data")
     shape = _ints(data.get("global_shape"), "global_shape")
@@ -142,9 +161,7 @@ def _sharding(packed, world_size: int) -> Sharding:
         len(ranks) == math.prod(mesh_shape) and sorted(ranks) == list(range(world_size)),
         f"the mesh {list(ranks)} is not the job's {world_size} ranks",
     )
-    placements = _placements(data.get("placements"), len(mesh_shape))
-    for p in placements:
-        _need(p == "Replicate" or int(p[6:-1]) < len(shape), f"{p} of a {len(shape)}-d tensor")
+    placements = _placements(data.get("placements"), len(mesh_shape), len(shape))
     chunks = {}
     for index, rank in enumerate(ranks):
         coordinate = list(_unravel(index, mesh_shape))
@@ -169,24 +186,28 @@ def _path(text) -> tuple:
         isinstance(path, list)
         and path
         and all(
-            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)) for k in path
+            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+            for k in path
         ),
-        f"nested path {text!r} is not a JSON list of keys",
+        f"nested path {shown(text)} is not a JSON list of keys",
     )
     return tuple(path)
 
 
 def plain_file_name(name: str) -> bool:
     """Return whether ``name`` names a file directly inside a directory (no path, not . or ..)."""
-    return name not in ("", ".", "..") and Path(name).name == name
+    return name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 
 def _item(key: str, raw, world_size: int) -> Item:
     _need(isinstance(raw, dict), f"item {key!r} is not a mapping")
     _need(plain_file_name(f"{key}_0.pt"), f"item key {key!r} cannot name a file in the directory")
     layouts = raw.get("rank_to_layout_info")
+    _need(isinstance(layouts, dict), f"item {key!r} has no rank_to_layout_info mapping")
+    for rank in layouts:
+        _index(rank, f"item {key!r}: a rank of rank_to_layout_info", world_size)
     _need(
-        isinstance(layouts, dict) and set(layouts) == set(range(world_size)),
+        len(layouts) == world_size,
         f"item {key!r} does not name a file for each of the {world_size} ranks",
     )
     files, kinds = {}, set()
@@ -199,11 +220,11 @@ def _item(key: str, raw, world_size: int) -> Item:
             kind = form.get("type") if isinstance(form, dict) else None
             _need(
                 isinstance(file, str) and plain_file_name(file),
-                f"item {key!r}: rank {rank}'s file {file!r} is not a file name in the directory",
+                f"item {key!r}: rank {rank}'s file {shown(file)} is not a file name in the directory",
             )
             _need(
                 kind in (SAFETENSORS, TORCH),
-                f"item {key!r} is stored as {kind!r}; shardckpt reads safetensors and torch.save",
+                f"item {key!r} is stored as {shown(kind)}; shardckpt reads safetensors and torch.save",
             )
             files[rank] = file
         kinds.add(kind)
@@ -213,33 +234,79 @@ def _item(key: str, raw, world_size: int) -> Item:
     tensors = {}
     for text, groups in paths.items():
         path = _path(text)
-        _need(isinstance(groups, list) and groups, f"{text} has no sharding groups")
-        shardings = {}
-        for group in groups:
-            _need(isinstance(group, dict), f"{text}: a sharding group is not a mapping")
-            sharding = _sharding(group.get("sharding_metadata"), world_size)
-            for rank in _ints(group.get("ranks"), f"{text} ranks"):
-                shardings[rank] = sharding
-        _need(set(shardings) == set(range(world_size)), f"{text} is not described for every rank")
-        first = shardings[0]
-        _need(
-            all((s.shape, s.dtype, s.chunks) == (first.shape, first.dtype, first.chunks)
-                for s in shardings.values()),
-            f"{text} is described differently on different ranks",
-        )  # fmt: skip
-        tensors[path] = first
+        try:
+            tensors[path] = _tensor(groups, world_size)
+        except _Lie as exc:
+            raise _Lie(f"item {key!r}, tensor {text}: {exc}") from None
     return Item(tensors, files, kinds.pop())
+
+
+def _tensor(groups, world_size: int) -> Sharding:
+    """Return the sharding the ranks' groups describe for one tensor; every rank must say the same."""
+    _need(isinstance(groups, list) and groups, "it has no sharding groups")
+    shardings = {}
+    for group in groups:
+        _need(isinstance(group, dict), "a sharding group is not a mapping")
+        sharding = _sharding(group.get("sharding_metadata"), world_size)
+        ranks = group.get("ranks")
+        _need(isinstance(ranks, (list, tuple)), "the ranks of a sharding group are not a list")
+        for rank in ranks:
+            shardings[_index(rank, "a rank of a sharding group", world_size)] = sharding
+    _need(set(shardings) == set(range(world_size)), "it is not described for every rank")
+    first = shardings[0]
+    _need(
+        all((s.shape, s.dtype, s.chunks) == (first.shape, first.dtype, first.chunks)
+            for s in shardings.values()),
+        "it is described differently on different ranks",
+    )  # fmt: skip
+    return first
+
+
+def _check_unshared(items: dict[str, Item]) -> None:
+    """Refuse metadata that names one file for two ranks (of one item or two).
+
+    Each rank's shard is read from the file named for it, so a shared file would give
+    one rank's rows to both: a wrong result, not an error, unless refused here.
+    """
+    owner: dict[str, tuple[str, int]] = {}
+    for key, item in items.items():
+        for rank, file in item.files.items():
+            first = owner.setdefault(file, (key, rank))
+            if first[0] == key and first[1] != rank:
+                raise _Lie(f"item '{key}' gives ranks {first[1]} and {rank} the same file '{file}'")
+            if first[0] != key:
+                raise _Lie(
+                    f"'{file}' is named for rank {first[1]} of item '{first[0]}' and for "
+                    f"rank {rank} of item '{key}'"
+                )
+
+
+def _files_beside(root: Path) -> int:
+    """Return how many entries ``root`` holds besides ``metadata.pkl``."""
+    try:
+        with os.scandir(root) as entries:
+            return sum(1 for entry in entries if entry.name != METADATA_FILE)
+    except OSError as exc:
+        raise os_error(exc, root) from None
 
 
 def read_metadata(root: Path) -> Metadata:
     """Return what ``root/metadata.pkl`` says; refuse anything but torch_checkpointing's plain values."""
     path = root / METADATA_FILE
     try:
-        raw = source_file(path).read_bytes()
+        raw = source_file(path, root).read_bytes()
     except OSError as exc:
         raise os_error(exc, path) from None
+    check_pickle(raw, path)
     try:
         data = _PlainValues(io.BytesIO(raw)).load()
+    except _Named as exc:
+        raise UnsafePickleError(
+            f"refused to unpickle ({exc}; torch_checkpointing writes plain values only)",
+            path=path,
+            hint="shardckpt runs no code from metadata.pkl, with --trust-pickle or without; "
+            "use the metadata.pkl torch_checkpointing wrote",
+        ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
             AttributeError, RecursionError, MemoryError) as exc:  # fmt: skip
         raise BadInputError(
@@ -249,18 +316,29 @@ def read_metadata(root: Path) -> Metadata:
         ) from None
     try:
         _need(isinstance(data, dict), "the top level is not a mapping")
-        _need(data.get("version") == VERSION, f"version {data.get('version')!r}, not {VERSION!r}")
+        _need(
+            data.get("version") == VERSION, f"version {shown(data.get('version'))}, not {VERSION!r}"
+        )
         world_size = data.get("world_size")
         _need(
             isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
             "world_size is not a positive int",
         )
+        # Every rank saves a file of each item, so a world size past the files there is a
+        # lie, refused before anything is sized by it (a set of 10**12 ranks fills memory).
+        files = _files_beside(root)
+        _need(
+            world_size <= max(files, 1),
+            f"world_size is {world_size}, but the directory holds {counted(files, 'file')} "
+            f"besides {METADATA_FILE}, and each rank saves a file of each item",
+        )
         items = data.get("metadata")
         _need(isinstance(items, dict), "metadata is not a mapping of items")
         parsed = {}
         for key, raw_item in items.items():
-            _need(isinstance(key, str) and key, f"item key {key!r} is not a name")
+            _need(isinstance(key, str) and key, f"item key {shown(key)} is not a name")
             parsed[key] = _item(key, raw_item, world_size)
+        _check_unshared(parsed)
     except _Lie as exc:
         raise BadInputError(
             f"is not torch_checkpointing metadata shardckpt can use: {exc}",

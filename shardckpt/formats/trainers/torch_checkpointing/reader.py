@@ -31,8 +31,8 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import source_file
-from shardckpt.core.torch_internals import local_chunk
+from shardckpt.core.files import check_separate, has_file, source_file
+from shardckpt.core.torch_internals import local_chunk, mesh_rank
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
 from shardckpt.formats.hf.safetensors_file import opened, tensor_meta
@@ -102,6 +102,10 @@ class TorchCheckpointingReader(Reader):
             key: dict(item.files) for key, item in self.metadata.items.items()
         }
         self._find_other_items()
+        check_separate(
+            {(key, r): self._path(key, r) for key, files in self._files.items() for r in files},
+            lambda k: f"rank {k[1]}'s file of item '{k[0]}'",
+        )
         self._objects: dict[str, dict[int, object]] = {}
         self._sources: dict[str, _Source] = {}
         self.differing: set[str] = set()
@@ -144,9 +148,14 @@ class TorchCheckpointingReader(Reader):
             self._files[key] = files
             self.items[key] = None
 
+    def members(self) -> frozenset[str]:
+        return frozenset(
+            {METADATA_FILE} | {f for files in self._files.values() for f in files.values()}
+        )
+
     def _path(self, key: str, rank: int) -> Path:
         path = self.src / self._files[key][rank]
-        if not path.exists():
+        if not has_file(path, self.src):
             raise BadInputError(
                 f"missing '{path.name}', rank {rank}'s file of item '{key}' named by {METADATA_FILE}",
                 path=self.src,
@@ -266,10 +275,24 @@ class TorchCheckpointingReader(Reader):
             return None
 
     def _check_local(self, key: str, rank: int, path: tuple, sharding: Sharding) -> None:
-        """Refuse a rank's file whose tensor at ``path`` is not the shard the metadata says."""
+        """Refuse a rank's file whose tensor at ``path`` is not the shard the metadata says.
+
+        A DTensor tells which rank saved it and where its shard lies; both must be what
+        the metadata gives this rank, or another rank's rows would be read as its own.
+        """
         t = self._at(key, rank, path)
         local = t.to_local() if isinstance(t, DTensor) else t
-        sizes = sharding.chunks[rank][0]
+        sizes, offsets = sharding.chunks[rank]
+        if isinstance(t, DTensor):
+            self._check_saved_by(key, rank, path, t)
+            _, held_offsets = local_chunk(t)
+            if held_offsets != offsets and 0 not in sizes:
+                raise BadInputError(
+                    f"'{dotted(path)}' is the shard at {list(held_offsets)}, but "
+                    f"{METADATA_FILE} gives rank {rank} the one at {list(offsets)}",
+                    path=self._path(key, rank),
+                    hint="the files and the metadata are not one save; re-copy the checkpoint",
+                )
         if (
             not isinstance(local, torch.Tensor)
             or tuple(local.shape) != sizes
@@ -285,6 +308,16 @@ class TorchCheckpointingReader(Reader):
                 f"{list(sizes)} by {METADATA_FILE}, but is {got}",
                 path=self._path(key, rank),
                 hint="the files and the metadata are not one save; re-copy the checkpoint",
+            )
+
+    def _check_saved_by(self, key: str, rank: int, path: tuple, t: DTensor) -> None:
+        """Refuse a DTensor in rank ``rank``'s file that another rank saved (its mesh says so)."""
+        held = mesh_rank(t.device_mesh)
+        if held is not None and held != rank:
+            raise BadInputError(
+                f"holds rank {held}'s shard of '{dotted(path)}', but it is rank {rank}'s file",
+                path=self._path(key, rank),
+                hint="the files are not one save; re-copy the checkpoint",
             )
 
     def _unlisted(self, key: str, path: tuple, value: torch.Tensor) -> TensorMeta:
@@ -304,6 +337,7 @@ class TorchCheckpointingReader(Reader):
                     path=self._path(key, rank),
                     hint="every rank's file must come from the same save",
                 )
+            self._check_saved_by(key, rank, path, t)
             chunks.append((rank, local_chunk(t)))
         placements = "×".join(type(p).__name__ for p in value.placements)
         return self._new_source(
@@ -383,7 +417,7 @@ class TorchCheckpointingReader(Reader):
 
 def is_torch_checkpointing_dir(path: Path) -> bool:
     """Return whether ``path`` holds torch_checkpointing's ``metadata.pkl``."""
-    return (path / METADATA_FILE).is_file()
+    return has_file(path / METADATA_FILE, path)
 
 
 __all__ = ["TorchCheckpointingReader", "is_torch_checkpointing_dir"]
