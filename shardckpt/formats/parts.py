@@ -23,7 +23,7 @@ from types import MappingProxyType
 import torch
 
 from shardckpt.errors import BadInputError
-from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer, rekeyed
 from shardckpt.formats.files import writing
 from shardckpt.regions import Record
 from shardckpt.target_ranks import merge_frames
@@ -43,15 +43,6 @@ class Part:
     reader: Reader
     nested: str | None = None
     """The one top-level key its own tree holds it under (lifted out), or None."""
-
-
-def _rekeyed(tree: object, prefix: str) -> object:
-    """Return ``tree`` with every tensor's reader key prefixed by ``prefix``."""
-
-    def fn(_path, leaf):
-        return replace(leaf, key=prefix + leaf.key) if isinstance(leaf, TensorMeta) else leaf
-
-    return map_leaves(tree, fn)
 
 
 class PartsReader(Reader):
@@ -97,7 +88,7 @@ class PartsReader(Reader):
                         "convert its parts one by one",
                     )
                 own = own[part.nested]
-            tree[part.key] = _rekeyed(own, part.key + SEP)
+            tree[part.key] = rekeyed(own, part.key + SEP)
         described = tuple(SourcePart(p.file, p.reader.format, p.key) for p in self.parts) + tuple(
             self.carried
         )

@@ -20,11 +20,16 @@ import torch
 from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
 from shardckpt.formats.files import os_error, source_file, source_stat, writing
-from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
+from shardckpt.formats.pickle_scan import (
+    ATTRIBUTE_BAGS,
+    TRUST_HINT,
+    judge_failed_load,
+    quiet_protocol_warning,
+)
 from shardckpt.formats.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.regions import Region, spread
 from shardckpt.torch_internals import missing_safe_globals, storage_key
-from shardckpt.tree import TensorMeta, map_leaves
+from shardckpt.tree import TensorMeta, map_leaves, tensor_leaves
 
 
 def load(
@@ -46,7 +51,7 @@ def load(
         )
     source_file(path)
     options: dict = {"weights_only": not trust_pickle}
-    allowed = [*missing_safe_globals(), *safe_globals]
+    allowed = [*missing_safe_globals(), *ATTRIBUTE_BAGS, *safe_globals]
     if trust_pickle and trusted_pickle is not None:
         options["pickle_module"] = trusted_pickle
     try:
@@ -162,6 +167,22 @@ def skeleton_regions(
         if stop > start
     ]
     return Frame(regions, records, pieces)
+
+
+def whole_file(path: Path, tree: dict, name: str) -> Frame:
+    """Write ``tree``'s ``torch.save`` skeleton to ``path``; return the regions that fill each tensor whole.
+
+    For a small file beside a sharded output (Lightning's ``meta.pt``, Megatron's
+    ``common.pt``) that one process writes and fills; ``name`` is the file relative to DST.
+    """
+    skeleton, fakes = placeholders(tree)
+    fills = {storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in tensor_leaves(tree)}
+    with writing(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        return skeleton_regions(fd, 0, skeleton, fills, name)
+    finally:
+        os.close(fd)
 
 
 def storage_of(tensor: torch.Tensor) -> int:
