@@ -23,6 +23,8 @@ from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
 from shardckpt.formats.fsdp2_ranks_write import Fsdp2RanksWriter
 from shardckpt.formats.hf import INDEX_FILE, HfReader, HfWriter, model_tree
 from shardckpt.formats.lightning import META_FILE, LightningReader, LightningWriter
+from shardckpt.formats.megatron import MegatronReader, MegatronWriter
+from shardckpt.formats.megatron import looks_like as looks_like_megatron
 from shardckpt.formats.rank_names import is_rank_dir
 from shardckpt.formats.safetensors_file import SafetensorsReader, SafetensorsWriter
 from shardckpt.formats.torch_checkpointing import (
@@ -161,6 +163,15 @@ FORMATS: dict[str, Format] = {
             tells_whole=dcp_tells_whole,
         ),
         Format(
+            "megatron",
+            "sharded",
+            "Megatron",
+            MegatronReader,
+            MegatronWriter,
+            directory=True,
+            keys_as_str=True,
+        ),
+        Format(
             "fsdp2-ranks",
             "local",
             "FSDP2 per-rank",
@@ -241,7 +252,9 @@ def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     if stat.S_ISDIR(source_stat(src).st_mode):
         if (src / METADATA_FILE).is_file():
-            # Lightning's sharded checkpoints keep what is not DCP's beside it.
+            # Megatron's and Lightning's keep what is not DCP's beside it.
+            if looks_like_megatron(src):
+                return "megatron"
             if (src / META_FILE).is_file():
                 return "lightning"
             return "torchtitan" if looks_like_torchtitan(src) else "dcp"
