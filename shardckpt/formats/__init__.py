@@ -14,6 +14,13 @@ from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.accelerate import AccelerateReader, AccelerateWriter, looks_like
 from shardckpt.formats.base import Index, Reader, Writer
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
+from shardckpt.formats.dcp_variants import (
+    DcpSafetensorsReader,
+    HfStorageReader,
+    ReadOnlyWriter,
+    looks_like_hf_storage,
+    looks_like_safetensors,
+)
 from shardckpt.formats.dcp_write import DcpWriter
 from shardckpt.formats.files import os_error, source_file, source_stat
 from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
@@ -113,6 +120,25 @@ FORMATS: dict[str, Format] = {
             keys_as_str=True,
             tells_whole=dcp_tells_whole,
             src_local=True,
+        ),
+        Format(
+            "dcp-safetensors",
+            "sharded",
+            "safetensors-serialized DCP",
+            DcpSafetensorsReader,
+            ReadOnlyWriter,
+            directory=True,
+            keys_as_str=True,
+            tells_whole=dcp_tells_whole,
+        ),
+        Format(
+            "hf-storage",
+            "sharded",
+            "Hugging Face storage",
+            HfStorageReader,
+            ReadOnlyWriter,
+            directory=True,
+            tells_whole=dcp_tells_whole,
         ),
         Format(
             "torch-checkpointing",
@@ -257,11 +283,15 @@ def detect(src: Path) -> str:
                 return "megatron"
             if (src / META_FILE).is_file():
                 return "lightning"
+            if looks_like_safetensors(src):
+                return "dcp-safetensors"
             return "torchtitan" if looks_like_torchtitan(src) else "dcp"
         if is_torch_checkpointing_dir(src):
             return "torch-checkpointing"
         if (src / INDEX_FILE).is_file():
             return "hf"
+        if looks_like_hf_storage(src):
+            return "hf-storage"
         if looks_like(src):
             return "accelerate"
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.

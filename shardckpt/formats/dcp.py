@@ -384,13 +384,12 @@ class DcpReader(Reader):
         self._check()
         md = self.metadata
         files = {info.relative_path for info in (md.storage_data or {}).values()}
-        ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))]
+        ranks = [r for f in files if (r := self.rank_of_file(f)) is not None]
         named = (max(ranks) + 1) if ranks else (len(files) or None)
         rank_of = {}
         for idx, info in (md.storage_data or {}).items():
-            m = _RANK_FILE.match(info.relative_path)
             rank_of[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = (
-                int(m.group(1)) if m else None
+                self.rank_of_file(info.relative_path)
             )
         paths = dict(md.planner_data or {})
         keys = list(paths) + [k for k in md.state_dict_metadata if k not in paths]
@@ -432,10 +431,15 @@ class DcpReader(Reader):
     def _files_on_disk(self) -> int | None:
         """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""
         try:
-            ranks = [int(m.group(1)) for p in self.src.iterdir() if (m := _RANK_FILE.match(p.name))]
+            ranks = [r for p in self.src.iterdir() if (r := self.rank_of_file(p.name)) is not None]
         except OSError:
             return None
         return max(ranks) + 1 if ranks else None
+
+    def rank_of_file(self, name: str) -> int | None:
+        """Return the rank that wrote data file ``name`` (``__R_T.distcp``), None if its name does not say."""
+        m = _RANK_FILE.match(name)
+        return int(m.group(1)) if m else None
 
     def _read_values(self, keys: list[str]) -> dict[str, object]:
         if not keys or self.sight is None:
