@@ -23,9 +23,11 @@ failed write (a full disk) is one line naming the file, exit 4.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -270,10 +272,35 @@ class DcpWriter(Writer):
 
     def finish(self) -> None:
         metadata, results = self._finish
-        # Results reach the coordinator pickled from other processes; its own, pickled the
-        # same way, so that .metadata's bytes (pickle shares repeated objects) do not
+        # Results reach the coordinator pickled from other processes; its own are pickled
+        # the same way, so that .metadata's bytes (pickle shares repeated objects) do not
         # depend on how many processes wrote.
-        self._storage.finish(metadata, pickle.loads(pickle.dumps(results)))
+        self._storage.finish(*_one_object_per_name(metadata, results))
+
+
+def _one_object_per_name(metadata, results: list) -> tuple:
+    """Return ``metadata`` and ``results`` with each key and path name one ``str`` object throughout.
+
+    A path of one key (a tree whose leaves sit at the top: Megatron's, Hugging Face's)
+    is DCP's flat key itself, the same object, in what this process planned and wrote,
+    and an equal copy in what other processes sent; pickle writes a shared object once,
+    so without this ``.metadata``'s bytes would depend on how many processes wrote.
+    """
+    name = sys.intern
+    metadata.state_dict_metadata = {name(k): v for k, v in metadata.state_dict_metadata.items()}
+    if metadata.planner_data:
+        metadata.planner_data = {
+            name(k): tuple(name(p) if type(p) is str else p for p in path)
+            for k, path in metadata.planner_data.items()
+        }
+    results = [
+        [
+            dataclasses.replace(r, index=dataclasses.replace(r.index, fqn=name(r.index.fqn)))
+            for r in rs
+        ]
+        for rs in pickle.loads(pickle.dumps(results))
+    ]
+    return metadata, results
 
 
 def _lay_out_file(
