@@ -172,6 +172,16 @@ def test_a_damaged_config_is_named(copy, capsys):
     assert line.endswith(": re-copy it from where the checkpoint was written")
 
 
+def test_a_config_too_large_to_be_megatrons_is_not_read_whole(copy, capsys):
+    (copy / "metadata.json").write_text(json.dumps({"sharded_backend": "x" * (1 << 17)}))
+    assert error_of(capsys, ["inspect", copy]) == (
+        3,
+        f"shardckpt: error: '{copy / 'metadata.json'}': is not Megatron's checkpoint config "
+        "(over 65536 bytes, where Megatron writes about 120): re-copy it from where the "
+        "checkpoint was written",
+    )
+
+
 def test_a_missing_common_pt_is_named(copy, capsys):
     (copy / "common.pt").unlink()
     assert error_of(capsys, ["inspect", copy]) == (

@@ -16,6 +16,7 @@ from shardckpt.formats.files import os_error, source_file
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
+_MAX_CONFIG = 1 << 16  # read no more of a file that should hold four short fields
 
 TORCH_DIST = {
     "sharded_backend": "torch_dist",
@@ -33,7 +34,7 @@ def names_backend(src: Path) -> bool:
     """
     try:
         with open(src / CONFIG_FILE, "rb") as f:
-            config = json.loads(f.read(1 << 16))
+            config = json.loads(f.read(_MAX_CONFIG))
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and "sharded_backend" in config
@@ -53,7 +54,10 @@ def read_config(src: Path) -> dict:
     path = src / CONFIG_FILE
     try:
         with open(source_file(path), "rb") as f:
-            config = json.loads(f.read())
+            text = f.read(_MAX_CONFIG + 1)
+        if len(text) > _MAX_CONFIG:
+            raise ValueError(f"over {_MAX_CONFIG} bytes, where Megatron writes about 120")
+        config = json.loads(text)
     except OSError as exc:
         raise os_error(exc, path) from None
     except ValueError as exc:
