@@ -12,11 +12,13 @@ here is safe on any file, trusted or not. Two uses:
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import pickle
 import pickletools
 import re
+import types
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -28,6 +30,13 @@ from torch.serialization import MAGIC_NUMBER
 
 TRUST_HINT = "pass --trust-pickle only if you trust this file"
 """The hint of every pickle refused because it names something outside the allow-list."""
+
+ATTRIBUTE_BAGS = (argparse.Namespace, types.SimpleNamespace)
+"""Plain attribute holders every weights-only load admits beside torch's allow-list.
+
+Loading one only sets attributes (torch's loader makes the object and updates its
+``__dict__``); Megatron keeps its command line (``args``) in an ``argparse.Namespace``.
+"""
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # torch.save(_use_new_zipfile_serialization=False) writes five pickles before the tensor

@@ -28,11 +28,14 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         dcp.DCP,
+        dcp.DCP_SAFETENSORS,
+        dcp.HF_STORAGE,
         trainers.TORCH_CHECKPOINTING,
         torch_save.TORCH,
         hf.SAFETENSORS,
         hf.HF,
         trainers.LIGHTNING,
+        trainers.MEGATRON,
         fsdp2.FSDP2_RANKS,
         fsdp1.FSDP1_SHARDED,
         fsdp1.FSDP1_LOCAL,
@@ -42,14 +45,17 @@ FORMATS: dict[str, Format] = {
 }
 
 # The order detection asks them in: a format that is another with more beside it
-# (Lightning's and torchtitan's DCP) before that one, FSDP1's rank files before the
+# (Megatron's, Lightning's, torchtitan's DCP, or DCP of safetensors blobs) before that one, FSDP1's rank files before the
 # rank directory any per-rank format is.
 DETECTION: tuple[Format, ...] = (
+    trainers.MEGATRON,
     trainers.LIGHTNING,
+    dcp.DCP_SAFETENSORS,
     trainers.TORCHTITAN,
     dcp.DCP,
     trainers.TORCH_CHECKPOINTING,
     hf.HF,
+    dcp.HF_STORAGE,
     trainers.ACCELERATE,
     fsdp1.FSDP1_LOCAL,
     fsdp1.FSDP1_SHARDED,

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from shardckpt.core.placement import shared
 from shardckpt.state.regions import Piece, Record, Region
-from shardckpt.state.tree import TensorMeta, tensor_leaves
+from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves
 
 # Rows [start, stop) of dim 0, or None for the whole tensor.
 Rows = tuple[int, int] | None
@@ -185,4 +185,37 @@ def read_grouped(
         for i, t in zip(now, tensors):
             out[i] = t
         left = later
+    return out  # type: ignore[return-value]
+
+
+def rekeyed(tree: object, prefix: str) -> object:
+    """Return ``tree`` with every tensor's reader key prefixed by ``prefix``."""
+
+    def fn(_path, leaf):
+        return replace(leaf, key=prefix + leaf.key) if isinstance(leaf, TensorMeta) else leaf
+
+    return map_leaves(tree, fn)
+
+
+def read_routed(
+    route: Callable[[str], tuple[Reader, str]],
+    metas: Sequence[TensorMeta],
+    rows: Sequence[Rows],
+    runtime,
+) -> list[torch.Tensor]:
+    """Return each meta's rows, read by the reader ``route(meta.key)`` names under the key it gives.
+
+    For a source joined from several readers' trees (tensor keys told apart by a prefix,
+    ``rekeyed``): each reader is called once, with its own keys.
+    """
+    by_reader: dict[int, tuple[Reader, list[int], list[TensorMeta]]] = {}
+    for i, meta in enumerate(metas):
+        reader, key = route(meta.key)
+        entry = by_reader.setdefault(id(reader), (reader, [], []))
+        entry[1].append(i)
+        entry[2].append(replace(meta, key=key))
+    out: list[torch.Tensor | None] = [None] * len(metas)
+    for reader, where, own in by_reader.values():
+        for i, tensor in zip(where, reader.read(own, [rows[i] for i in where], runtime)):
+            out[i] = tensor
     return out  # type: ignore[return-value]

@@ -88,8 +88,9 @@ def test_unknown_file(capsys, small):
     assert error_of(capsys, ["inspect", small / "notes.txt"]) == (
         3,
         f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
-        "pass --format with one of dcp, torch-checkpointing, torch, safetensors, hf, lightning, "
-        "fsdp2-ranks, fsdp1-sharded, fsdp1-local, accelerate, torchtitan",
+        "pass --format with one of dcp, dcp-safetensors, hf-storage, torch-checkpointing, torch, "
+        "safetensors, hf, lightning, megatron, fsdp2-ranks, fsdp1-sharded, fsdp1-local, "
+        "accelerate, torchtitan",
     )
 
 

@@ -16,7 +16,7 @@ import pickle
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from shardckpt.codecs.pickle_bounds import check_pickle, check_torch_file
 from shardckpt.codecs.pickle_scan import (
+    ATTRIBUTE_BAGS,
     TRUST_HINT,
     DamagedPickle,
     LoadFailure,
@@ -69,6 +70,8 @@ from shardckpt.formats.dcp.rows import StoredRows
 from shardckpt.formats.ranks.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
 from shardckpt.state.tree import Chunk, TensorMeta, build
 
+REFUSED = object()
+"""What ``DcpReader.stored_value`` is told a value loaded to when the safe loader refused it."""
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -107,11 +110,19 @@ _VOCABULARY = _metadata_vocabulary()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; any global outside DCP's metadata vocabulary is refused."""
+    """Unpickles DCP metadata; any global outside DCP's metadata vocabulary is refused.
+
+    ``extra`` widens the vocabulary for a writer that stores more in ``.metadata``
+    (Megatron's save plans), by the same exact ``(module, name)`` pairs.
+    """
+
+    def __init__(self, file, extra: Mapping[tuple[str, str], object] | None = None):
+        super().__init__(file)
+        self._vocabulary = {**_VOCABULARY, **extra} if extra else _VOCABULARY
 
     def find_class(self, module: str, name: str):
         try:
-            return _VOCABULARY[(module, name)]
+            return self._vocabulary[(module, name)]
         except KeyError:
             raise UnsafePickleError(
                 f"metadata references {module}.{name}, which DCP metadata never holds",
@@ -119,8 +130,13 @@ class _MetadataUnpickler(pickle.Unpickler):
             ) from None
 
 
-def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
-    """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted."""
+def read_metadata(
+    path: Path, trust_pickle: bool, extra: Mapping[tuple[str, str], object] | None = None
+) -> Metadata:
+    """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted.
+
+    ``extra``: ``(module, name)`` pairs admitted beside DCP's own (``_MetadataUnpickler``).
+    """
     file = path / METADATA_FILE
     if not path.exists():
         raise BadInputError(
@@ -141,7 +157,7 @@ def read_metadata(path: Path, trust_pickle: bool) -> Metadata:
     check_pickle(raw, file)
     try:
         stream = io.BytesIO(raw)
-        md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()
+        md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream, extra).load()
     except (UnsafePickleError, UnsupportedTorchError) as exc:
         raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
@@ -169,12 +185,19 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     chunks it overlaps.
     """
 
-    def __init__(self, trust_pickle: bool, where: Path, row_starts: dict[str, int] | None = None):
+    def __init__(
+        self,
+        trust_pickle: bool,
+        where: Path,
+        row_starts: dict[str, int] | None = None,
+        stored_value: Callable[[str, bytes, object], object] | None = None,
+    ):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.trust_pickle = trust_pickle
         self.where = where
         self.values: dict[str, object] = {}
         self.row_starts = row_starts or {}
+        self.stored_value = stored_value or (lambda _key, _stored, loaded: loaded)
 
     def create_local_plan(self) -> LoadPlan:
         whole = {k: v for k, v in self.state_dict.items() if k not in self.row_starts}
@@ -198,8 +221,9 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         file = self._file_of(read_item)
         try:
             check_torch_file(value, file)
-            with quiet_protocol_warning():
-                self.values[key] = torch.load(value, weights_only=not self.trust_pickle)
+            with quiet_protocol_warning(), torch.serialization.safe_globals(list(ATTRIBUTE_BAGS)):
+                loaded = torch.load(value, weights_only=not self.trust_pickle)
+            self.values[key] = self.stored_value(key, value.getvalue(), loaded)
             return
         except DamagedPickle as exc:
             failure = LoadFailure("damaged", str(exc))
@@ -207,6 +231,11 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             # Refused, or a damaged pickle: only the first may be told to trust the file.
             # Other failures are DcpReader's "cannot read checkpoint data".
             failure = judge_failed_load(exc, value, self.trust_pickle)
+        if failure.kind == "refused":
+            kept = self.stored_value(key, value.getvalue(), REFUSED)
+            if kept is not REFUSED:
+                self.values[key] = kept
+                return
         if failure.kind == "refused":
             raise UnsafePickleError(
                 f"refused to unpickle value {shown(key)} ({failure.reason})",
@@ -315,15 +344,30 @@ class DcpReader(Reader):
         super().__init__(src, trust_pickle)
         self.sight = sight
         if sight is None:
-            self.metadata = read_metadata(self.src, trust_pickle)
+            self.metadata = self.load_metadata()
         else:
             # Where ranks see different files (node-local disks), the coordinator's node
             # usually holds .metadata: one rank that sees it reads it for all.
-            self.metadata = sight.shared(
-                [METADATA_FILE], lambda: read_metadata(self.src, trust_pickle)
-            )
-        self._rows = StoredRows(self.src, self.metadata)
+            self.metadata = sight.shared([METADATA_FILE], self.load_metadata)
+        self._rows = self.rows_class(self.src, self.metadata)
         self._checked = False
+
+    # What places a stored chunk's rows in its file; a variant that stores chunks
+    # otherwise (safetensors) brings its own.
+    rows_class: type[StoredRows] = StoredRows
+
+    def load_metadata(self) -> Metadata:
+        """Return the checkpoint's DCP ``Metadata`` (``.metadata``, read safely); a variant reads its own."""
+        return read_metadata(self.src, self.trust_pickle)
+
+    def stored_value(self, key: str, stored: bytes, loaded: object) -> object:
+        """Return what the index holds for value ``key``, given its stored pickle and what it loaded to.
+
+        ``loaded`` is ``REFUSED`` where the safe loader refused the pickle: returned
+        as it is, the refusal is an error naming the value. A format that may carry a
+        value as its stored bytes (Megatron's ShardedObjects) returns something else.
+        """
+        return loaded
 
     def _check(self) -> None:
         """Refuse a ``.metadata`` that does not describe SRC's files, before any data moves."""
@@ -362,13 +406,12 @@ class DcpReader(Reader):
         self._check()
         md = self.metadata
         files = {info.relative_path for info in (md.storage_data or {}).values()}
-        ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))]
+        ranks = [r for f in files if (r := self.rank_of_file(f)) is not None]
         named = (max(ranks) + 1) if ranks else (len(files) or None)
         rank_of = {}
         for idx, info in (md.storage_data or {}).items():
-            m = _RANK_FILE.match(info.relative_path)
             rank_of[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = (
-                int(m.group(1)) if m else None
+                self.rank_of_file(info.relative_path)
             )
         paths = dict(md.planner_data or {})
         keys = list(paths) + [k for k in md.state_dict_metadata if k not in paths]
@@ -422,10 +465,15 @@ class DcpReader(Reader):
     def _files_on_disk(self) -> int | None:
         """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""
         try:
-            ranks = [int(m.group(1)) for p in self.src.iterdir() if (m := _RANK_FILE.match(p.name))]
+            ranks = [r for p in self.src.iterdir() if (r := self.rank_of_file(p.name)) is not None]
         except OSError:
             return None
         return max(ranks) + 1 if ranks else None
+
+    def rank_of_file(self, name: str) -> int | None:
+        """Return the rank that wrote data file ``name`` (``__R_T.distcp``), None if its name does not say."""
+        m = _RANK_FILE.match(name)
+        return int(m.group(1)) if m else None
 
     def _read_values(self, keys: list[str]) -> dict[str, object]:
         if not keys or self.sight is None:
@@ -443,7 +491,7 @@ class DcpReader(Reader):
     def _read_values_here(self, keys: list[str]) -> dict[str, object]:
         if not keys:
             return {}
-        planner = _SafeLoadPlanner(self.trust_pickle, self.src)
+        planner = _SafeLoadPlanner(self.trust_pickle, self.src, stored_value=self.stored_value)
         self._load(dict.fromkeys(keys), planner)
         return planner.values
 

@@ -39,7 +39,7 @@ _RECOPY = "the file is damaged or does not match .metadata; re-copy it from wher
 
 
 @dataclass(frozen=True)
-class _Placed:
+class Placed:
     """Where the elements of one stored chunk lie, row after row, in its data file."""
 
     file: str
@@ -53,7 +53,7 @@ class StoredRows:
     def __init__(self, src: Path, metadata: Metadata):
         self.src = src
         self.metadata = metadata
-        self._placed: dict[tuple[str, tuple[int, ...]], _Placed | None] = {}
+        self._placed: dict[tuple[str, tuple[int, ...]], Placed | None] = {}
 
     def read_into(self, key: str, target: torch.Tensor, first_row: int) -> bool:
         """Fill ``target`` (rows ``first_row``.. of tensor ``key``) from the stored chunks.
@@ -110,20 +110,28 @@ class StoredRows:
 
     def _place(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
-    ) -> _Placed | None:
+    ) -> Placed | None:
         if (key, offsets) not in self._placed:
             info = self.metadata.storage_data[MetadataIndex(key, offsets)]
-            self._placed[(key, offsets)] = (
-                None
-                if info.transform_descriptors
-                else _locate(self.src, info, key, offsets, sizes, dtype)
-            )
+            self._placed[(key, offsets)] = self.locate(info, key, offsets, sizes, dtype)
         return self._placed[(key, offsets)]
+
+    def locate(
+        self, info, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype
+    ) -> Placed | None:
+        """Return where the chunk ``info`` stores lies, row by row; None leaves it to DCP's loader.
+
+        Here a chunk is a ``torch.save`` of it, which torch's loader places; a variant
+        that stores chunks otherwise (raw safetensors data) places them itself.
+        """
+        if info.transform_descriptors:
+            return None
+        return _locate(self.src, info, key, offsets, sizes, dtype)
 
 
 def _locate(
     src: Path, info, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype
-) -> _Placed | None:
+) -> Placed | None:
     """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
 
     None when it is not laid out row after row in this machine's byte order, or when
@@ -173,7 +181,7 @@ def _locate(
             path=path,
             hint=_RECOPY,
         )
-    return _Placed(file, offset + start)
+    return Placed(file, offset + start)
 
 
 def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:

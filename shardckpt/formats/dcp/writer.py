@@ -23,10 +23,13 @@ failed write (a full disk) is one line naming the file, exit 4.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import pickle
+import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,7 +74,21 @@ class _SavePlanner(DefaultSavePlanner):
       that holds no tensor (SGD without momentum) is not.
 
     Empty lists need none of this: DCP stores ``[]`` as a value.
+
+    ``stored_bytes`` (``DcpWriter.stored_bytes``) gives a value's stored bytes where they
+    are not ``torch.save`` of it.
     """
+
+    def __init__(self, stored_bytes: Callable[[str, object], bytes | None] | None = None):
+        super().__init__()
+        self.stored_bytes = stored_bytes
+
+    def transform_object(self, write_item, object):
+        key = write_item.index.fqn
+        stored = self.stored_bytes(key, object) if self.stored_bytes is not None else None
+        if stored is not None:
+            return io.BytesIO(stored)
+        return super().transform_object(write_item, object)
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         try:
@@ -199,7 +216,7 @@ class DcpWriter(Writer):
     def frame(self, runtime: Runtime) -> Frame:
         plan = self.plan
         targets = self.targets(runtime)
-        planners = {r: _SavePlanner() for r in targets}
+        planners = {r: _SavePlanner(self.stored_bytes) for r in targets}
         fills: dict[int, Fills] = {r: {} for r in targets}
 
         def local_plans() -> dict[int, SavePlan]:
@@ -245,12 +262,45 @@ class DcpWriter(Writer):
             self._finish = (central[1], _in_target_order(everyone, plan.world_size))
         return frame
 
+    def stored_bytes(self, key: str, value: object) -> bytes | None:
+        """Return the bytes value ``key`` is stored as, where they are not DCP's ``torch.save`` of ``value``.
+
+        None here: a format that carries values as they were stored (Megatron's
+        ShardedObjects) returns their bytes.
+        """
+        return None
+
     def finish(self) -> None:
         metadata, results = self._finish
-        # Results reach the coordinator pickled from other processes; its own, pickled the
-        # same way, so that .metadata's bytes (pickle shares repeated objects) do not
+        # Results reach the coordinator pickled from other processes; its own are pickled
+        # the same way, so that .metadata's bytes (pickle shares repeated objects) do not
         # depend on how many processes wrote.
-        self._storage.finish(metadata, pickle.loads(pickle.dumps(results)))
+        self._storage.finish(*_one_object_per_name(metadata, results))
+
+
+def _one_object_per_name(metadata, results: list) -> tuple:
+    """Return ``metadata`` and ``results`` with each key and path name one ``str`` object throughout.
+
+    A path of one key (a tree whose leaves sit at the top: Megatron's, Hugging Face's)
+    is DCP's flat key itself, the same object, in what this process planned and wrote,
+    and an equal copy in what other processes sent; pickle writes a shared object once,
+    so without this ``.metadata``'s bytes would depend on how many processes wrote.
+    """
+    name = sys.intern
+    metadata.state_dict_metadata = {name(k): v for k, v in metadata.state_dict_metadata.items()}
+    if metadata.planner_data:
+        metadata.planner_data = {
+            name(k): tuple(name(p) if type(p) is str else p for p in path)
+            for k, path in metadata.planner_data.items()
+        }
+    results = [
+        [
+            dataclasses.replace(r, index=dataclasses.replace(r.index, fqn=name(r.index.fqn)))
+            for r in rs
+        ]
+        for rs in pickle.loads(pickle.dumps(results))
+    ]
+    return metadata, results
 
 
 def _lay_out_file(

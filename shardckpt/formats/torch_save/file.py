@@ -19,6 +19,7 @@ import torch
 
 from shardckpt.codecs.pickle_bounds import check_torch_file
 from shardckpt.codecs.pickle_scan import (
+    ATTRIBUTE_BAGS,
     TRUST_HINT,
     DamagedPickle,
     judge_failed_load,
@@ -30,7 +31,7 @@ from shardckpt.core.files import os_error, read_head, source_file, source_stat, 
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.state.regions import Region, spread
-from shardckpt.state.tree import TensorMeta, map_leaves, too_deep
+from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves, too_deep
 
 
 def load(
@@ -59,7 +60,7 @@ def load(
     except OSError as exc:
         raise os_error(exc, path) from None
     options: dict = {"weights_only": not trust_pickle}
-    allowed = [*missing_safe_globals(), *safe_globals]
+    allowed = [*missing_safe_globals(), *ATTRIBUTE_BAGS, *safe_globals]
     if trust_pickle and trusted_pickle is not None:
         options["pickle_module"] = trusted_pickle
     try:
@@ -195,6 +196,17 @@ def skeleton_file(
             return skeleton_regions(fd, 0, obj, fills, file)
         finally:
             os.close(fd)
+
+
+def whole_file(path: Path, tree: dict, name: str) -> Frame:
+    """Write ``tree``'s ``torch.save`` skeleton to ``path``; return the regions that fill each tensor whole.
+
+    For a small file beside a sharded output (Lightning's ``meta.pt``, Megatron's
+    ``common.pt``) that one process writes and fills; ``name`` is the file relative to DST.
+    """
+    skeleton, fakes = placeholders(tree)
+    fills = {storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in tensor_leaves(tree)}
+    return skeleton_file(path, skeleton, fills, name)
 
 
 def storage_of(tensor: torch.Tensor) -> int:

@@ -1,7 +1,8 @@
 """Trainers' checkpoint directories, each read as one tree and written back at M.
 
 accelerate's ``save_state`` directories, Lightning's sharded checkpoints, torchtitan's
-``step-N`` and torch_checkpointing's ``CheckpointManager`` directories. ``parts`` joins
+``step-N``, torch_checkpointing's ``CheckpointManager`` directories and megatron-core's
+``torch_dist`` directories (``megatron/``). ``parts`` joins
 several checkpoints of other formats into one tree (and writes them back as several).
 """
 
@@ -61,4 +62,15 @@ TORCHTITAN = Format(
     notes=Ref("shardckpt.formats.trainers.torchtitan:world_size_notes"),
 )
 
-FORMATS = (TORCH_CHECKPOINTING, LIGHTNING, ACCELERATE, TORCHTITAN)
+MEGATRON = Format(
+    name="megatron",
+    layout="sharded",
+    title="Megatron",
+    reader=Ref("shardckpt.formats.trainers.megatron.reader:MegatronReader"),
+    writer=Ref("shardckpt.formats.trainers.megatron.writer:MegatronWriter"),
+    directory=True,
+    detect=Ref("shardckpt.formats.trainers.megatron.config:is_megatron_dir"),
+    keys_as_str=True,
+)
+
+FORMATS = (TORCH_CHECKPOINTING, LIGHTNING, ACCELERATE, TORCHTITAN, MEGATRON)

@@ -24,17 +24,24 @@ import torch
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
 from shardckpt.core.files import has_file
-from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
+from shardckpt.formats.base import (
+    Frame,
+    Index,
+    Reader,
+    Rows,
+    SourcePart,
+    Writer,
+    read_routed,
+    rekeyed,
+)
 from shardckpt.formats.dcp.reader import DcpReader, is_dcp_dir
 from shardckpt.formats.dcp.writer import DcpWriter
 from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.formats.torch_save.file import (
     TorchReader,
-    placeholders,
-    skeleton_file,
-    storage_of,
+    whole_file,
 )
-from shardckpt.state.tree import TensorMeta, is_optimizer, map_leaves, tensor_leaves, walk
+from shardckpt.state.tree import TensorMeta, is_optimizer, tensor_leaves, walk
 
 META_FILE = "meta.pt"
 """Lightning's ``_METADATA_FILENAME``: what is neither a module's nor an optimizer's state."""
@@ -65,12 +72,7 @@ class LightningReader(Reader):
         index = self._dcp.index()
         tree = dict(index.tree)
 
-        def rekey(_path, leaf):
-            if isinstance(leaf, TensorMeta):
-                return dataclasses.replace(leaf, key=_META_KEY + leaf.key)
-            return leaf
-
-        meta: dict = map_leaves(self._meta.index().tree, rekey)  # type: ignore[assignment]
+        meta: dict = rekeyed(self._meta.index().tree, _META_KEY)  # type: ignore[assignment]
         both = [key for key in meta if key in tree]
         if both:
             raise BadInputError(
@@ -90,21 +92,12 @@ class LightningReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
-        mine = [i for i, m in enumerate(metas) if m.key.startswith(_META_KEY)]
-        theirs = [i for i, m in enumerate(metas) if not m.key.startswith(_META_KEY)]
-        out: list[torch.Tensor | None] = [None] * len(metas)
-        if theirs:
-            got = self._dcp.read([metas[i] for i in theirs], [rows[i] for i in theirs], runtime)
-            for i, t in zip(theirs, got):
-                out[i] = t
-        if mine:
-            inner = [
-                dataclasses.replace(metas[i], key=metas[i].key[len(_META_KEY) :]) for i in mine
-            ]
-            got = self._meta.read(inner, [rows[i] for i in mine], runtime)
-            for i, t in zip(mine, got):
-                out[i] = t
-        return out  # type: ignore[return-value]
+        def route(key: str) -> tuple[Reader, str]:
+            if key.startswith(_META_KEY):
+                return self._meta, key[len(_META_KEY) :]
+            return self._dcp, key
+
+        return read_routed(route, metas, rows, runtime)
 
 
 def in_meta(key: object, value: object) -> bool:
@@ -167,11 +160,7 @@ class LightningWriter(Writer):
 
     def _frame_meta(self) -> Frame:
         """Write ``meta.pt``'s ``torch.save`` skeleton; return the regions that fill its tensors."""
-        skeleton, fakes = placeholders(self._meta)
-        fills = {
-            storage_of(fakes[m.key]): [(m.key, 0, m.numel, 0)] for _, m in tensor_leaves(self._meta)
-        }
-        return skeleton_file(self.root / META_FILE, skeleton, fills, META_FILE)
+        return whole_file(self.root / META_FILE, self._meta, META_FILE)
 
     def finish(self) -> None:
         self._dcp.finish()

@@ -25,7 +25,7 @@ import torch
 from shardckpt.core.copies import copy_entry
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, source_entry, source_tree, writing
-from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer, rekeyed
 from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.state.regions import Record
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves
@@ -44,15 +44,6 @@ class Part:
     reader: Reader
     nested: str | None = None
     """The one top-level key its own tree holds it under (lifted out), or None."""
-
-
-def _rekeyed(tree: object, prefix: str) -> object:
-    """Return ``tree`` with every tensor's reader key prefixed by ``prefix``."""
-
-    def fn(_path, leaf):
-        return replace(leaf, key=prefix + leaf.key) if isinstance(leaf, TensorMeta) else leaf
-
-    return map_leaves(tree, fn)
 
 
 class PartsReader(Reader):
@@ -116,7 +107,7 @@ class PartsReader(Reader):
                         "convert its parts one by one",
                     )
                 own = own[part.nested]
-            tree[part.key] = _rekeyed(own, part.key + SEP)
+            tree[part.key] = rekeyed(own, part.key + SEP)
         described = tuple(SourcePart(p.file, p.reader.format, p.key) for p in self.parts) + tuple(
             self.carried
         )
