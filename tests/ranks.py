@@ -24,8 +24,7 @@ def world_runtime() -> Runtime:
 def convert(src: str, dst: str, to: str, kwargs: dict) -> dict:
     """Run ``api.convert`` on this rank; return its summary."""
     result = api.convert(
-        api.ConvertRequest(src=api.ConvertRequest(src=src, dst=dst, to=to, **kwargs)),
-        runtime=world_runtime(),
+        api.ConvertRequest(src=src, dst=dst, to=to, **kwargs), runtime=world_runtime()
     )
     return {"tensors": result.tensors, "world_size": result.world_size, "verified": result.verified}
 
@@ -39,9 +38,7 @@ def diff(a: str, b: str) -> list:
     """Run ``api.diff`` on this rank; return the differing paths."""
     return [
         (d.path, d.reason)
-        for d in api.diff(
-            api.DiffRequest(a=api.DiffRequest(a=a, b=b)), runtime=world_runtime()
-        ).differences
+        for d in api.diff(api.DiffRequest(a=a, b=b), runtime=world_runtime()).differences
     ]
 
 
@@ -49,8 +46,7 @@ def convert_expecting_failure(srcs: list[str], dst: str, to: str) -> tuple[str, 
     """Convert from ``srcs[rank]`` (so ranks can disagree); return (error type, exit code, line)."""
     try:
         api.convert(
-            api.ConvertRequest(src=api.ConvertRequest(src=srcs[dist.get_rank()], dst=dst, to=to)),
-            runtime=world_runtime(),
+            api.ConvertRequest(src=srcs[dist.get_rank()], dst=dst, to=to), runtime=world_runtime()
         )
     except ShardckptError as exc:
         return type(exc).__name__, exc.exit_code, exc.line()
