@@ -78,8 +78,11 @@ def _equal(a: object, b: object) -> bool:
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
-    # A float NaN is not equal to itself, but two of them are the same value here.
-    return type(a) is type(b) and (a == b or (a != a and b != b))
+    # compare imports plan, which imports the formats: imported here to break the cycle.
+    # It says NaN equals NaN, and compares numpy values (an RNG state) without raising.
+    from shardckpt.compare import values_equal
+
+    return values_equal(a, b)
 
 
 def _label(sharding: Sharding) -> str:
