@@ -3,15 +3,16 @@ checked against torch itself: set_state_dict, FSDP2 loads and FSDP1's rekey_opti
 
 from __future__ import annotations
 
-import pytest
-import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 import optim_ranks
+import pytest
 import ranks
+import torch
 from harness import run_ranks
 from reference import assert_trees_equal, example, load_dcp_into_fsdp2
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
 from shardckpt import api
+from shardckpt.errors import UsageError
 from shardckpt.model import params_of
 from shardckpt.optim import fqns_to_ids, groups_from_model, ids_to_fqns, rekey
 
@@ -96,7 +97,11 @@ def test_drop_removes_a_block_and_the_result_loads_into_the_model_without_it(
     fsdp2_ckpt, ref, tmp_path
 ):
     api.convert(
-        fsdp2_ckpt.dcp, tmp_path / "one.pt", to="full", optim_keys="id", edits=[("--drop", r"^blocks\.1\.")]
+        fsdp2_ckpt.dcp,
+        tmp_path / "one.pt",
+        to="full",
+        optim_keys="id",
+        edits=[("--drop", r"^blocks\.1\.")],
     )
     out = torch.load(tmp_path / "one.pt", weights_only=True)
     model, optimizer = plain_model_and_optimizer(num_blocks=1)
@@ -113,3 +118,35 @@ def test_drop_removes_a_block_and_the_result_loads_into_the_model_without_it(
         ],
     }
     assert_trees_equal(osd, expected)
+
+
+@pytest.fixture(scope="module")
+def ddp_named_ckpt(tmp_path_factory):
+    """A torch.save from DDP whose optimizer was built from named_parameters() (param_names)."""
+    path = tmp_path_factory.mktemp("ddp-named") / "ddp.pt"
+    truth = run_ranks(optim_ranks.ddp_named_checkpoint, 2, str(path))[0]
+    return path, truth
+
+
+def test_stored_param_names_rekey_a_ddp_save_that_resumes_fsdp2_without_model(
+    ddp_named_ckpt, tmp_path
+):
+    src, truth = ddp_named_ckpt
+    raw = torch.load(src, weights_only=True)
+    assert raw["optim"]["param_groups"][0]["param_names"][0].startswith("module.")
+    dst = tmp_path / "sharded"
+    kwargs = {"optim_keys": "fqn", "world_size": 2}
+    run_ranks(ranks.convert, 2, str(src), str(dst), "sharded", kwargs)
+    assert_trees_equal(run_ranks(optim_ranks.resume_named, 2, str(dst))[0], truth)
+
+
+def test_without_stored_names_the_same_save_asks_for_model(ddp_named_ckpt, tmp_path):
+    src, _ = ddp_named_ckpt
+    raw = torch.load(src, weights_only=True)
+    for group in raw["optim"]["param_groups"]:
+        del group["param_names"]
+    torch.save(raw, tmp_path / "unnamed.pt")
+    with pytest.raises(UsageError, match="no order of the model's .* tensors fits"):
+        api.convert(
+            tmp_path / "unnamed.pt", tmp_path / "out", to="sharded", optim_keys="fqn", world_size=2
+        )
