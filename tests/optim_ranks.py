@@ -123,19 +123,6 @@ def ddp_named_checkpoint(path: str) -> dict | None:
     return {"model": msd, "optim": osd}
 
 
-def resume_named(dcp_dir: str) -> dict | None:
-    """Resume FSDP2 at this world size from ``dcp_dir`` with a named optimizer; return full state on rank 0."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    model = example.shard_model(example.build_model(1234), dist.get_world_size())
-    optimizer = torch.optim.AdamW(named_groups(model), betas=(0.9, 0.95))
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=dcp_dir)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd_full, osd_full = get_state_dict(model, optimizer, options=options)
-    return {"model": msd_full, "optim": osd_full} if dist.get_rank() == 0 else None
+def named_optimizer(model: nn.Module) -> torch.optim.AdamW:
+    """Return the AdamW an FSDP2 job builds from ``named_groups`` (its names have no prefix)."""
+    return torch.optim.AdamW(named_groups(model), betas=(0.9, 0.95))
