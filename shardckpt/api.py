@@ -256,6 +256,28 @@ def _check_dst_name(dst: str | os.PathLike, form: Format) -> None:
     )
 
 
+def _own_layout(
+    form: Format, to: str, dst, src_format: str, model: str | None, world_size: int, runtime
+) -> Format:
+    """Return the format DST is written in without ``--format``: a trainer's own, for its source.
+
+    A trainer's directory (``Format.keeps_layout``) converted to its layout is what its
+    trainer loads only in that trainer's layout; checked as ``--format`` would be, said once.
+    """
+    own = format_named(default_format(to, dst, src_format))
+    if own is form:
+        return form
+    _check_target(to, own, None, model)
+    _check_world_size(own, world_size)
+    _check_dst_name(dst, own)
+    if runtime.coordinator:
+        notice(
+            f"writing DST as a {own.title} checkpoint, SRC's own layout "
+            f"(pass --format {form.name} for a bare {form.title} one)"
+        )
+    return own
+
+
 def _check_shard_size(max_shard_size: int | None) -> None:
     if max_shard_size is not None and max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
@@ -315,6 +337,7 @@ def convert(
     )
 
     def prepare():
+        nonlocal form
         if form is None:
             raise UsageError(f"--to must be one of {', '.join(LAYOUTS)}, not {to!r}")
         _check_target(to, form, world_size, model)
@@ -368,7 +391,11 @@ def convert(
                 "silence this note)"
             )
         reader = open_reader(src, src_format, trust_pickle, flat_model, sight)
-        applies.check(applies.CONVERT_RULES, replace(choice, src_format=reader.format))
+        if fmt is None and nest is None and unnest is None:
+            form = _own_layout(form, to, dst, reader.format, model, target_world, runtime)
+        applies.check(
+            applies.CONVERT_RULES, replace(choice, fmt=form.name, src_format=reader.format)
+        )
         source = format_named(reader.format)
         if source.needs_model and flat_model is None:
             raise UsageError(

@@ -60,7 +60,8 @@ def _holds_optimizer(c: Choice) -> bool:
 
 
 def _may_be_fsdp1_local_source(c: Choice) -> bool:
-    return c.src_format in (None, "fsdp1-local")
+    # veRL's FSDP1 optimizer files are flat parameters too.
+    return c.src_format in (None, "fsdp1-local", "verl")
 
 
 # Both commands that take --wrap read it only with the model it names classes of.

@@ -38,6 +38,8 @@ from shardckpt.formats.torchtitan import (
     world_size_notes,
 )
 from shardckpt.formats.torchtitan import looks_like as looks_like_torchtitan
+from shardckpt.formats.verl import VerlReader, VerlWriter
+from shardckpt.formats.verl import looks_like as looks_like_verl
 from shardckpt.sight import Sight
 
 
@@ -95,6 +97,12 @@ class Format:
     notes: Callable[[dict, int], list[str]] = _no_notes
     """What to tell the user about DST's tree at a world size (parts the trainer will not
     take as they are there), said once on stderr."""
+    reads_with_model: bool = False
+    """Whether its reader takes ``--model``/``--wrap`` when given, without needing them
+    (veRL's FSDP1 optimizer state is read by FQN only with them)."""
+    keeps_layout: bool = False
+    """A trainer's own directory: converted to its layout without ``--format``, a source in
+    this format is written in it again (``default_format``), not as a bare DCP."""
 
 
 FORMATS: dict[str, Format] = {
@@ -120,6 +128,7 @@ FORMATS: dict[str, Format] = {
             TorchCheckpointingWriter,
             directory=True,
             tells_whole=_always,
+            keeps_layout=True,
         ),
         Format(
             "torch",
@@ -159,6 +168,7 @@ FORMATS: dict[str, Format] = {
             directory=True,
             keys_as_str=True,
             tells_whole=dcp_tells_whole,
+            keeps_layout=True,
         ),
         Format(
             "fsdp2-ranks",
@@ -201,6 +211,7 @@ FORMATS: dict[str, Format] = {
             keys_as_str=True,
             tells_whole=dcp_tells_whole,
             carries_files=True,
+            keeps_layout=True,
         ),
         Format(
             "torchtitan",
@@ -215,6 +226,19 @@ FORMATS: dict[str, Format] = {
             src_local=True,
             components=components,
             notes=world_size_notes,
+            keeps_layout=True,
+        ),
+        Format(
+            "verl",
+            "local",
+            "veRL",
+            VerlReader,
+            VerlWriter,
+            directory=True,
+            tells_whole=_always,
+            carries_files=True,
+            reads_with_model=True,
+            keeps_layout=True,
         ),
     )
 }
@@ -229,8 +253,15 @@ def format_named(name: str) -> Format:
     return FORMATS[name]
 
 
-def default_format(layout: str, dst: str | os.PathLike) -> str:
-    """Return the format SPEC writes a layout in when no ``--format`` is given (by DST's suffix for full)."""
+def default_format(layout: str, dst: str | os.PathLike, src_format: str | None = None) -> str:
+    """Return the format SPEC writes a layout in when no ``--format`` is given (by DST's suffix for full).
+
+    A trainer's directory (``Format.keeps_layout``, ``src_format``) converted to its own
+    layout is written in its own format: what its trainer loads.
+    """
+    if src_format is not None and FORMATS[src_format].keeps_layout:
+        if FORMATS[src_format].layout == layout:
+            return src_format
     named = FILE_SUFFIXES.get(Path(dst).suffix.lower())
     if named is not None and FORMATS[named].layout == layout:
         return named
@@ -251,6 +282,8 @@ def detect(src: Path) -> str:
             return "hf"
         if looks_like(src):
             return "accelerate"
+        if looks_like_verl(src):
+            return "verl"
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.
         if (fmt := detect_rank_format(src)) is not None:
             return fmt
@@ -325,8 +358,8 @@ def open_reader(
                 hint="copy SRC where every rank sees it (only DCP sources are read from "
                 "node-local disks)",
             )
-    if form.needs_model:
-        return form.reader(path, trust_pickle, flat_model)
+    if form.needs_model or form.reads_with_model:
+        return form.reader(path, trust_pickle, flat_model)  # type: ignore[call-arg]
     if sight is not None:
         return form.reader(path, trust_pickle, sight)  # type: ignore[call-arg]
     return form.reader(path, trust_pickle)
