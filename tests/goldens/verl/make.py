@@ -116,7 +116,9 @@ def load_job(kind: str, ckpt: str) -> dict | None:
     """Load ``ckpt`` with veRL's manager into a fresh job of ``kind``; return its full state on rank 0."""
     from transformers import AutoConfig
 
-    wrapped, optimizer, scheduler = build(kind, 1234, AutoConfig.from_pretrained(f"{ckpt}/huggingface"))
+    wrapped, optimizer, scheduler = build(
+        kind, 1234, AutoConfig.from_pretrained(f"{ckpt}/huggingface")
+    )
     manager(wrapped, optimizer, scheduler).load_checkpoint(ckpt)
     state = full_state(wrapped, optimizer)
     state["lr_scheduler"] = scheduler.state_dict()

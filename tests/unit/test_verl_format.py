@@ -1,0 +1,140 @@
+"""veRL's FSDPCheckpointManager directories, read from goldens veRL 0.9.1 wrote (tests/goldens/verl).
+
+Each golden's ``reference.pt`` is torch's full state of the job that saved it
+(``get_state_dict(..., full_state_dict=True)``), taken by ``make.py`` at save time.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from reference import assert_trees_equal
+from verl_models import GOLDENS, WRAP
+
+from shardckpt import api
+from shardckpt.errors import UsageError
+from shardckpt.formats import detect
+from shardckpt.formats.verl.extra_state import extra_state_copies
+from shardckpt.formats.verl.names import file_name
+
+FSDP2 = GOLDENS / "fsdp2" / "global_step_2"
+FSDP1 = GOLDENS / "fsdp1" / "global_step_2"
+
+
+def _reference(kind: str) -> dict:
+    return torch.load(GOLDENS / kind / "reference.pt", weights_only=False)
+
+
+def test_both_goldens_are_detected_as_verl():
+    assert detect(FSDP2) == "verl" and detect(FSDP1) == "verl"
+
+
+def test_inspect_reads_no_pickle_of_extra_state_and_lists_it_carried():
+    insp = api.inspect(FSDP2)
+    assert (insp.index.format, insp.index.world_size) == ("verl", 2)
+    parts = {p.file: (p.key, p.format) for p in insp.index.parts}
+    assert parts["model_world_size_2_rank_*.pt"] == ("model", "fsdp2-ranks")
+    assert parts["optim_world_size_2_rank_*.pt"] == ("optim", "fsdp2-ranks")
+    assert parts["extra_state_world_size_2_rank_1.pt"] == (None, "file")
+    assert parts["huggingface"] == (None, "file")
+    assert insp.optimizers[0].key_type == "id"
+
+
+def test_fsdp2_to_full_with_fqn_keys_equals_torchs_full_state_dict(tmp_path):
+    api.convert(FSDP2, tmp_path / "full.pt", to="full", optim_keys="fqn")
+    assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), _reference("fsdp2"))
+
+
+def test_fsdp1_optimizer_without_model_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(UsageError) as info:
+        api.convert(FSDP1, tmp_path / "full.pt", to="full")
+    assert info.value.line() == (
+        f"'{FSDP1}': holds FSDP1's optimizer state as each rank's slices of flat parameters, "
+        "and only the model's FSDP1 wrapping says which parameter each element belongs to: "
+        "pass --model pkg.module:factory and --wrap the classes veRL wrapped (its decoder "
+        "layer class), or --only model"
+    )
+    assert info.value.exit_code == 2
+
+
+def test_fsdp1_model_alone_needs_no_model(tmp_path):
+    api.convert(FSDP1, tmp_path / "model.pt", to="full", only="model")
+    out = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert_trees_equal(out, {"model": _reference("fsdp1")["model"]})
+
+
+@pytest.mark.trainers
+def test_fsdp1_to_full_with_model_equals_torchs_full_state_dict(tmp_path):
+    pytest.importorskip("transformers")
+    model = "verl_models:qwen2"
+    api.convert(FSDP1, tmp_path / "full.pt", to="full", model=model, wraps=[WRAP])
+    assert_trees_equal(torch.load(tmp_path / "full.pt", weights_only=True), _reference("fsdp1"))
+
+
+def test_resharded_at_3_keeps_verls_layout_and_copies_extra_state_unread(tmp_path, capsys):
+    out = tmp_path / "at3"
+    result = api.convert(FSDP2, out, to="local", world_size=3)
+    assert (result.format, result.world_size) == ("verl", 3)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(
+        [file_name(part, 3, r) for part in ("model", "optim", "extra_state") for r in range(3)]
+        + ["fsdp_config.json", "huggingface"]
+    )
+    assert (
+        out / "fsdp_config.json"
+    ).read_text() == '{\n    "FSDP_version": 2,\n    "world_size": 3\n}'
+    for rank, source in ((0, 0), (1, 1), (2, 0)):
+        copied = (out / file_name("extra_state", 3, rank)).read_bytes()
+        assert copied == (FSDP2 / file_name("extra_state", 2, source)).read_bytes()
+    assert "1 rank of 3 (2) had none in SRC and get rank 0's extra_state" in capsys.readouterr().err
+    api.convert(out, tmp_path / "back.pt", to="full", optim_keys="fqn")
+    assert_trees_equal(torch.load(tmp_path / "back.pt", weights_only=True), _reference("fsdp2"))
+
+
+def test_format_fsdp2_ranks_still_writes_bare_rank_files(tmp_path):
+    result = api.convert(FSDP2, tmp_path / "bare", to="local", fmt="fsdp2-ranks", world_size=3)
+    assert result.format == "fsdp2-ranks"
+    assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [
+        "rank_0.pt",
+        "rank_1.pt",
+        "rank_2.pt",
+    ]
+
+
+@pytest.mark.trainers
+def test_an_fqn_keyed_optimizer_is_refused_by_the_verl_writer(tmp_path):
+    pytest.importorskip("transformers")
+    api.convert(FSDP2, tmp_path / "full.pt", to="full", optim_keys="fqn")
+    with pytest.raises(UsageError, match="add --optim-keys id") as info:
+        api.convert(
+            tmp_path / "full.pt",
+            tmp_path / "out",
+            to="local",
+            fmt="verl",
+            world_size=2,
+            model="verl_models:qwen2",
+        )
+    assert info.value.exit_code == 2
+
+
+def test_extra_state_for_fewer_ranks_says_which_are_left_out(tmp_path):
+    carried = [file_name("extra_state", 4, r) for r in range(4)] + ["huggingface"]
+    copies, note = extra_state_copies(tmp_path, carried, 2)
+    assert [(src.name, name) for src, name in copies] == [
+        (file_name("extra_state", 4, 0), file_name("extra_state", 2, 0)),
+        (file_name("extra_state", 4, 1), file_name("extra_state", 2, 1)),
+    ]
+    assert (
+        note == "the extra_state of SRC's 2 ranks 2, 3 is not in DST (a job of 2 has no such rank)"
+    )
+
+
+def test_a_broken_fsdp_config_is_named(tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(FSDP2, src)
+    (src / "fsdp_config.json").write_text('{"FSDP_version": 3}')
+    with pytest.raises(Exception, match='does not hold {"FSDP_version": 1 or 2') as info:
+        api.inspect(src)
+    assert info.value.exit_code == 3
