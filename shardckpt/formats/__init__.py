@@ -38,8 +38,8 @@ from shardckpt.formats.torchtitan import (
     world_size_notes,
 )
 from shardckpt.formats.torchtitan import looks_like as looks_like_torchtitan
-from shardckpt.formats.verl import VerlReader, VerlWriter
-from shardckpt.formats.verl import looks_like as looks_like_verl
+from shardckpt.formats.verl import VerlFsdp1Writer, VerlReader, VerlWriter
+from shardckpt.formats.verl import detect as detect_verl
 from shardckpt.sight import Sight
 
 
@@ -240,6 +240,19 @@ FORMATS: dict[str, Format] = {
             reads_with_model=True,
             keeps_layout=True,
         ),
+        Format(
+            "verl-fsdp1",
+            "local",
+            "veRL FSDP1",
+            VerlReader,
+            VerlFsdp1Writer,
+            directory=True,
+            min_world_size=2,
+            tells_whole=_always,
+            carries_files=True,
+            reads_with_model=True,
+            keeps_layout=True,
+        ),
     )
 }
 FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
@@ -282,8 +295,8 @@ def detect(src: Path) -> str:
             return "hf"
         if looks_like(src):
             return "accelerate"
-        if looks_like_verl(src):
-            return "verl"
+        if (verl := detect_verl(src)) is not None:
+            return verl
         # FSDP1 is told by what its files hold; any other per-rank directory is FSDP2's.
         if (fmt := detect_rank_format(src)) is not None:
             return fmt

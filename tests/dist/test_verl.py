@@ -23,7 +23,9 @@ from shardckpt import api
 pytestmark = pytest.mark.trainers
 pytest.importorskip("transformers")
 
-FSDP1_AS_FSDP2 = {"optim_keys": "id", "model": "verl_models:qwen2", "wraps": [WRAP]}
+FSDP1_MODEL = {"model": "verl_models:qwen2", "wraps": [WRAP]}
+"""What reading (and writing) FSDP1's flat optimizer slices needs: the model and veRL's wrap."""
+FSDP1_AS_FSDP2 = {**FSDP1_MODEL, "optim_keys": "id"}
 
 
 def _reference(kind: str) -> dict:
@@ -39,24 +41,30 @@ def _same_but_group_order(got: dict, want: dict) -> None:
         assert g == w
 
 
-def test_fsdp2_golden_at_3_loads_as_verls_manager_loads_it(tmp_path):
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_golden_at_3_keeps_its_layout_and_loads_as_verls_manager_loads_it(kind, tmp_path):
     out = tmp_path / "at3"
-    api.convert(GOLDENS / "fsdp2" / "global_step_2", out, to="local", world_size=3)
-    got = run_ranks(verl_jobs.load_like_verl, 3, str(out), timeout=300)[0]
-    assert_trees_equal(got, _reference("fsdp2"))
+    kwargs = FSDP1_MODEL if kind == "fsdp1" else {}
+    result = api.convert(GOLDENS / kind / "global_step_2", out, to="local", world_size=3, **kwargs)
+    assert result.format == ("verl-fsdp1" if kind == "fsdp1" else "verl")
+    got = run_ranks(verl_jobs.load_like_verl, 3, str(out), kind, timeout=300)[0]
+    assert_trees_equal(got, _reference(kind))
 
 
-def test_fsdp1_golden_at_3_in_fsdp2_layout_loads_as_verls_manager_loads_it(tmp_path):
+def test_fsdp1_golden_at_3_in_fsdp2_layout_loads_as_verls_fsdp2_manager_loads_it(tmp_path):
     out = tmp_path / "at3"
     src = GOLDENS / "fsdp1" / "global_step_2"
-    api.convert(src, out, to="local", world_size=3, **FSDP1_AS_FSDP2)
-    got = run_ranks(verl_jobs.load_like_verl, 3, str(out), timeout=300)[0]
+    result = api.convert(src, out, to="local", fmt="verl", world_size=3, **FSDP1_AS_FSDP2)
+    assert result.format == "verl"
+    got = run_ranks(verl_jobs.load_like_verl, 3, str(out), "fsdp2", timeout=300)[0]
     _same_but_group_order(got, _reference("fsdp1"))
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
-def test_live_verl_save_resharded_to_3_loads_in_verls_manager(kind, tmp_path):
+@pytest.mark.parametrize(
+    ("kind", "fmt"), [("fsdp2", None), ("fsdp1", None), ("fsdp1", "verl")], ids=str
+)
+def test_live_verl_save_resharded_to_3_loads_in_verls_manager(kind, fmt, tmp_path):
     pytest.importorskip("verl")
     sys.path.insert(0, str(GOLDENS))
     import make
@@ -64,10 +72,12 @@ def test_live_verl_save_resharded_to_3_loads_in_verls_manager(kind, tmp_path):
     src = tmp_path / "global_step_2"
     truth = make.run(make.save_job, 2, kind, str(src))
     out = tmp_path / "at3"
-    api.convert(src, out, to="local", world_size=3, **(FSDP1_AS_FSDP2 if kind == "fsdp1" else {}))
-    got = make.run(make.load_job, 3, "fsdp2", str(out))
+    kwargs = {} if kind == "fsdp2" else FSDP1_AS_FSDP2 if fmt == "verl" else FSDP1_MODEL
+    api.convert(src, out, to="local", fmt=fmt, world_size=3, **kwargs)
+    loader = "fsdp2" if fmt == "verl" else kind
+    got = make.run(make.load_job, 3, loader, str(out))
     assert got.pop("lr_scheduler")["last_epoch"] == make.STEPS
-    if kind == "fsdp2":
+    if loader == kind:
         assert_trees_equal(got, truth)
     else:
         _same_but_group_order(got, truth)

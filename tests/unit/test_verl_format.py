@@ -27,8 +27,8 @@ def _reference(kind: str) -> dict:
     return torch.load(GOLDENS / kind / "reference.pt", weights_only=False)
 
 
-def test_both_goldens_are_detected_as_verl():
-    assert detect(FSDP2) == "verl" and detect(FSDP1) == "verl"
+def test_both_goldens_are_detected_by_their_fsdp_version():
+    assert (detect(FSDP2), detect(FSDP1)) == ("verl", "verl-fsdp1")
 
 
 def test_inspect_reads_no_pickle_of_extra_state_and_lists_it_carried():

@@ -1,9 +1,9 @@
-"""veRL's ``FSDPCheckpointManager`` directories: read (FSDP2 and FSDP1) and written at M (FSDP2)."""
+"""veRL's ``FSDPCheckpointManager`` directories, FSDP2 (``verl``) and FSDP1 (``verl-fsdp1``): read, and written at M."""
 
 from __future__ import annotations
 
-from shardckpt.formats.verl.names import looks_like
+from shardckpt.formats.verl.names import detect
 from shardckpt.formats.verl.reader import VerlReader
-from shardckpt.formats.verl.writer import VerlWriter
+from shardckpt.formats.verl.writer import VerlFsdp1Writer, VerlWriter
 
-__all__ = ["VerlReader", "VerlWriter", "looks_like"]
+__all__ = ["VerlFsdp1Writer", "VerlReader", "VerlWriter", "detect"]

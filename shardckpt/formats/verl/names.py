@@ -53,12 +53,23 @@ def parse(name: str) -> tuple[str, int, int] | None:
     return (m["part"], int(m["ws"]), int(m["rank"])) if m else None
 
 
-def looks_like(src: Path) -> bool:
-    """Return whether directory ``src`` holds veRL's per-rank model files."""
+def format_of(version: int) -> str:
+    """Return the format name of a veRL directory saved by FSDP ``version``."""
+    return "verl-fsdp1" if version == 1 else "verl"
+
+
+def detect(src: Path) -> str | None:
+    """Return ``verl`` or ``verl-fsdp1`` for a directory of veRL's per-rank model files, else None."""
     try:
-        return any((p := parse(e.name)) is not None and p[0] == MODEL for e in src.iterdir())
+        found = [p for e in src.iterdir() if (p := parse(e.name)) is not None and p[0] == MODEL]
     except OSError:
-        return False
+        return None
+    if not found:
+        return None
+    config = read_config(src) if (src / CONFIG_FILE).exists() else None
+    if config is not None:
+        return format_of(config.version)
+    return format_of(fsdp_version(src / file_name(MODEL, found[0][1], 0)))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,6 @@ unread: never unpickled, listed by ``inspect``, copied by a ``verl`` output.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from shardckpt.errors import BadInputError
 from shardckpt.flat_layout import FlatModel
 from shardckpt.formats.base import SourcePart
@@ -26,6 +24,8 @@ from shardckpt.formats.verl.names import (
     HF_DIR,
     MODEL,
     OPTIM,
+    file_name,
+    format_of,
     fsdp_version,
     parse,
     pattern,
@@ -88,12 +88,9 @@ class VerlReader(PartsReader):
             )
         carried = [self._carried(e.name) for e in entries if self._carried(e.name) is not None]
         has = {p[0] for e in entries if (p := parse(e.name)) is not None}
-        version = (
-            config.version
-            if config
-            else fsdp_version(self.src / f"model_world_size_{world_size}_rank_0.pt")
-        )
-        self.version = version
+        model0 = self.src / file_name(MODEL, world_size, 0)
+        version = config.version if config else fsdp_version(model0)
+        self.format = format_of(version)
         parts = [self._model(version, world_size)]
         if OPTIM in has:
             parts.append(self._optim(version, world_size))
@@ -121,9 +118,3 @@ class VerlReader(PartsReader):
         return Part(
             OPTIM, where, FlatOptimReader(self.src, self.trust_pickle, files, self.flat_model)
         )
-
-
-def source_config_version(src: str | Path) -> int | None:
-    """Return the FSDP version of a veRL SRC (its ``fsdp_config.json``), or None."""
-    config = read_config(Path(src)) if Path(src, CONFIG_FILE).exists() else None
-    return config.version if config else None
