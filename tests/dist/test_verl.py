@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import ranks
 import torch
 import verl_jobs
 from harness import run_ranks
@@ -81,3 +82,17 @@ def test_live_verl_save_resharded_to_3_loads_in_verls_manager(kind, fmt, tmp_pat
         assert_trees_equal(got, truth)
     else:
         _same_but_group_order(got, truth)
+
+
+def test_two_ranks_write_the_bytes_one_process_writes(tmp_path):
+    src = GOLDENS / "fsdp1" / "global_step_2"
+    api.convert(src, tmp_path / "one", to="local", world_size=3, **FSDP1_MODEL)
+    run_ranks(
+        ranks.convert, 2, str(src), str(tmp_path / "two"), "local", {"world_size": 3, **FSDP1_MODEL}
+    )
+    names = sorted(p.name for p in (tmp_path / "one").iterdir() if p.is_file())
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir() if p.is_file())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), (
+            name
+        )
