@@ -10,11 +10,12 @@ import shutil
 
 import pytest
 import torch
+from pickle_payloads import PAYLOADS, with_data_pkl
 from reference import assert_trees_equal
 from verl_models import GOLDENS, WRAP
 
 from shardckpt import api
-from shardckpt.errors import UsageError
+from shardckpt.errors import BadInputError, UnsafePickleError, UsageError
 from shardckpt.formats import detect
 from shardckpt.formats.verl.extra_state import extra_state_copies
 from shardckpt.formats.verl.names import file_name
@@ -138,3 +139,65 @@ def test_a_broken_fsdp_config_is_named(tmp_path):
     with pytest.raises(Exception, match='does not hold {"FSDP_version": 1 or 2') as info:
         api.inspect(src)
     assert info.value.exit_code == 3
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
+@pytest.mark.parametrize("part", ["model", "optim"])
+def test_a_malicious_pickle_in_a_rank_file_is_refused_and_never_run(payload, part, tmp_path):
+    src = _copy(FSDP2, tmp_path)
+    marker = tmp_path / "ran"
+    with_data_pkl(src / file_name(part, 2, 1), PAYLOADS[payload](marker))
+    with pytest.raises(UnsafePickleError) as info:
+        api.convert(src, tmp_path / "out.pt", to="full")
+    assert info.value.exit_code == 3 and str(info.value.path) == str(src / file_name(part, 2, 1))
+    assert not marker.exists()
+
+
+def test_a_missing_optimizer_rank_file_is_named(tmp_path):
+    src = _copy(FSDP1, tmp_path)
+    (src / file_name("optim", 2, 1)).unlink()
+    with pytest.raises(BadInputError) as info:
+        api.inspect(src)
+    assert info.value.line() == (
+        f"'{src}': no file for rank 1 of 2 (optim_world_size_2_rank_1.pt): "
+        "copy every rank's file of the checkpoint"
+    )
+
+
+def test_files_of_two_world_sizes_are_refused(tmp_path):
+    src = _copy(FSDP2, tmp_path)
+    shutil.copyfile(src / file_name("model", 2, 0), src / file_name("model", 4, 3))
+    with pytest.raises(BadInputError, match="holds veRL files of jobs of 2, 4 ranks"):
+        api.inspect(src)
+
+
+def test_a_flat_slice_of_another_size_is_refused(tmp_path):
+    src = _copy(FSDP1, tmp_path)
+    path = src / file_name("optim", 2, 1)
+    state = torch.load(path, weights_only=True)
+    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"][:-1].clone()
+    torch.save(state, path)
+    with pytest.raises(BadInputError) as info:
+        api.inspect(src)
+    assert info.value.exit_code == 3
+    assert "'state.0.exp_avg' is [449], not the flat slice of 450 elements rank 0 holds" in (
+        info.value.line()
+    )
+
+
+@pytest.mark.trainers
+def test_a_wrap_that_makes_other_units_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    with pytest.raises(BadInputError) as info:
+        api.convert(FSDP1, tmp_path / "full.pt", to="full", model="verl_models:qwen2")
+    assert info.value.line() == (
+        f"'{FSDP1 / file_name('optim', 2, 0)}': holds state for 3 flat parameters, but "
+        "--model/--wrap wrap the model in 1 FSDP units: pass the --wrap classes veRL wrapped "
+        "(each decoder layer is one unit)"
+    )

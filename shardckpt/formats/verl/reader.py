@@ -16,7 +16,7 @@ from shardckpt.formats.files import os_error
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
 from shardckpt.formats.fsdp2_ranks import Fsdp2RanksReader
 from shardckpt.formats.parts import Part, PartsReader
-from shardckpt.formats.rank_names import present_rank_files
+from shardckpt.formats.rank_names import check_complete, present_rank_files
 from shardckpt.formats.verl.flat_optim import FlatOptimReader
 from shardckpt.formats.verl.names import (
     CONFIG_FILE,
@@ -86,7 +86,7 @@ class VerlReader(PartsReader):
                 path=self.src / CONFIG_FILE,
                 hint="keep one save's files in the directory",
             )
-        carried = [self._carried(e.name) for e in entries if self._carried(e.name) is not None]
+        carried = [c for e in entries if (c := self._carried(e.name)) is not None]
         has = {p[0] for e in entries if (p := parse(e.name)) is not None}
         model0 = self.src / file_name(MODEL, world_size, 0)
         version = config.version if config else fsdp_version(model0)
@@ -94,7 +94,7 @@ class VerlReader(PartsReader):
         parts = [self._model(version, world_size)]
         if OPTIM in has:
             parts.append(self._optim(version, world_size))
-        return parts, carried  # type: ignore[return-value]
+        return parts, carried
 
     def _carried(self, name: str) -> SourcePart | None:
         found = parse(name)
@@ -115,6 +115,7 @@ class VerlReader(PartsReader):
         if version == 2:
             return Part(OPTIM, where, _Fsdp2Part(self.src, self.trust_pickle, OPTIM))
         files = present_rank_files(self.src)[OPTIM]
+        check_complete(self.src, {OPTIM: files}, world_size)
         return Part(
             OPTIM, where, FlatOptimReader(self.src, self.trust_pickle, files, self.flat_model)
         )
