@@ -201,3 +201,11 @@ def test_a_wrap_that_makes_other_units_is_refused(tmp_path):
         "--model/--wrap wrap the model in 1 FSDP units: pass the --wrap classes veRL wrapped "
         "(each decoder layer is one unit)"
     )
+
+
+def test_a_source_without_extra_state_says_how_to_load_without_it(tmp_path):
+    assert extra_state_copies(tmp_path, ["huggingface"], 2) == (
+        [],
+        "SRC has no extra_state files (lr scheduler and RNG state), which veRL's manager "
+        "loads on every rank: load DST with checkpoint.load_contents=['model', 'optimizer']",
+    )

@@ -4,7 +4,8 @@ veRL's manager loads ``extra_state_world_size_{M}_rank_{r}.pt`` on every rank r 
 at M (the lr scheduler's state and the rank's RNG state, pickled numpy objects that are
 never unpickled here). Rank r gets SRC's rank r file, byte for byte, renamed for M; a
 rank SRC's job did not have gets rank 0's (the scheduler is the same on every rank; the
-RNG state is then rank 0's), and the output says so.
+RNG state is then rank 0's), and the output says so; a SRC without them (not veRL's)
+gets a note on how to load DST without them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ def extra_state_copies(
     """Return ``(SRC file, DST name)`` for every rank of ``world_size``, and the note to say, if any."""
     ranks = {r: n for n in carried if (p := parse(n)) is not None and p[0] == EXTRA for r in [p[2]]}
     if not ranks:
-        return [], None
+        return [], (
+            "SRC has no extra_state files (lr scheduler and RNG state), which veRL's manager "
+            "loads on every rank: load DST with checkpoint.load_contents=['model', 'optimizer']"
+        )
     copies = [
         (src / ranks.get(r, ranks[min(ranks)]), file_name(EXTRA, world_size, r))
         for r in range(world_size)

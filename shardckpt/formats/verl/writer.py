@@ -48,6 +48,8 @@ class _VerlDirWriter(TargetRanksWriter):
     format = ""
     optim_keys = ""
     """The optimizer key type the version's files hold (``optim.key_type``)."""
+    keys_hint = ""
+    """How to get an optimizer keyed so."""
 
     def __init__(self, root: Path, plan):
         super().__init__(root, plan)
@@ -80,8 +82,6 @@ class _VerlDirWriter(TargetRanksWriter):
                 f"and this one is keyed by {key_type(tree[OPTIM])}",
                 hint=self.keys_hint,
             )
-
-    keys_hint = ""
 
     def frame_rank(self, rank: int) -> Frame:
         frames = [
