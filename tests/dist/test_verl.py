@@ -30,7 +30,7 @@ FSDP1_AS_FSDP2 = {**FSDP1_MODEL, "optim_keys": "id"}
 
 
 def _reference(kind: str) -> dict:
-    return torch.load(GOLDENS / kind / "reference.pt", weights_only=False)
+    return torch.load(GOLDENS / kind / "reference.pt", weights_only=True)
 
 
 def _same_but_group_order(got: dict, want: dict) -> None:

@@ -25,7 +25,7 @@ FSDP1 = GOLDENS / "fsdp1" / "global_step_2"
 
 
 def _reference(kind: str) -> dict:
-    return torch.load(GOLDENS / kind / "reference.pt", weights_only=False)
+    return torch.load(GOLDENS / kind / "reference.pt", weights_only=True)
 
 
 def test_both_goldens_are_detected_by_their_fsdp_version():
