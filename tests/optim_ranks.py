@@ -85,3 +85,44 @@ def fsdp1_rekey(use_orig_params: bool) -> dict:
         by_id, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optimizer
     )
     return {"full": full, "by_id": by_id, "by_name": by_name}
+
+
+def named_groups(model: nn.Module, prefix: str = "") -> list[dict]:
+    """Return ``example.param_groups`` built from ``named_parameters()``, listed against model order.
+
+    Same membership and hyper-parameters, but the vectors' group first and each group
+    backwards: no order of the model's tensors fits, so only the stored names tell IDs.
+    """
+    groups = example.param_groups(model)
+    names = {id(p): prefix + n for n, p in model.named_parameters()}
+    return [
+        {**g, "params": [(names[id(p)], p) for p in reversed(g["params"])]}
+        for g in reversed(groups)
+    ]
+
+
+def ddp_named_checkpoint(path: str) -> dict | None:
+    """Train the example under DDP with an optimizer built from the wrapper's names; save on rank 0.
+
+    The names are DDP's (``module.…``), as ``named_parameters()`` of the wrapped model
+    gives them. The truth is ``get_state_dict`` of the unwrapped model, with the names
+    an FSDP2 job gives the same parameters.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = example.build_model(0)
+    wrapped = DDP(model)
+    optimizer = torch.optim.AdamW(named_groups(model, "module."), betas=(0.9, 0.95))
+    example.train(wrapped, optimizer, steps=2, seed=0)
+    if dist.get_rank() != 0:
+        return None
+    torch.save({"model": wrapped.state_dict(), "optim": optimizer.state_dict()}, path)
+    msd, osd = get_state_dict(model, optimizer)
+    for group in osd["param_groups"]:
+        group["param_names"] = [n.removeprefix("module.") for n in group["param_names"]]
+    return {"model": msd, "optim": osd}
+
+
+def named_optimizer(model: nn.Module) -> torch.optim.AdamW:
+    """Return the AdamW an FSDP2 job builds from ``named_groups`` (its names have no prefix)."""
+    return torch.optim.AdamW(named_groups(model), betas=(0.9, 0.95))

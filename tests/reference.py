@@ -81,10 +81,13 @@ def make_fsdp2_dcp(
     return Fsdp2Checkpoint(Path(out_dir), Path(ref_path), world_size)
 
 
-def _load_on_rank(dcp_dir: str) -> dict[str, Any] | None:
-    """Resume from ``dcp_dir`` as training does; return the full state on rank 0."""
+def _load_on_rank(dcp_dir: str, build_optimizer=None) -> dict[str, Any] | None:
+    """Resume from ``dcp_dir`` as training does; return the full state on rank 0.
+
+    ``build_optimizer(model)`` makes the optimizer (default: the example's).
+    """
     model = example.shard_model(example.build_model(_LOAD_SEED), dist.get_world_size())
-    optimizer = example.build_optimizer(model)
+    optimizer = (build_optimizer or example.build_optimizer)(model)
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     # dcp.load fills DTensor shards in place but replaces non-tensor values (param
@@ -98,9 +101,11 @@ def _load_on_rank(dcp_dir: str) -> dict[str, Any] | None:
     return {"model": msd_full, "optim": osd_full} if dist.get_rank() == 0 else None
 
 
-def load_dcp_into_fsdp2(dcp_dir: str | os.PathLike, world_size: int) -> dict[str, Any]:
+def load_dcp_into_fsdp2(
+    dcp_dir: str | os.PathLike, world_size: int, build_optimizer=None
+) -> dict[str, Any]:
     """Return ``{"model", "optim"}`` full state after FSDP2 at ``world_size`` loads ``dcp_dir``."""
-    return run_ranks(_load_on_rank, world_size, os.fspath(dcp_dir))[0]
+    return run_ranks(_load_on_rank, world_size, os.fspath(dcp_dir), build_optimizer)[0]
 
 
 def _load_model_on_rank(dcp_dir: str) -> dict[str, Any] | None:

@@ -60,7 +60,8 @@ def _holds_optimizer(c: Choice) -> bool:
 
 
 def _may_be_fsdp1_local_source(c: Choice) -> bool:
-    return c.src_format in (None, "fsdp1-local")
+    # veRL's FSDP1 optimizer files are flat parameters too.
+    return c.src_format in (None, "fsdp1-local", "verl", "verl-fsdp1")
 
 
 # Both commands that take --wrap read it only with the model it names classes of.
@@ -105,8 +106,8 @@ CONVERT_RULES: tuple[Rule, ...] = (
     Rule(
         "--wrap",
         lambda c: bool(c.wraps),
-        lambda c: c.fmt == "fsdp1-local" or _may_be_fsdp1_local_source(c),
-        "applies to fsdp1-local sources and outputs only (FSDP1 flat-parameter layouts)",
+        lambda c: c.fmt in ("fsdp1-local", "verl-fsdp1") or _may_be_fsdp1_local_source(c),
+        "applies to fsdp1-local and verl-fsdp1 sources and outputs only (FSDP1 flat-parameter layouts)",
         "drop --wrap",
     ),
     Rule(
@@ -166,7 +167,7 @@ INSPECT_RULES: tuple[Rule, ...] = (
         "--model",
         lambda c: c.model is not None,
         _may_be_fsdp1_local_source,
-        "applies to fsdp1-local sources only (it names what their flat parameters hold)",
+        "applies to fsdp1-local and veRL sources only (it names what their flat parameters hold)",
         "drop --model (and --wrap)",
     ),
 )

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from shardckpt.api import applies
 from shardckpt.api.requests import ConvertRequest
-from shardckpt.api.source import open_checked
 from shardckpt.api.verification import verify_output
 from shardckpt.core.destination import Destination
 from shardckpt.core.dist import Runtime
@@ -35,6 +34,7 @@ from shardckpt.formats import (
     checkpoint_files,
     default_format,
     format_named,
+    open_reader,
 )
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.formats.fsdp1.flat_layout import FlatModel
@@ -169,15 +169,10 @@ def prepare(
     form, choice = valid.form, valid.choice
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
     sight = _source_sight(request, runtime)
-    reader = open_checked(
-        request.src,
-        request.src_format,
-        applies.CONVERT_RULES,
-        choice,
-        trust_pickle=request.trust_pickle,
-        flat_model=flat_model,
-        sight=sight,
-    )
+    reader = open_reader(request.src, request.src_format, request.trust_pickle, flat_model, sight)
+    if request.format is None and request.nest is None and request.unnest is None:
+        form = _own_layout(request, form, reader.format, valid.world_size, runtime)
+    applies.check(applies.CONVERT_RULES, replace(choice, fmt=form.name, src_format=reader.format))
     if format_named(reader.format).needs_model and flat_model is None:
         raise UsageError(
             f"{reader.format} flat parameters need the model to be read",
@@ -195,6 +190,28 @@ def prepare(
             notice(note)
     writer = form.writer(destination.tmp, plan)
     return Prepared(form, _reading(reader, plan, sight), plan, writer)
+
+
+def _own_layout(
+    request: ConvertRequest, form: Format, src_format: str, world_size: int, runtime: Runtime
+) -> Format:
+    """Return the format DST is written in without ``--format``: a trainer's own, for its source.
+
+    A trainer's directory (``Format.keeps_layout``) converted to its layout is what its
+    trainer loads only in that trainer's layout; checked as ``--format`` would be, said once.
+    """
+    own = format_named(default_format(request.to, request.dst, src_format))
+    if own is form:
+        return form
+    _check_output(request, own)
+    _check_world_size(own, world_size)
+    _check_dst_name(request.dst, own)
+    if runtime.coordinator:
+        notice(
+            f"writing DST as a {own.title} checkpoint, SRC's own layout "
+            f"(pass --format {form.name} for a bare {form.title} one)"
+        )
+    return own
 
 
 def _check_output(request: ConvertRequest, form: Format) -> None:

@@ -68,6 +68,7 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
             "num_params": o.num_params,
             "state_names": list(o.state_names),
             "num_groups": o.num_groups,
+            "param_names": o.param_names,
         }
         for o in insp.optimizers
     ]
@@ -113,7 +114,8 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
             "",
             f"optimizer {dotted(tuple(o['path'])) or '(top level)'}: keys {o['key_type']}, "
             f"{counted(o['num_params'], 'param')}, {counted(o['num_groups'], 'param group')}, "
-            f"state {', '.join(o['state_names']) or '(none yet)'}",
+            f"state {', '.join(o['state_names']) or '(none yet)'}"
+            + (", param names stored (--optim-keys needs no --model)" if o["param_names"] else ""),
         ]
     if doc["parts"]:
         lines += ["", "files:"]

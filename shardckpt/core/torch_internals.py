@@ -6,7 +6,7 @@ the names torch writes into its own files. Each such name is looked up here, whe
 used, so that a torch release that renames or drops one neither stops shardckpt from
 starting nor changes a byte of its output: the conversion that needs the name takes a
 public path to the same result, or stops with one line naming the torch release
-(``UnsupportedTorchError``, exit 2). shardckpt is tested on torch 2.11 to 2.14.
+(``UnsupportedTorchError``, exit 2). shardckpt is tested on torch 2.13 and 2.15.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from shardckpt.core.errors import UnsupportedTorchError
 
-TESTED_TORCH = "torch>=2.11,<2.15"
+TESTED_TORCH = "torch>=2.11,<2.16"
 """The torch releases shardckpt is tested with (pyproject's requirement)."""
 
 # What each group of names is for, as the error says it: "..., which NEED".

@@ -41,6 +41,8 @@ FORMATS: dict[str, Format] = {
         fsdp1.FSDP1_LOCAL,
         trainers.ACCELERATE,
         trainers.TORCHTITAN,
+        trainers.VERL,
+        trainers.VERL_FSDP1,
     )
 }
 
@@ -57,6 +59,8 @@ DETECTION: tuple[Format, ...] = (
     hf.HF,
     dcp.HF_STORAGE,
     trainers.ACCELERATE,
+    trainers.VERL,
+    trainers.VERL_FSDP1,
     fsdp1.FSDP1_LOCAL,
     fsdp1.FSDP1_SHARDED,
     fsdp2.FSDP2_RANKS,
@@ -76,8 +80,15 @@ def format_named(name: str) -> Format:
     return FORMATS[name]
 
 
-def default_format(layout: str, dst: str | os.PathLike) -> str:
-    """Return the format SPEC writes a layout in when no ``--format`` is given (by DST's suffix for full)."""
+def default_format(layout: str, dst: str | os.PathLike, src_format: str | None = None) -> str:
+    """Return the format SPEC writes a layout in when no ``--format`` is given (by DST's suffix for full).
+
+    A trainer's directory (``Format.keeps_layout``, ``src_format``) converted to its own
+    layout is written in its own format: what its trainer loads.
+    """
+    if src_format is not None and FORMATS[src_format].keeps_layout:
+        if FORMATS[src_format].layout == layout:
+            return src_format
     named = FILE_SUFFIXES.get(Path(dst).suffix.lower())
     if named is not None and FORMATS[named].layout == layout:
         return named
@@ -169,8 +180,8 @@ def open_reader(
                 hint="copy SRC where every rank sees it (only DCP sources are read from "
                 "node-local disks)",
             )
-    if form.needs_model:
-        return form.reader(path, trust_pickle, flat_model)
+    if form.needs_model or form.reads_with_model:
+        return form.reader(path, trust_pickle, flat_model)  # type: ignore[call-arg]
     if sight is not None:
         return form.reader(path, trust_pickle, sight)  # type: ignore[call-arg]
     return form.reader(path, trust_pickle)

@@ -102,6 +102,12 @@ class Format:
     """Whether it copies the files a source carries unread (``Index.parts``) into DST."""
     components: Callable[..., list] | None = None
     """A trainer's checkpoint: the parts of its tree (model, optimizer, ...) ``inspect`` lists."""
+    reads_with_model: bool = False
+    """Whether its reader takes ``--model``/``--wrap`` when given, without needing them
+    (veRL's FSDP1 optimizer state is read by FQN only with them)."""
+    keeps_layout: bool = False
+    """A trainer's own directory: converted to its layout without ``--format``, a source in
+    this format is written in it again (``default_format``), not as a bare DCP."""
     notes: Callable[..., list[str]] = no_notes
     """What to tell the user about DST's tree at a world size (parts the trainer will not
     take as they are there), said once on stderr."""

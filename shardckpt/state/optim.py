@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardckpt.state.tree import (
     FLAT_GROUPS,
     FLAT_STATE,
+    PARAM_NAMES,
     Path,
     dotted,
     find_optimizers,
@@ -76,9 +77,20 @@ def _groups(optim: Mapping) -> list[list]:
     return [list(g.get("params", [])) for g in optim["param_groups"]]
 
 
-def _with(optim: Mapping, state: dict, params: Sequence[list]) -> dict:
-    """Return ``optim`` with new state and params lists; every other entry and key order kept."""
-    groups = [{**g, "params": p} for g, p in zip(optim["param_groups"], params)]
+def _with(
+    optim: Mapping, state: dict, params: Sequence[list], names: Sequence[list] | None = None
+) -> dict:
+    """Return ``optim`` with new state and params lists; every other entry and key order kept.
+
+    ``names`` (each group's FQNs in its new ``params`` order) replace the
+    ``param_names`` of the groups that store them, so each name stays beside its ID.
+    """
+    groups = []
+    for i, (g, p) in enumerate(zip(optim["param_groups"], params)):
+        group = {**g, "params": p}
+        if names is not None and PARAM_NAMES in g:
+            group[PARAM_NAMES] = list(names[i])
+        groups.append(group)
     return {**optim, "state": state, "param_groups": groups}
 
 
@@ -102,7 +114,7 @@ def fqns_to_ids(optim: Mapping, model: ModelParams | None = None) -> dict:
     if stray:
         raise RekeyError(f"optimizer state for '{stray[0]}' names no parameter in param_groups")
     state = {ids[k]: v for k, v in sorted(optim["state"].items(), key=lambda kv: ids[kv[0]])}
-    return _with(optim, state, [[ids[f] for f in params] for params in groups])
+    return _with(optim, state, [[ids[f] for f in params] for params in groups], groups)
 
 
 def _in_model_order(groups: list[list], model: ModelParams) -> list[list]:
@@ -120,6 +132,33 @@ def normalize_ids(optim: Mapping) -> dict:
     """Return an ID-keyed ``optim`` with int keys (DCP hands them back as ``"0"``, ``"1"``, ...)."""
     state = {param_id(k): v for k, v in optim["state"].items()}
     return _with(optim, state, [[param_id(p) for p in params] for params in _groups(optim)])
+
+
+def stored_names(optim: Mapping) -> list[list[str]] | None:
+    """Return each group's FQNs from the ``param_names`` torch stores beside the IDs, or None.
+
+    torch (2.5 and later) keeps them in every group of an optimizer built from
+    ``named_parameters()``, in ``params`` order, and in none of one built from bare
+    parameters (it refuses a mix). Names that do not line up with the IDs are refused,
+    not guessed around.
+    """
+    groups = optim["param_groups"]
+    named = [g for g in groups if isinstance(g, Mapping) and PARAM_NAMES in g]
+    if not named:
+        return None
+    if len(named) != len(groups):
+        raise RekeyError(f"only {len(named)} of {len(groups)} param groups list {PARAM_NAMES}")
+    out = []
+    for i, g in enumerate(groups):
+        names, params = g[PARAM_NAMES], g.get("params", [])
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise RekeyError(f"param group {i}'s {PARAM_NAMES} is not a list of names")
+        if len(names) != len(params):
+            raise RekeyError(
+                f"param group {i} lists {len(params)} params but {len(names)} {PARAM_NAMES}"
+            )
+        out.append(list(names))
+    return out
 
 
 def ids_to_fqns(optim: Mapping, fqn_groups: Sequence[Sequence[str]]) -> dict:
@@ -145,7 +184,7 @@ def ids_to_fqns(optim: Mapping, fqn_groups: Sequence[Sequence[str]]) -> dict:
         if pid not in names:
             raise RekeyError(f"optimizer state for param ID {key!r} is in no param group")
         state[names[pid]] = value
-    return _with(optim, state, [list(f) for f in fqn_groups])
+    return _with(optim, state, [list(f) for f in fqn_groups], fqn_groups)
 
 
 def _position(key: object, names: Mapping[int, str]) -> int:
@@ -421,7 +460,7 @@ def map_fqns(tree: object, fn: FqnMap, prefix: Path = ()) -> object:
     if is_optimizer(tree) and key_type(tree) == "fqn":
         state = _rename_mapping(tree["state"], fn, prefix + ("state",), lambda _k, _v: True)
         params = [[n for n in map(fn, p) if n is not None] for p in _groups(tree)]
-        return _with(tree, state, params)
+        return _with(tree, state, params, params)
     if is_optimizer(tree):
         return tree
     out = _rename_mapping(tree, fn, prefix, lambda _k, v: is_tensor_leaf(v))
@@ -470,7 +509,7 @@ def rekey(
             fqns = (
                 groups_from_model(optim, model)
                 if model is not None
-                else infer_groups(optim, model_candidates(out, path))
+                else stored_names(optim) or infer_groups(optim, model_candidates(out, path))
             )
             out = _replace(out, path, ids_to_fqns(optim, fqns))
     if fqn_map is not None:

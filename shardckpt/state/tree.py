@@ -177,6 +177,11 @@ def path_to_json(path: Path) -> list[PathItem]:
 # ---------------------------------------------------------------- optimizer subtrees
 
 
+# Where torch (2.5 and later) keeps, in each param group of an optimizer built from
+# ``named_parameters()``, the name of each parameter in ``params`` order.
+PARAM_NAMES = "param_names"
+
+
 @dataclass(frozen=True)
 class OptimizerInfo:
     """What an optimizer subtree holds: key type, parameters, state names, groups."""
@@ -186,6 +191,8 @@ class OptimizerInfo:
     num_params: int
     state_names: tuple[str, ...]
     num_groups: int
+    param_names: bool = False
+    """Whether every param group stores its parameters' names (``PARAM_NAMES``)."""
 
 
 def is_nested_optimizer(node: object) -> bool:
@@ -365,7 +372,10 @@ def describe_optimizer(tree: object, path: Path) -> OptimizerInfo:
     params = [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
     key_type = optimizer_key_type(list(state.keys()) + params)
     names = sorted({n for s in state.values() if isinstance(s, Mapping) for n in s})
-    return OptimizerInfo(path, key_type, len(params) or len(state), tuple(names), len(groups))
+    named = bool(groups) and all(isinstance(g, Mapping) and PARAM_NAMES in g for g in groups)
+    return OptimizerInfo(
+        path, key_type, len(params) or len(state), tuple(names), len(groups), named
+    )
 
 
 def split_model_optim(tree: Mapping, only: str) -> dict:
@@ -399,6 +409,8 @@ def clean_fqn(fqn: str) -> str:
 def rename_keys(tree: object, rename: Callable[[str], str], prefix: Path = ()) -> object:
     """Return ``tree`` with ``rename`` applied to str mapping keys and optimizer ``params`` lists.
 
+    An optimizer's ``param_names`` lists are FQNs too, renamed alike.
+
     In a flattened optimizer only the FQN inside each key is renamed. Raises
     ``KeyError`` naming both originals when two keys of one mapping collide.
     """
@@ -412,7 +424,11 @@ def rename_keys(tree: object, rename: Callable[[str], str], prefix: Path = ()) -
             if nk in out:
                 raise KeyError((dotted(prefix + (origin[nk],)), dotted(prefix + (k,)), nk))
             origin[nk] = k
-            if k == "params" and isinstance(v, list) and all(isinstance(p, str) for p in v):
+            if (
+                k in ("params", PARAM_NAMES)
+                and isinstance(v, list)
+                and all(isinstance(p, str) for p in v)
+            ):
                 out[nk] = [rename(p) for p in v]
             else:
                 out[nk] = rename_keys(v, rename, prefix + (k,))

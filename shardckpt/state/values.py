@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -18,8 +19,24 @@ def values_equal(x: object, y: object) -> bool:
     if isinstance(x, dict):
         return list(x) == list(y) and all(values_equal(x[k], y[k]) for k in x)
     if isinstance(x, torch.Tensor):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
         return tensors_differ(x, y, 0.0, 0.0)[0] is False
+    if isinstance(x, (np.ndarray, np.generic)):
+        # ``==`` on arrays is elementwise, and its truth value raises (an RNG state
+        # that a trusted pickle holds, numpy's ('MT19937', uint32 array, ...) tuple).
+        return _arrays_equal(np.asarray(x), np.asarray(y))
     return x == y
+
+
+def _arrays_equal(x: np.ndarray, y: np.ndarray) -> bool:
+    """Return whether two numpy arrays have one dtype and shape and the same values, bit for bit."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.dtype.hasobject:
+        # The bytes of an object array are pointers: compare what they point to.
+        return all(values_equal(i, j) for i, j in zip(x.ravel().tolist(), y.ravel().tolist()))
+    return x.tobytes() == y.tobytes()
 
 
 def tensors_differ(

@@ -43,7 +43,9 @@ def test_inspect_shows_the_dcp_part_and_what_meta_pt_holds(fabric_ckpt):
     assert (insp.index.format, insp.index.world_size) == ("lightning", 2)
     assert [(p.file, p.key) for p in insp.index.parts] == [("meta.pt", "step"), ("meta.pt", "note")]
     assert [o.path for o in insp.optimizers] == [("optimizer",)]
-    assert "\nfiles:\n  meta.pt: step (torch)\n  meta.pt: note (torch)\n" in render.inspection_text(insp)
+    assert "\nfiles:\n  meta.pt: step (torch)\n  meta.pt: note (torch)\n" in render.inspection_text(
+        insp
+    )
     assert [(p["file"], p["key"]) for p in render.inspection_json(insp)["parts"]] == [
         ("meta.pt", "step"),
         ("meta.pt", "note"),
@@ -61,7 +63,9 @@ def test_full_equals_lightnings_own_consolidation(fabric_ckpt, tmp_path):
 def test_lightning_layout_at_3_resumes_in_fabric_like_fabrics_own_reshard(fabric_ckpt, tmp_path):
     ckpt, saved, strategy = fabric_ckpt
     out = tmp_path / "at3"
-    api.convert(api.ConvertRequest(src=ckpt, dst=out, to="sharded", format="lightning", world_size=3, verify=True))
+    # No --format: a trainer's checkpoint converted to its layout keeps its trainer's format.
+    result = api.convert(api.ConvertRequest(src=ckpt, dst=out, to="sharded", world_size=3, verify=True))
+    assert result.format == "lightning"
     assert sorted(p.name for p in out.iterdir()) == [
         ".metadata",
         "__0_0.distcp",
@@ -75,3 +79,20 @@ def test_lightning_layout_at_3_resumes_in_fabric_like_fabrics_own_reshard(fabric
     assert_trees_equal(control["loaded"], saved)
     assert_trees_equal(resumed, control)
     assert resumed["extras"] == {"step": 2, "note": "lit"}
+
+
+def test_format_lightning_writes_what_the_default_writes_and_format_dcp_a_bare_dcp(
+    fabric_ckpt, tmp_path
+):
+    ckpt, _, _ = fabric_ckpt
+    default = api.convert(api.ConvertRequest(src=ckpt, dst=tmp_path / "default", to="sharded", world_size=3))
+    named = api.convert(api.ConvertRequest(src=ckpt, dst=tmp_path / "named", to="sharded", format="lightning", world_size=3))
+    bare = api.convert(api.ConvertRequest(src=ckpt, dst=tmp_path / "bare", to="sharded", format="dcp", world_size=3))
+    assert (default.format, named.format, bare.format) == ("lightning", "lightning", "dcp")
+    names = sorted(p.name for p in (tmp_path / "default").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "named").iterdir())
+    for name in names:
+        assert (tmp_path / "default" / name).read_bytes() == (
+            tmp_path / "named" / name
+        ).read_bytes()
+    assert "meta.pt" in names and not (tmp_path / "bare" / "meta.pt").exists()

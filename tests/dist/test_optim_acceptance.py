@@ -3,15 +3,18 @@ checked against torch itself: set_state_dict, FSDP2 loads and FSDP1's rekey_opti
 
 from __future__ import annotations
 
-import pytest
-import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 import optim_ranks
+import pytest
 import ranks
+import torch
 from harness import run_ranks
 from reference import assert_trees_equal, example, load_dcp_into_fsdp2
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
 from shardckpt import api
+from shardckpt.state.model import params_of
+from shardckpt.state.optim import fqns_to_ids, groups_from_model, ids_to_fqns, rekey
+from shardckpt.core.errors import UsageError
 from shardckpt.state.model import params_of
 from shardckpt.state.optim import fqns_to_ids, groups_from_model, ids_to_fqns, rekey
 
@@ -111,3 +114,33 @@ def test_drop_removes_a_block_and_the_result_loads_into_the_model_without_it(
         ],
     }
     assert_trees_equal(osd, expected)
+
+
+@pytest.fixture(scope="module")
+def ddp_named_ckpt(tmp_path_factory):
+    """A torch.save from DDP whose optimizer was built from named_parameters() (param_names)."""
+    path = tmp_path_factory.mktemp("ddp-named") / "ddp.pt"
+    truth = run_ranks(optim_ranks.ddp_named_checkpoint, 2, str(path))[0]
+    return path, truth
+
+
+def test_stored_param_names_rekey_a_ddp_save_that_resumes_fsdp2_without_model(
+    ddp_named_ckpt, tmp_path
+):
+    src, truth = ddp_named_ckpt
+    raw = torch.load(src, weights_only=True)
+    assert raw["optim"]["param_groups"][0]["param_names"][0].startswith("module.")
+    dst = tmp_path / "sharded"
+    kwargs = {"optim_keys": "fqn", "world_size": 2}
+    run_ranks(ranks.convert, 2, str(src), str(dst), "sharded", kwargs)
+    assert_trees_equal(load_dcp_into_fsdp2(dst, 2, optim_ranks.named_optimizer), truth)
+
+
+def test_without_stored_names_the_same_save_asks_for_model(ddp_named_ckpt, tmp_path):
+    src, _ = ddp_named_ckpt
+    raw = torch.load(src, weights_only=True)
+    for group in raw["optim"]["param_groups"]:
+        del group["param_names"]
+    torch.save(raw, tmp_path / "unnamed.pt")
+    with pytest.raises(UsageError, match="no order of the model's .* tensors fits"):
+        api.convert(api.ConvertRequest(src=tmp_path / "unnamed.pt", dst=tmp_path / "out", to="sharded", optim_keys="fqn", world_size=2))

@@ -183,6 +183,7 @@ def test_inspect_json_shows_the_flat_key_type_and_warns_about_stray_state(capsys
             "num_params": 6,
             "state_names": ["exp_avg", "exp_avg_sq", "step"],
             "num_groups": 2,
+            "param_names": False,
         }
     ]
     assert doc["warnings"] == [

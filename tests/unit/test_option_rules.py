@@ -64,7 +64,7 @@ NOT_APPLYING = [
     ),
     (
         ["--to", "full", "--wrap", "optim_models:Tiny", "--model", "optim_models:tiny"],
-        "--wrap applies to fsdp1-local sources and outputs only (FSDP1 flat-parameter layouts): "
+        "--wrap applies to fsdp1-local and verl-fsdp1 sources and outputs only (FSDP1 flat-parameter layouts): "
         "drop --wrap",
     ),
     (
@@ -130,7 +130,7 @@ def test_an_option_that_does_not_apply_is_a_usage_error(capsys, src, tmp_path, e
     ("argv", "line"),
     [
         (["--json", "--json"], "--json given more than once"),
-        (["--model", "optim_models:tiny"], "--model applies to fsdp1-local sources only"),
+        (["--model", "optim_models:tiny"], "--model applies to fsdp1-local and veRL sources only"),
         (["--wrap", "optim_models:Tiny"], "--wrap needs --model"),
     ],
 )

@@ -36,7 +36,7 @@ class Fsdp1ShardedReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        found = present_rank_files(self.src)
+        found = self.present_files()
         loaded = {
             part: {r: load_rank_file(p, trust_pickle) for r, p in files.items()}
             for part, files in found.items()
@@ -56,6 +56,10 @@ class Fsdp1ShardedReader(Reader):
 
     def members(self) -> frozenset[str]:
         return frozenset(p.name for files in self.files for p in files)
+
+    def present_files(self) -> dict[str, dict[int, Path]]:
+        """Return ``{part: {rank: file}}`` of the files read (a trainer's reader reads some parts only)."""
+        return present_rank_files(self.src)
 
     def own_tensors(self, tree: dict) -> OwnTensors:
         """Return which plain tensors of a part's ``tree`` each rank holds its own of: none here."""

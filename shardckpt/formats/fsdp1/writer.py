@@ -50,6 +50,10 @@ def _dim0_shards(meta: TensorMeta, world_size: int) -> list[tuple[int, int, int]
 class Fsdp1ShardedWriter(TargetRanksWriter):
     """``rank_{r}.pt`` of FSDP1 ``SHARDED_STATE_DICT``: each split tensor a ShardedTensor of r's chunk."""
 
+    def rank_path(self, rank: int) -> Path:
+        """Return target rank ``rank``'s file (a trainer's layout names it its own way)."""
+        return self.root / rank_file_name(rank)
+
     def frame_rank(self, rank: int) -> Frame:
         plan, m = self.plan, self.plan.world_size
         fills: Fills = {}
@@ -71,7 +75,7 @@ class Fsdp1ShardedWriter(TargetRanksWriter):
 
         with fake_mode():
             state_dict = map_leaves(plan.tree, place)
-        return frame_rank_file(self.root / rank_file_name(rank), state_dict, fills)
+        return frame_rank_file(self.rank_path(rank), state_dict, fills)
 
 
 class Fsdp1LocalWriter(TargetRanksWriter):
@@ -136,7 +140,7 @@ def _local_model_state(
         # The file holds the valid part of the shard once, as FSDP1's own file does:
         # without the tail padding, and the parameter pieces viewing it.
         flat = torch.empty(valid, dtype=dtype)
-        fills[storage_of(flat)] = _flat_fills(metas, lay, r, valid)
+        fills[storage_of(flat)] = flat_fills(metas, lay, r, valid)
         if lay.use_orig_params:
             # FSDP1 saves each parameter's piece of the shard, and a tied alias's too.
             piece_of = {}
@@ -153,7 +157,7 @@ def _local_model_state(
     return out
 
 
-def _flat_fills(
+def flat_fills(
     metas: list[TensorMeta], lay: FlatLayout, r: int, valid: int
 ) -> list[tuple[str, int, int, int]]:
     """Return what fills rank ``r``'s flat shard: each parameter's elements in it (padding stays 0)."""

@@ -21,6 +21,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -84,7 +85,7 @@ class Fsdp2RanksReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        self.parts = present_rank_files(self.src)
+        self.parts = self.present_files()
         with quiet_mesh_unpickling():
             self.objects = {
                 part: {r: load_dict(p, self.trust_pickle) for r, p in files.items()}
@@ -99,6 +100,10 @@ class Fsdp2RanksReader(Reader):
 
     def members(self) -> frozenset[str]:
         return frozenset(p.name for files in self.parts.values() for p in files.values())
+
+    def present_files(self) -> dict[str, dict[int, Path]]:
+        """Return ``{part: {rank: file}}`` of the files read (a trainer's reader reads some parts only)."""
+        return present_rank_files(self.src)
 
     def _check_world_size(self) -> int:
         """Return the job's world size; every file must be one rank of it, and none may be missing."""

@@ -2,7 +2,9 @@
 
 accelerate's ``save_state`` directories, Lightning's sharded checkpoints, torchtitan's
 ``step-N``, torch_checkpointing's ``CheckpointManager`` directories and megatron-core's
-``torch_dist`` directories (``megatron/``). ``parts`` joins
+``torch_dist`` directories (``megatron/``), veRL's ``FSDPCheckpointManager`` directories
+(``verl/``). Converted to their own layout without ``--format``, each is written in its
+own format again (``keeps_layout``). ``parts`` joins
 several checkpoints of other formats into one tree (and writes them back as several).
 """
 
@@ -19,6 +21,7 @@ TORCH_CHECKPOINTING = Format(
     directory=True,
     detect=Ref("shardckpt.formats.trainers.torch_checkpointing.reader:is_torch_checkpointing_dir"),
     tells_whole=always,
+    keeps_layout=True,
 )
 
 LIGHTNING = Format(
@@ -31,6 +34,7 @@ LIGHTNING = Format(
     detect=Ref("shardckpt.formats.trainers.lightning:looks_like"),
     keys_as_str=True,
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
+    keeps_layout=True,
 )
 
 ACCELERATE = Format(
@@ -44,6 +48,7 @@ ACCELERATE = Format(
     keys_as_str=True,
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
     carries_files=True,
+    keeps_layout=True,
 )
 
 TORCHTITAN = Format(
@@ -60,6 +65,7 @@ TORCHTITAN = Format(
     src_local=True,
     components=Ref("shardckpt.formats.trainers.torchtitan:components"),
     notes=Ref("shardckpt.formats.trainers.torchtitan:world_size_notes"),
+    keeps_layout=True,
 )
 
 MEGATRON = Format(
@@ -71,6 +77,36 @@ MEGATRON = Format(
     directory=True,
     detect=Ref("shardckpt.formats.trainers.megatron.config:is_megatron_dir"),
     keys_as_str=True,
+    keeps_layout=True,
 )
 
-FORMATS = (TORCH_CHECKPOINTING, LIGHTNING, ACCELERATE, TORCHTITAN, MEGATRON)
+VERL = Format(
+    name="verl",
+    layout="local",
+    title="veRL",
+    reader=Ref("shardckpt.formats.trainers.verl.reader:VerlReader"),
+    writer=Ref("shardckpt.formats.trainers.verl.writer:VerlWriter"),
+    directory=True,
+    detect=Ref("shardckpt.formats.trainers.verl.names:is_verl"),
+    tells_whole=always,
+    carries_files=True,
+    reads_with_model=True,
+    keeps_layout=True,
+)
+
+VERL_FSDP1 = Format(
+    name="verl-fsdp1",
+    layout="local",
+    title="veRL FSDP1",
+    reader=Ref("shardckpt.formats.trainers.verl.reader:VerlReader"),
+    writer=Ref("shardckpt.formats.trainers.verl.writer:VerlFsdp1Writer"),
+    directory=True,
+    detect=Ref("shardckpt.formats.trainers.verl.names:is_verl_fsdp1"),
+    min_world_size=2,
+    tells_whole=always,
+    carries_files=True,
+    reads_with_model=True,
+    keeps_layout=True,
+)
+
+FORMATS = (TORCH_CHECKPOINTING, LIGHTNING, ACCELERATE, TORCHTITAN, MEGATRON, VERL, VERL_FSDP1)

@@ -46,6 +46,7 @@ from shardckpt.formats.trainers.torch_checkpointing.metadata import (
     read_metadata,
 )
 from shardckpt.state.tree import Chunk, TensorMeta, dotted, map_leaves, subtree, walk
+from shardckpt.state.values import values_equal
 
 _ITEM_FILE = re.compile(r"^(?P<item>.+)_(?P<rank>\d+)\.pt$")
 
@@ -78,8 +79,8 @@ def _equal(a: object, b: object) -> bool:
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
-    # A float NaN is not equal to itself, but two of them are the same value here.
-    return type(a) is type(b) and (a == b or (a != a and b != b))
+    # NaN equals NaN, and numpy values (an RNG state) compare without raising.
+    return values_equal(a, b)
 
 
 def _label(sharding: Sharding) -> str:
