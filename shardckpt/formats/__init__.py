@@ -15,6 +15,11 @@ from shardckpt.formats.accelerate import AccelerateReader, AccelerateWriter, loo
 from shardckpt.formats.base import Index, Reader, Writer
 from shardckpt.formats.dcp import METADATA_FILE, DcpReader, dcp_tells_whole
 from shardckpt.formats.dcp_write import DcpWriter
+from shardckpt.formats.deepspeed.detect import detect_dir as detect_deepspeed
+from shardckpt.formats.deepspeed.lone_file import refuse_lone_file
+from shardckpt.formats.deepspeed.not_written import NotWritten
+from shardckpt.formats.deepspeed.reader import DeepSpeedModuleReader, DeepSpeedReader
+from shardckpt.formats.deepspeed.universal import UniversalReader
 from shardckpt.formats.files import os_error, source_file, source_stat
 from shardckpt.formats.fsdp1_local import Fsdp1LocalReader, detect_rank_format
 from shardckpt.formats.fsdp1_sharded import Fsdp1ShardedReader
@@ -216,6 +221,34 @@ FORMATS: dict[str, Format] = {
             components=components,
             notes=world_size_notes,
         ),
+        # Sources only: a ZeRO save is per-rank files of one world size.
+        Format(
+            "deepspeed",
+            "local",
+            "DeepSpeed ZeRO",
+            DeepSpeedReader,
+            NotWritten,
+            directory=True,
+            tells_whole=_always,
+        ),
+        Format(
+            "deepspeed-module",
+            "local",
+            "DeepSpeed ZeRO (module weights)",
+            DeepSpeedModuleReader,
+            NotWritten,
+            directory=True,
+            tells_whole=_always,
+        ),
+        Format(
+            "deepspeed-universal",
+            "local",
+            "DeepSpeed universal",
+            UniversalReader,
+            NotWritten,
+            directory=True,
+            tells_whole=_always,
+        ),
     )
 }
 FILE_SUFFIXES = {suffix: f.name for f in FORMATS.values() for suffix in f.suffixes}
@@ -240,6 +273,9 @@ def default_format(layout: str, dst: str | os.PathLike) -> str:
 def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     if stat.S_ISDIR(source_stat(src).st_mode):
+        # DeepSpeed's names first: an HF Trainer checkpoint-N/ holds other formats' files too.
+        if (fmt := detect_deepspeed(src)) is not None:
+            return fmt
         if (src / METADATA_FILE).is_file():
             # Lightning's sharded checkpoints keep what is not DCP's beside it.
             if (src / META_FILE).is_file():
@@ -268,6 +304,7 @@ def detect(src: Path) -> str:
             hint=f"pass a DCP directory (with '{METADATA_FILE}'), a directory of per-rank "
             "files (rank_0.pt, ...) or a checkpoint file",
         )
+    refuse_lone_file(src)
     try:
         with open(source_file(src), "rb") as f:
             head = f.read(9)

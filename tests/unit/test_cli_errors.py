@@ -89,7 +89,8 @@ def test_unknown_file(capsys, small):
         3,
         f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
         "pass --format with one of dcp, torch-checkpointing, torch, safetensors, hf, lightning, "
-        "fsdp2-ranks, fsdp1-sharded, fsdp1-local, accelerate, torchtitan",
+        "fsdp2-ranks, fsdp1-sharded, fsdp1-local, accelerate, torchtitan, deepspeed, "
+        "deepspeed-module, deepspeed-universal",
     )
 
 

@@ -1,0 +1,29 @@
+"""Whether a directory is a DeepSpeed checkpoint, judged by its names alone (nothing is loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardckpt.formats.deepspeed.names import (
+    LATEST,
+    LATEST_UNIVERSAL,
+    is_tag_dir,
+    is_universal_dir,
+)
+
+
+def detect_dir(src: Path) -> str | None:
+    """Return ``deepspeed`` or ``deepspeed-universal`` for a DeepSpeed directory, None for any other.
+
+    A run directory is told by the ``latest`` (``latest_universal``) file DeepSpeed
+    writes beside the tag directories (an HF Trainer ``checkpoint-N/`` is one, whatever
+    else it holds); a tag directory by its model-states files, or by the ``zero/``
+    directory of per-parameter files ``ds_to_universal`` writes.
+    """
+    if (src / LATEST).is_file():
+        return "deepspeed"
+    if (src / LATEST_UNIVERSAL).is_file() or is_universal_dir(src):
+        return "deepspeed-universal"
+    if is_tag_dir(src):
+        return "deepspeed"
+    return None
