@@ -19,6 +19,7 @@ import torch
 
 from shardckpt.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer, too_deep
+from shardckpt.formats.deepspeed.lone_file import pointer_hint, refuse_placeholders
 from shardckpt.formats.files import os_error, source_file, source_stat, writing
 from shardckpt.formats.pickle_scan import TRUST_HINT, judge_failed_load, quiet_protocol_warning
 from shardckpt.formats.zip_skeleton import fake_mode, write_skeleton
@@ -64,13 +65,23 @@ def load(
         failure = judge_failed_load(exc, path, trust_pickle)
     if failure.kind == "refused":
         raise UnsafePickleError(
-            f"refused to unpickle ({failure.reason})", path=path, hint=TRUST_HINT
+            f"refused to unpickle ({failure.reason})",
+            path=path,
+            hint=pointer_hint(path) or TRUST_HINT,
         )
     if failure.kind == "damaged":
         raise BadInputError(
             f"is a damaged torch.save file ({failure.reason})",
             path=path,
             hint="re-copy it from where it was written",
+        )
+    if failure.kind == "missing":
+        raise BadInputError(
+            f"unpickling it imports the Python module '{failure.reason}', which is not installed",
+            path=path,
+            hint=pointer_hint(path)
+            or f"install '{failure.reason.split('.')[0]}' where shardckpt runs to load it "
+            "with --trust-pickle",
         )
     raise BadInputError(
         f"not a readable torch.save file ({failure.reason})",
@@ -99,6 +110,8 @@ class TorchReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         obj = load_dict(self.src, trust_pickle)
+        # A ZeRO-3 model-states file read as a torch file would give empty weights.
+        refuse_placeholders(self.src, obj)
         self._tensors: dict[str, torch.Tensor] = {}
         try:
             self._tree = map_leaves(obj, self._describe)
