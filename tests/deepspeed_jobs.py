@@ -1,0 +1,65 @@
+"""Functions run on gloo ranks for the DeepSpeed tests: an FSDP2 job of the goldens' model
+resuming from what shardckpt wrote (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import deepspeed_model
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def fsdp2_job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Return the model under FSDP2 on the world group (from another seed than DeepSpeed's) and
+    torch's AdamW over the same two param groups DeepSpeed trained."""
+    model = deepspeed_model.build(seed=1)
+    fully_shard(model.fc1)
+    fully_shard(model)
+    groups = deepspeed_model.param_groups(model)
+    return model, torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+
+
+def _copied(tree):
+    """Return ``tree`` with every tensor cloned."""
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copied(v) for v in tree)
+    return tree.clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def resume(src: str, local: bool = False) -> dict | None:
+    """Load ``src`` as an FSDP2 job resumes, train one step.
+
+    ``src`` is a DCP directory (``dcp.load`` + ``set_state_dict``), or with ``local``
+    one of ``fsdp2-ranks`` (this rank's ``rank_{r}.pt``: ``torch.load`` +
+    ``set_state_dict``). Returns on rank 0 the full model and optimizer state as loaded,
+    the model after the step and the step's loss.
+    """
+    model, optim = fsdp2_job()
+    if local:
+        state = torch.load(f"{src}/rank_{dist.get_rank()}.pt", weights_only=True)
+    else:
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=src)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # Copies: a full state dict shares the tensors that need no gather (step) with the
+    # optimizer, which the step below changes in place.
+    loaded_model, loaded_optim = _copied(get_state_dict(model, optim, options=FULL))
+    gen = torch.Generator().manual_seed(200 + dist.get_rank())
+    loss = deepspeed_model.loss_of(model, deepspeed_model.batch(gen))
+    loss.backward()
+    optim.step()
+    after, _ = get_state_dict(model, optim, options=FULL)
+    if dist.get_rank() != 0:
+        return None
+    return {"model": loaded_model, "optim": loaded_optim, "after": after, "loss": loss.item()}
