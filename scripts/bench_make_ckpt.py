@@ -32,9 +32,9 @@ MAX_WIDTH = 2048
 MIN_LAYERS = 8
 
 
-def model_shape(size_gb: float) -> tuple[int, int]:
-    """Return (width, layers) of a Linear stack whose model + AdamW state is >= size_gb."""
-    params = size_gb * 1e9 / BYTES_PER_PARAM
+def model_shape(size_gb: float, bytes_per_param: int = BYTES_PER_PARAM) -> tuple[int, int]:
+    """Return (width, layers) of a Linear stack whose saved state is >= size_gb at bytes_per_param."""
+    params = size_gb * 1e9 / bytes_per_param
     # Wide layers keep the per-tensor overhead small; small sizes still get several
     # layers so the checkpoint has more than a couple of tensors to shard.
     width = max(64, min(MAX_WIDTH, int(math.sqrt(params / MIN_LAYERS)) // 64 * 64))
