@@ -15,14 +15,9 @@ OUT_DIR and renamed into place only when complete.
 
 from __future__ import annotations
 
-import argparse
-import os
-import shutil
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-from bench_make_ckpt import model_shape
+from bench_make_ckpt import model_shape, parse_args, save_in_place
 from torch import nn
 
 # bf16 module weight + fp32 master + exp_avg + exp_avg_sq
@@ -33,16 +28,11 @@ def main() -> None:
     """Train one step with DeepSpeed ZeRO-2 and save the run into OUT_DIR."""
     import deepspeed
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--size-gb", type=float, default=1.0)
-    args = parser.parse_args()
-
+    args = parse_args(__doc__.splitlines()[0])
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
     width, layers = model_shape(args.size_gb, BYTES_PER_PARAM)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(f"bench_make_deepspeed: {layers} x Linear({width}, {width}), ZeRO-2 bf16", flush=True)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
@@ -58,18 +48,7 @@ def main() -> None:
     loss = engine(torch.randn(2, width, dtype=torch.bfloat16)).float().sum()
     engine.backward(loss)
     engine.step()
-
-    tmp = args.out_dir.with_name(args.out_dir.name + ".partial")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    engine.save_checkpoint(str(tmp))
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(args.out_dir, ignore_errors=True)
-        os.replace(tmp, args.out_dir)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_in_place(args.out_dir, lambda tmp: engine.save_checkpoint(str(tmp)))
 
 
 if __name__ == "__main__":
