@@ -28,9 +28,9 @@ TIED = {"head.weight": "embed.weight"}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def run_dir(name: str) -> Path:
+def run_dir(name: str, root: Path = GOLDENS) -> Path:
     """Return the run directory (with ``latest``) of a case."""
-    return GOLDENS / name
+    return root / name
 
 
 def tag_dir(name: str) -> Path:
@@ -38,31 +38,34 @@ def tag_dir(name: str) -> Path:
     return GOLDENS / name / "global_step3"
 
 
-def universal_dir(name: str) -> Path:
+def universal_dir(name: str, root: Path = GOLDENS) -> Path:
     """Return the ``ds_to_universal`` output of a case."""
-    return GOLDENS / f"{name}-universal"
+    return root / f"{name}-universal"
 
 
-def zero_to_fp32(name: str) -> dict | None:
+def zero_to_fp32(name: str, root: Path = GOLDENS) -> dict | None:
     """Return what the run's ``zero_to_fp32.py`` wrote (None where it refused the run)."""
-    path = GOLDENS / f"{name}.ref" / "zero_to_fp32.bin"
+    path = root / f"{name}.ref" / "zero_to_fp32.bin"
     return torch.load(path, weights_only=True) if path.exists() else None
 
 
-def gathered(name: str) -> dict:
+def gathered(name: str, root: Path = GOLDENS) -> dict:
     """Return what the job gathered with DeepSpeed's API when it saved (see make.py)."""
-    return torch.load(GOLDENS / f"{name}.ref" / "gathered.pt", weights_only=True)
+    return torch.load(root / f"{name}.ref" / "gathered.pt", weights_only=True)
 
 
-def universal_states(name: str) -> dict[str, dict[str, torch.Tensor]]:
+def universal_states(
+    name: str, shapes: dict | None = None, root: Path = GOLDENS
+) -> dict[str, dict[str, torch.Tensor]]:
     """Return ``{fqn: {state: tensor}}`` from ds_to_universal's per-parameter files, read with torch.
 
     ZeRO-1/2's files hold ``{"param": tensor}``, ZeRO-3's the bare flat tensor: each is
-    shaped here as its parameter (whose shape the job's gathered fp32 master gives).
+    shaped here as its parameter (``shapes``; default: the job's gathered fp32 masters').
     """
-    shapes = {k: v.shape for k, v in gathered(name)["fp32"].items()}
+    if shapes is None:
+        shapes = {k: v.shape for k, v in gathered(name, root)["fp32"].items()}
     out: dict = {}
-    zero = universal_dir(name) / "global_step3" / "zero"
+    zero = universal_dir(name, root) / "global_step3" / "zero"
     for fqn, shape in shapes.items():
         for file in sorted((zero / fqn).glob("*.pt")):
             obj = torch.load(file, weights_only=True)

@@ -63,3 +63,39 @@ def resume(src: str, local: bool = False) -> dict | None:
     if dist.get_rank() != 0:
         return None
     return {"model": loaded_model, "optim": loaded_optim, "after": after, "loss": loss.item()}
+
+
+def llama_job(config_dir: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Return the HF Trainer goldens' Llama under FSDP2 (each decoder layer, then the root) and
+    torch's AdamW over its parameters as one group, as the Trainer's DeepSpeed run had them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(config_dir), dtype=torch.float32
+    )
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def resume_llama(dcp_dir: str, config_dir: str) -> dict | None:
+    """Load ``dcp_dir`` into the Llama under FSDP2 as ``resume`` does; train one step; return on rank 0."""
+    model, optim = llama_job(config_dir)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded_model, loaded_optim = _copied(get_state_dict(model, optim, options=FULL))
+    # The Trainer's linear schedule ended at the saved step (lr 0): the job goes on with its own.
+    for group in optim.param_groups:
+        group["lr"] = 1e-3
+    ids = torch.randint(37, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optim.step()
+    after, _ = get_state_dict(model, optim, options=FULL)
+    if dist.get_rank() != 0:
+        return None
+    return {"model": loaded_model, "optim": loaded_optim, "after": after, "loss": loss.item()}

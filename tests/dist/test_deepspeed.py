@@ -77,3 +77,25 @@ def test_two_ranks_read_their_rows_and_write_what_one_process_writes(tmp_path, n
     run_ranks(ranks.convert, 2, str(run_dir(name)), str(two), "full", {"buffer_bytes": 256})
     assert one.read_bytes() == two.read_bytes()
     assert CASES[name][0] in (2, 3)
+
+
+@pytest.mark.trainers
+@pytest.mark.parametrize("name", ["hf-z2-bf16", "hf-z3-bf16"])
+def test_an_hf_trainer_run_resumes_in_fsdp2_at_3(tmp_path, name):
+    pytest.importorskip("transformers")
+    dst = tmp_path / "at3"
+    api.convert(run_dir(name), dst, to="sharded", world_size=3)
+    got = run_ranks(jobs.resume_llama, 3, str(dst), str(run_dir(name)))[0]
+    reference = zero_to_fp32(name)
+    assert all(bits_equal(got["model"][k], v) for k, v in reference.items())
+    shapes = {k: v.shape for k, v in reference.items() if k != "lm_head.weight"}
+    files = universal_states(name, shapes)
+    assert set(got["optim"]["state"]) == set(shapes)
+    for fqn, state in got["optim"]["state"].items():
+        assert all(bits_equal(state[m], files[fqn][m]) for m in MOMENTS), fqn
+        assert state["step"].item() == 3
+    saved = api.inspect(run_dir(name)).index.tree["optim"]["param_groups"]
+    assert [g["lr"] for g in got["optim"]["param_groups"]] == [g["lr"] for g in saved] == [0.0]
+    assert torch.isfinite(torch.tensor(got["loss"]))
+    for fqn in shapes:
+        assert not torch.equal(got["after"][fqn], got["model"][fqn]), fqn

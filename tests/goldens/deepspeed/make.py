@@ -2,9 +2,10 @@
 
     DS_ACCELERATOR=cpu python tests/goldens/deepspeed/make.py [NAME ...]
 
-needs deepspeed (0.19.8 was used; see README.md) and huggingface_hub (which the
-``zero_to_fp32.py`` script DeepSpeed copies into each run imports). For each case below
-it runs a 3-step training job of ``tests/deepspeed_model.TinyLM`` under torchrun (gloo,
+needs deepspeed (0.19.8 was used; see README.md), huggingface_hub (which the
+``zero_to_fp32.py`` script DeepSpeed copies into each run imports), and for the HF
+Trainer cases transformers and accelerate (5.23.0 and 1.15.0). For each case of
+``CASES`` it runs a 3-step training job of ``tests/deepspeed_model.TinyLM`` under torchrun (gloo,
 CPU accelerator, torch's AdamW through ``"torch_adam": true``, a WarmupLR scheduler and
 a client state), saved with ``engine.save_checkpoint(NAME)``, then writes ``NAME.ref/``:
 
@@ -21,9 +22,16 @@ a client state), saved with ``engine.save_checkpoint(NAME)``, then writes ``NAME
 and runs DeepSpeed's ``ds_to_universal`` on the run into ``NAME-universal/``: its
 per-parameter files (``zero/<fqn>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``) are the
 reference for the optimizer moments, and the directory is itself a source the tests
-read (``universal.txt`` says why where ``ds_to_universal`` refused the run). The recovery scripts DeepSpeed copies into every run directory
-(``zero_to_fp32.py``, ``zero_to_torch.py``) are removed from the goldens: they are code,
-not checkpoint, and each is 40 KB.
+read (``universal.txt`` says why where ``ds_to_universal`` refused the run).
+
+Each case of ``TRAINER_CASES`` fine-tunes a tiny Llama (tied embeddings) with the HF
+Trainer and DeepSpeed for 3 steps at 2 ranks; ``NAME/`` is its ``checkpoint-3/`` (the
+Trainer's files beside DeepSpeed's run), with ``zero_to_fp32.bin`` and ``NAME-universal/``
+as above (no gather: the Trainer owns the engine).
+
+The recovery scripts DeepSpeed copies into every run directory (``zero_to_fp32.py``,
+``zero_to_torch.py``) are removed from the goldens: they are code, not checkpoint, and
+each is 40 KB.
 """
 
 from __future__ import annotations
@@ -57,6 +65,18 @@ CASES: dict[str, tuple[int, str, int, dict, dict]] = {
     # bf16 with fp32 gradient accumulation at stage 1 runs DeepSpeed's BF16_Optimizer.
     "z1-bf16-fp32acc": (1, "bf16", 2, {}, {"data_types": {"grad_accum_dtype": "fp32"}}),
 }
+# The HF Trainer fine-tuning a tiny Llama (tied embeddings) at 2 ranks: name -> ZeRO stage.
+TRAINER_CASES = {"hf-z2-bf16": 2, "hf-z3-bf16": 3}
+LLAMA = dict(
+    vocab_size=37,
+    hidden_size=12,
+    intermediate_size=20,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=16,
+    tie_word_embeddings=True,
+)
 NO_UNIVERSAL = {
     # DeepSpeed 0.19.8 records param_slice_mappings (and links its own fp32 fragments) in
     # the group's original order, while the flat group holds the round-robin order that
@@ -90,8 +110,8 @@ def config(stage: int, dtype: str, zero: dict, extra: dict) -> dict:
 # ---------------------------------------------------------------- the job (under torchrun)
 
 
-def job(name: str) -> None:
-    """Train, save the run, and write what DeepSpeed gathers (rank 0) into ``NAME.ref``."""
+def job(name: str, root: Path) -> None:
+    """Train, save the run into ``root/NAME``, and write what DeepSpeed gathers (rank 0) into ``root/NAME.ref``."""
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
@@ -114,7 +134,7 @@ def job(name: str) -> None:
     for _ in range(STEPS):
         engine.backward(deepspeed_model.loss_of(engine, deepspeed_model.batch(gen)))
         engine.step()
-    engine.save_checkpoint(str(HERE / name), client_state=dict(CLIENT_STATE))
+    engine.save_checkpoint(str(root / name), client_state=dict(CLIENT_STATE))
 
     # Every gather below is a collective: all ranks call it, rank 0 keeps the result.
     gathered: dict = {"fp32": {}}
@@ -137,15 +157,73 @@ def job(name: str) -> None:
     ]
     gathered["group_fqns"] = group_fqns
     gathered["optimizer"] = type(engine.optimizer).__name__
-    ref = HERE / f"{name}.ref"
+    ref = root / f"{name}.ref"
     ref.mkdir(exist_ok=True)
     torch.save(gathered, ref / "gathered.pt")
+
+
+def trainer_job(name: str, root: Path) -> None:
+    """Fine-tune a tiny Llama with the HF Trainer and DeepSpeed; keep its last ``checkpoint-N/`` as ``root/NAME``.
+
+    The checkpoint holds, besides DeepSpeed's run directory (``latest``, ``global_stepN/``),
+    what the Trainer saves: the model's own weights and config, its state, RNG states.
+    """
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.set_num_threads(1)
+    stage = TRAINER_CASES[name]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True},
+        },
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": stage},
+    }
+    out = root / f"{name}.out"
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        save_steps=STEPS,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        bf16=True,
+        use_cpu=True,
+        deepspeed=ds_config,
+        report_to=[],
+    )
+    Trainer(model=model, args=args, train_dataset=Tokens()).train()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root / name, ignore_errors=True)
+        os.replace(out / f"checkpoint-{STEPS}", root / name)
+        shutil.rmtree(out)
+
+
+class Tokens:
+    """16 sequences of 8 token ids, each its own labels."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        ids = torch.randint(LLAMA["vocab_size"], (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
 
 
 # ---------------------------------------------------------------- the driver
 
 
-def run(argv: list[str], why: Path | None = None) -> bool:
+def run(argv: list[str], why: Path | None = None, root: Path = HERE) -> bool:
     """Run ``argv`` with the CPU accelerator; return whether it succeeded.
 
     A failure raises, unless ``why`` names a file to write the failure's last line into.
@@ -158,23 +236,24 @@ def run(argv: list[str], why: Path | None = None) -> bool:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"failed: {' '.join(map(str, argv))}")
     last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-    why.write_text(f"failed on this run: {last.replace(str(HERE) + '/', '')}\n")
+    why.write_text(f"failed on this run: {last.replace(str(root) + '/', '')}\n")
     return False
 
 
-def zero_to_fp32(name: str) -> None:
+def zero_to_fp32(name: str, root: Path) -> None:
     """Run the run's own ``zero_to_fp32.py`` on it; keep its output, or why it refused."""
-    run_dir, ref = HERE / name, HERE / f"{name}.ref"
+    run_dir, ref = root / name, root / f"{name}.ref"
+    ref.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as out:
         argv = [sys.executable, str(run_dir / "zero_to_fp32.py"), str(run_dir), out]
-        if run(argv, why=ref / "zero_to_fp32.txt"):
+        if run(argv, why=ref / "zero_to_fp32.txt", root=root):
             shutil.copy(Path(out) / "pytorch_model.bin", ref / "zero_to_fp32.bin")
 
 
-def universal(name: str) -> None:
+def universal(name: str, root: Path) -> None:
     """Run ``ds_to_universal`` on the run's tag directory into ``NAME-universal/``."""
-    tag = (HERE / name / "latest").read_text().strip()
-    out = HERE / f"{name}-universal"
+    tag = (root / name / "latest").read_text().strip()
+    out = root / f"{name}-universal"
     shutil.rmtree(out, ignore_errors=True)
     if not run(
         [
@@ -182,7 +261,7 @@ def universal(name: str) -> None:
             "-m",
             "deepspeed.checkpoint.ds_to_universal",
             "--input_folder",
-            str(HERE / name / tag),
+            str(root / name / tag),
             "--output_folder",
             str(out / tag),
             "--num_extract_workers",
@@ -192,50 +271,53 @@ def universal(name: str) -> None:
             # Stage 1/2 runs outside Megatron-DeepSpeed have no universal_checkpoint_info.
             "--inject_missing_state",
         ],
-        why=HERE / f"{name}.ref" / "universal.txt",
+        why=root / f"{name}.ref" / "universal.txt",
+        root=root,
     ):
         shutil.rmtree(out, ignore_errors=True)
 
 
-def make(name: str) -> None:
-    """Write one case: the run, its references, its universal form."""
-    for path in (HERE / name, HERE / f"{name}.ref", HERE / f"{name}-universal"):
+def make(name: str, root: Path = HERE) -> None:
+    """Write one case into ``root``: the run, its references, its universal form."""
+    for path in (root / name, root / f"{name}.ref", root / f"{name}-universal"):
         shutil.rmtree(path, ignore_errors=True)
-    ranks = CASES[name][2]
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={ranks}",
-            str(Path(__file__).resolve()),
-            "--job",
-            name,
-        ]
-    )
-    zero_to_fp32(name)
+    trainer = name in TRAINER_CASES
+    ranks = 2 if trainer else CASES[name][2]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    script = [str(Path(__file__).resolve()), "--trainer-job" if trainer else "--job", name]
+    run([*torchrun, f"--nproc-per-node={ranks}", *script, str(root)])
+    zero_to_fp32(name, root)
     if name in NO_UNIVERSAL:
-        (HERE / f"{name}.ref" / "universal.txt").write_text(NO_UNIVERSAL[name])
+        (root / f"{name}.ref" / "universal.txt").write_text(NO_UNIVERSAL[name])
     else:
-        universal(name)
-    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
-        (HERE / name / script).unlink(missing_ok=True)
+        universal(name, root)
+    for script_name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (root / name / script_name).unlink(missing_ok=True)
 
 
 def versions() -> dict:
     """Return the versions that wrote the goldens."""
+    import accelerate
     import deepspeed
     import torch
+    import transformers
 
-    return {"deepspeed": deepspeed.__version__, "torch": torch.__version__}
+    return {
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+    }
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--job"]:
-        job(argv[1])
+        job(argv[1], Path(argv[2]))
         return
-    for name in argv or list(CASES):
+    if argv[:1] == ["--trainer-job"]:
+        trainer_job(argv[1], Path(argv[2]))
+        return
+    for name in argv or [*CASES, *TRAINER_CASES]:
         print(f"making {name}", file=sys.stderr)
         make(name)
     (HERE / "versions.json").write_text(json.dumps(versions(), indent=1) + "\n")
