@@ -163,15 +163,7 @@ def model_tree(
             # ZeRO-1 saves no frozen_param_shapes: its frozen parameters are the module's own.
             tree[fqn] = sources.whole(value, _fp32_if_floating(value), REPLICATED)
             from_module.append(fqn)
-    for alias, target in aliases.items():
-        if not isinstance(tree.get(target), TensorMeta):
-            raise BadInputError(
-                f"'{alias}' is tied to '{target}', which the save does not hold",
-                path=first.path,
-                hint="the model-states file is damaged; re-copy the checkpoint",
-            )
-        held = tree[target]
-        tree[alias] = sources.add(sources.by_key[held.key], held.shape, held.dtype, held.layout)
+    _resolve_aliases(tree, aliases, sources, first.path)
     if from_module and notes is not None:
         notes.append(
             f"{len(from_module)} parameters outside the optimizer ({', '.join(from_module[:3])}"
@@ -179,6 +171,19 @@ def model_tree(
             "a ZeRO-1 save lists no frozen parameters, and zero_to_fp32.py leaves them out"
         )
     return tree
+
+
+def _resolve_aliases(tree: dict, aliases: dict[str, str], sources: Sources, path) -> None:
+    """Fill each tied parameter's place in ``tree`` with a leaf read as the one it is tied to."""
+    for alias, target in aliases.items():
+        held = tree.get(target)
+        if not isinstance(held, TensorMeta):
+            raise BadInputError(
+                f"'{alias}' is tied to '{target}', which the save does not hold",
+                path=path,
+                hint="the model-states file is damaged; re-copy the checkpoint",
+            )
+        tree[alias] = sources.add(sources.by_key[held.key], held.shape, held.dtype, held.layout)
 
 
 def module_tree(model: ModelStates, sources: Sources) -> dict:
