@@ -37,32 +37,18 @@ def _copied(tree):
 
 
 def resume(src: str, local: bool = False) -> dict | None:
-    """Load ``src`` as an FSDP2 job resumes, train one step.
+    """Load ``src`` into the goldens' model under FSDP2 as a job resumes; train one step.
 
-    ``src`` is a DCP directory (``dcp.load`` + ``set_state_dict``), or with ``local``
-    one of ``fsdp2-ranks`` (this rank's ``rank_{r}.pt``: ``torch.load`` +
-    ``set_state_dict``). Returns on rank 0 the full model and optimizer state as loaded,
-    the model after the step and the step's loss.
+    ``src`` is a DCP directory, or with ``local`` one of ``fsdp2-ranks``. Returns what
+    ``_load_and_step`` returns.
     """
     model, optim = fsdp2_job()
-    if local:
-        state = torch.load(f"{src}/rank_{dist.get_rank()}.pt", weights_only=True)
-    else:
-        msd, osd = get_state_dict(model, optim)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=src)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    # Copies: a full state dict shares the tensors that need no gather (step) with the
-    # optimizer, which the step below changes in place.
-    loaded_model, loaded_optim = _copied(get_state_dict(model, optim, options=FULL))
-    gen = torch.Generator().manual_seed(200 + dist.get_rank())
-    loss = deepspeed_model.loss_of(model, deepspeed_model.batch(gen))
-    loss.backward()
-    optim.step()
-    after, _ = get_state_dict(model, optim, options=FULL)
-    if dist.get_rank() != 0:
-        return None
-    return {"model": loaded_model, "optim": loaded_optim, "after": after, "loss": loss.item()}
+
+    def loss_of() -> torch.Tensor:
+        gen = torch.Generator().manual_seed(200 + dist.get_rank())
+        return deepspeed_model.loss_of(model, deepspeed_model.batch(gen))
+
+    return _load_and_step(model, optim, src, local, loss_of)
 
 
 def llama_job(config_dir: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -81,18 +67,38 @@ def llama_job(config_dir: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def resume_llama(dcp_dir: str, config_dir: str) -> dict | None:
-    """Load ``dcp_dir`` into the Llama under FSDP2 as ``resume`` does; train one step; return on rank 0."""
+    """Load ``dcp_dir`` into the Llama under FSDP2 as ``resume`` does; train one step."""
     model, optim = llama_job(config_dir)
-    msd, osd = get_state_dict(model, optim)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=dcp_dir)
+
+    def loss_of() -> torch.Tensor:
+        # The Trainer's linear schedule ended at the saved step (lr 0): the job goes on with its own.
+        for group in optim.param_groups:
+            group["lr"] = 1e-3
+        ids = torch.randint(37, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+        return model(input_ids=ids, labels=ids).loss
+
+    return _load_and_step(model, optim, dcp_dir, False, loss_of)
+
+
+def _load_and_step(model, optim, src: str, local: bool, loss_of) -> dict | None:
+    """Load ``src`` into ``model`` and ``optim`` (``set_state_dict``), take a step on ``loss_of()``.
+
+    ``src`` is a DCP directory (``dcp.load`` into this job's state dicts), or with
+    ``local`` one of ``fsdp2-ranks`` (this rank's ``rank_{r}.pt``, ``torch.load``).
+    Returns on rank 0 the full model and optimizer state as loaded, the model after the
+    step and the step's loss.
+    """
+    if local:
+        state = torch.load(f"{src}/rank_{dist.get_rank()}.pt", weights_only=True)
+    else:
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=src)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # Copies: a full state dict shares the tensors that need no gather (step) with the
+    # optimizer, which the step below changes in place.
     loaded_model, loaded_optim = _copied(get_state_dict(model, optim, options=FULL))
-    # The Trainer's linear schedule ended at the saved step (lr 0): the job goes on with its own.
-    for group in optim.param_groups:
-        group["lr"] = 1e-3
-    ids = torch.randint(37, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = loss_of()
     loss.backward()
     optim.step()
     after, _ = get_state_dict(model, optim, options=FULL)
