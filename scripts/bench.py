@@ -2,7 +2,12 @@
 
     python scripts/bench.py [--size-gb 1.0] [--nproc 1,2] [--layouts all] [--world-size 4]
                             [--mem-cap 1.5GiB] [--buffer-size 256MiB] [--workdir .bench]
-                            [--keep] [--warmup] [--repeat R] [--json]
+                            [--keep] [--warmup] [--repeat R] [--json] [--source dcp]
+
+With --source deepspeed the source is a ZeRO-2 bf16 run saved by DeepSpeed (model +
+AdamW, about SIZE_GB; ``bench_deepspeed.py``) and the reference DeepSpeed's own
+``zero_to_fp32.py``, whose weights every output's ``model`` is checked against: that
+needs deepspeed installed in this interpreter.
 
 Builds (or reuses) an FSDP2 DCP checkpoint of about SIZE_GB (model + AdamW) in WORKDIR,
 then runs each case as its own process tree: the two references (torch's
@@ -45,6 +50,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import bench_deepspeed
 import torch
 import torch.distributed.tensor  # noqa: F401  (puts DTensor on torch.load's allow-list)
 from safetensors import safe_open
@@ -141,22 +147,39 @@ class Case:
 
 
 def shardckpt_argv() -> list[str]:
-    """Return the shardckpt console script that belongs to this interpreter's env."""
+    """Return the shardckpt console script that belongs to this interpreter's env.
+
+    Without one (an env that imports shardckpt from PYTHONPATH, as the one with
+    deepspeed for --source deepspeed may), ``python -m shardckpt`` of this interpreter.
+    """
     beside = Path(sys.executable).parent / "shardckpt"
     found = str(beside) if beside.exists() else shutil.which("shardckpt")
-    return [found or "shardckpt"]
+    return [found] if found else [sys.executable, "-m", "shardckpt"]
 
 
-def reference_cases(src: Path, workdir: Path) -> list[Case]:
-    """Return dcp_to_torch_save (whose output is the exactness reference), `cp -r` and `cp -r && sync`."""
-    return [
-        Case(
+def reference_cases(src: Path, workdir: Path, source: str = "dcp") -> list[Case]:
+    """Return the exactness reference (dcp_to_torch_save, or zero_to_fp32.py for a DeepSpeed
+    source), `cp -r` and `cp -r && sync`."""
+    if source == "deepspeed":
+        out = workdir / "ref-zero_to_fp32"
+        reference = Case(
+            name=bench_deepspeed.REFERENCE,
+            nproc=1,
+            layout="full-torch",
+            argv=bench_deepspeed.reference_argv(src, out),
+            dst=out,
+            env=bench_deepspeed.DS_ENV,
+        )
+    else:
+        reference = Case(
             name="dcp_to_torch_save",
             nproc=1,
             layout="full-torch",
             argv=[sys.executable, "-c", DCP_TO_TORCH_SAVE, str(src), str(workdir / "ref.pt")],
             dst=workdir / "ref.pt",
-        ),
+        )
+    return [
+        reference,
         Case(
             name="cp -r",
             nproc=1,
@@ -559,6 +582,8 @@ class Result:
     """Every timed run's wall_s, when --repeat asked for several."""
     vs_dcp_to_torch_save: float | None = None
     """wall_s over dcp_to_torch_save's (None if either failed)."""
+    vs_reference: float | None = None
+    """wall_s over the reference's: dcp_to_torch_save, or zero_to_fp32.py for --source deepspeed."""
     vs_copy: float | None = None
     vs_copy_synced: float | None = None
     """wall_s over `cp -r && sync`'s (None if either failed)."""
@@ -695,11 +720,14 @@ def add_ratios(results: list[Result]) -> None:
     """Fill in each result's wall time relative to dcp_to_torch_save and to cp -r."""
     walls = {r.case: r.wall_s for r in results if r.ok}
     torch_wall, copy_wall = walls.get("dcp_to_torch_save"), walls.get("cp -r")
+    # The reference is the first case (see main).
+    reference_wall = results[0].wall_s if results and results[0].ok else None
     synced_wall = walls.get("cp -r && sync")
     for r in results:
         if not r.ok:
             continue
         r.vs_dcp_to_torch_save = r.wall_s / torch_wall if torch_wall else None
+        r.vs_reference = r.wall_s / reference_wall if reference_wall else None
         r.vs_copy = r.wall_s / copy_wall if copy_wall else None
         r.vs_copy_synced = r.wall_s / synced_wall if synced_wall else None
 
@@ -710,19 +738,37 @@ def add_ratios(results: list[Result]) -> None:
 class Reference:
     """torch's own reading of the source (dcp_to_torch_save's file), to check outputs by."""
 
-    def __init__(self, path: Path, world_size: int) -> None:
+    def __init__(self, path: Path, world_size: int, part: str | None = None) -> None:
         # Memory-mapped: the tensors stay in the page cache, not in this process's heap.
         self.tree = torch.load(path, mmap=True, weights_only=True)
         self.world_size = world_size
+        # zero_to_fp32.py writes the model alone: an output is checked on its `part` only.
+        self.part = part
+        if part is not None:
+            self.tree = {part: self.tree}
 
     def check(self, case: Case) -> str | None:
         """Return where case's output first differs from the reference, or None if equal."""
         try:
+            if self.part is not None and case.layout == "full-safetensors":
+                with safe_open(case.dst, "pt") as f:
+                    names = [n for n in f.keys() if n.startswith(f"{self.part}.")]
+                    return first_flat_difference(dict(dotted(self.tree)), names, f.get_tensor)
+            if self.part is not None and case.layout != "hf":
+                return first_difference(self.tree, {self.part: self._read(case)[self.part]})
             return self._check(case.layout, case.dst)
         # CheckpointException (DCP's reader failing) is a BaseException, not an Exception.
         except (Exception, CheckpointException) as e:
             # An output that cannot be read is not exact; the other cases still run.
             return f"cannot read the output: {type(e).__name__}: {str(e).splitlines()[0]}"
+
+    def _read(self, case: Case) -> object:
+        """Return a torch, DCP or fsdp2-ranks output as one tree."""
+        if case.layout == "full-torch":
+            return torch.load(case.dst, mmap=True, weights_only=True)
+        if case.layout == "sharded":
+            return load_dcp(case.dst)
+        return load_fsdp2_ranks(case.dst, self.world_size)
 
     def _check(self, layout: str, dst: Path) -> str | None:
         if layout == "full-torch":
@@ -967,8 +1013,8 @@ def header(doc: dict) -> str:
         f"machine: {env['cpus']} CPUs, {env['ram_gib']} GiB RAM, {env['machine']}, "
         f"Linux {env['kernel']}; Python {env['python']}, torch {env['torch']}; "
         f"shardckpt at {env['commit']}",
-        f"source: {src['bytes'] / 1e9:.3f} GB ({src['bytes'] / gib:.2f} GiB) FSDP2 DCP "
-        f"checkpoint (model + AdamW, fp32, saved by {BUILD_NPROC} ranks); largest tensor "
+        f"source: {src['bytes'] / 1e9:.3f} GB ({src['bytes'] / gib:.2f} GiB) {src['kind']} "
+        f"(model + AdamW, saved by {BUILD_NPROC} ranks); largest tensor "
         f"{src['largest_tensor']} = {src['largest_tensor_bytes'] / 2**20:.1f} MiB",
         f"buffer: --buffer-size {doc['buffer_size']}; RSS target per process: buffer + 10% "
         f"of the largest tensor + 300 MiB = {doc['rss_target_bytes'] / gib:.2f} GiB",
@@ -983,13 +1029,13 @@ def header(doc: dict) -> str:
 
 
 def table(results: list[Result]) -> str:
-    """Return the results as a Markdown table."""
+    """Return the results as a Markdown table; the ratio column is to the reference (first) case."""
 
     def ratio(value: float | None) -> str:
         return "–" if value is None else f"{value:.2f}x"
 
     lines = [
-        "| case | N | layout | wall s | GB/s | × cp -r | × cp -r && sync | × dcp_to_torch_save "
+        f"| case | N | layout | wall s | GB/s | × cp -r | × cp -r && sync | × {results[0].case} "
         "| peak RSS/process GiB | capped | result | exact |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
@@ -998,7 +1044,7 @@ def table(results: list[Result]) -> str:
         speed = f"{r.gb_per_s:.2f}" if r.ok else "–"
         lines.append(
             f"| {r.case} | {r.nproc} | {layout} | {r.wall_s:.2f} | {speed} "
-            f"| {ratio(r.vs_copy)} | {ratio(r.vs_copy_synced)} | {ratio(r.vs_dcp_to_torch_save)} "
+            f"| {ratio(r.vs_copy)} | {ratio(r.vs_copy_synced)} | {ratio(r.vs_reference)} "
             f"| {r.peak_rss_gib:.2f} "
             f"| {r.capped} | {r.outcome} | {r.exact} |"
         )
@@ -1070,6 +1116,13 @@ def parse_args() -> argparse.Namespace:
     add("--warmup", action="store_true", help="run each case once untimed")
     add("--repeat", type=int, default=1, help="timed runs per case; the fastest is reported")
     add("--json", action="store_true", help="print one JSON document")
+    add(
+        "--source",
+        choices=("dcp", "deepspeed"),
+        default="dcp",
+        help="dcp: an FSDP2 DCP checkpoint (default); deepspeed: a ZeRO-2 bf16 run, "
+        "against zero_to_fp32.py (needs deepspeed)",
+    )
     args = parser.parse_args()
     if args.size_gb <= 0:
         parser.error(f"--size-gb must be positive, got {args.size_gb}")
@@ -1091,16 +1144,22 @@ def main() -> int:
     cap = probe_cap(args.mem_cap)
     if cap.unavailable:
         log(f"cap unavailable: {cap.unavailable}; the shardckpt cases run uncapped")
+    deepspeed = args.source == "deepspeed"
     try:
-        src = ensure_source(workdir, args.size_gb)
+        if deepspeed:
+            src = bench_deepspeed.ensure_source(workdir, args.size_gb, TORCHRUN, log)
+        else:
+            src = ensure_source(workdir, args.size_gb)
     except subprocess.CalledProcessError as e:
         log(f"building the source checkpoint failed (exit {e.returncode}); output above")
         return 1
     src_bytes = tree_bytes(src)
-    largest_path, largest_bytes = largest_tensor(src)
+    largest_path, largest_bytes = (
+        bench_deepspeed if deepspeed else sys.modules[__name__]
+    ).largest_tensor(src)
     log(f"source: {src} ({src_bytes / 1e9:.3f} GB, largest tensor {largest_bytes} B)")
 
-    ref_case, *copy_cases = reference_cases(src, workdir)
+    ref_case, *copy_cases = reference_cases(src, workdir, args.source)
     convert_cases = [
         shardckpt_case(src, workdir, n, layout, args) for n in args.nproc for layout in args.layouts
     ]
@@ -1109,10 +1168,14 @@ def main() -> int:
         results.append(run_case(ref_case, args, src_bytes, cap, check=None))
         if results[0].ok:
             results[0].exact = "ref"
-            reference = Reference(ref_case.dst, args.world_size)
+            if deepspeed:
+                ref_file = ref_case.dst / bench_deepspeed.REFERENCE_FILE
+                reference = Reference(ref_file, args.world_size, part="model")
+            else:
+                reference = Reference(ref_case.dst, args.world_size)
             check = reference.check
         else:
-            log("dcp_to_torch_save failed: outputs cannot be checked (exact: –)")
+            log(f"{ref_case.name} failed: outputs cannot be checked (exact: –)")
             check = None
         for copy_case in copy_cases:
             results.append(run_case(copy_case, args, src_bytes, cap, check=None))
@@ -1129,6 +1192,7 @@ def main() -> int:
     doc = {
         "environment": environment(),
         "source": {
+            "kind": "DeepSpeed ZeRO-2 bf16 run" if deepspeed else "FSDP2 DCP checkpoint (fp32)",
             "path": str(src),
             "bytes": src_bytes,
             "largest_tensor": largest_path,

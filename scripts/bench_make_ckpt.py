@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,9 +33,9 @@ MAX_WIDTH = 2048
 MIN_LAYERS = 8
 
 
-def model_shape(size_gb: float) -> tuple[int, int]:
-    """Return (width, layers) of a Linear stack whose model + AdamW state is >= size_gb."""
-    params = size_gb * 1e9 / BYTES_PER_PARAM
+def model_shape(size_gb: float, bytes_per_param: int = BYTES_PER_PARAM) -> tuple[int, int]:
+    """Return (width, layers) of a Linear stack whose saved state is >= size_gb at bytes_per_param."""
+    params = size_gb * 1e9 / bytes_per_param
     # Wide layers keep the per-tensor overhead small; small sizes still get several
     # layers so the checkpoint has more than a couple of tensors to shard.
     width = max(64, min(MAX_WIDTH, int(math.sqrt(params / MIN_LAYERS)) // 64 * 64))
@@ -52,18 +53,38 @@ def build(width: int, layers: int) -> nn.Sequential:
     return model
 
 
-def main() -> None:
-    """Train one step and save {"model", "optim"} with DCP into OUT_DIR."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    """Return OUT_DIR and --size-gb from the command line."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size-gb", type=float, default=1.0)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def save_in_place(out_dir: Path, save: Callable[[Path], None]) -> None:
+    """Run ``save(tmp)`` on every rank beside out_dir, then rename tmp to out_dir (rank 0) and leave the job."""
+    rank = dist.get_rank()
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    save(tmp)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    # gloo can abort at teardown on a loaded machine unless ranks leave together.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Train one step and save {"model", "optim"} with DCP into OUT_DIR."""
+    args = parse_args(__doc__.splitlines()[0])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     width, layers = model_shape(args.size_gb)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(f"bench_make_ckpt: {layers} x Linear({width}, {width}), fp32 + AdamW", flush=True)
 
     model = build(width, layers)
@@ -74,18 +95,9 @@ def main() -> None:
     optim.zero_grad(set_to_none=True)
 
     msd, osd = get_state_dict(model, optim)
-    tmp = args.out_dir.with_name(args.out_dir.name + ".partial")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(args.out_dir, ignore_errors=True)
-        os.replace(tmp, args.out_dir)
-    # gloo can abort at teardown on a loaded machine unless ranks leave together.
-    dist.barrier()
-    dist.destroy_process_group()
+    save_in_place(
+        args.out_dir, lambda tmp: dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    )
 
 
 if __name__ == "__main__":

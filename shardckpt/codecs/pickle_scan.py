@@ -242,10 +242,12 @@ def damage(source: str | os.PathLike | BinaryIO) -> str | None:
 
 @dataclass(frozen=True)
 class LoadFailure:
-    """Why ``torch.load`` failed: ``refused`` (unsafe), ``damaged``, or ``unreadable`` (another format, or other)."""
+    """Why ``torch.load`` failed: ``refused`` (unsafe), ``damaged``, ``missing`` (a module it
+    imports is not installed) or ``unreadable`` (another format, or other)."""
 
-    kind: Literal["refused", "damaged", "unreadable"]
+    kind: Literal["refused", "damaged", "unreadable", "missing"]
     reason: str
+    """For ``missing``: the name of the module the pickle needs that is not installed."""
 
 
 def judge_failed_load(
@@ -264,6 +266,9 @@ def judge_failed_load(
         return LoadFailure("damaged", broken)
     if isinstance(exc, pickle.UnpicklingError) and not trust_pickle:
         return LoadFailure("refused", refusal_reason(exc))
+    # Only a pickle that is run (--trust-pickle) imports the modules it names.
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return LoadFailure("missing", exc.name)
     return LoadFailure("unreadable", first_line(exc))
 
 

@@ -43,13 +43,19 @@ FORMATS: dict[str, Format] = {
         trainers.TORCHTITAN,
         trainers.VERL,
         trainers.VERL_FSDP1,
+        trainers.DEEPSPEED,
+        trainers.DEEPSPEED_MODULE,
+        trainers.DEEPSPEED_UNIVERSAL,
     )
 }
 
-# The order detection asks them in: a format that is another with more beside it
+# The order detection asks them in: DeepSpeed's first (an HF Trainer ``checkpoint-N/``
+# holds other formats' files beside its ``latest``); a format that is another with more beside it
 # (Megatron's, Lightning's, torchtitan's DCP, or DCP of safetensors blobs) before that one, FSDP1's rank files before the
 # rank directory any per-rank format is.
 DETECTION: tuple[Format, ...] = (
+    trainers.DEEPSPEED,
+    trainers.DEEPSPEED_UNIVERSAL,
     trainers.MEGATRON,
     trainers.LIGHTNING,
     dcp.DCP_SAFETENSORS,
@@ -66,6 +72,7 @@ DETECTION: tuple[Format, ...] = (
     fsdp2.FSDP2_RANKS,
     torch_save.TORCH,
     hf.SAFETENSORS,
+    trainers.DEEPSPEED_MODULE,  # never detected: asked for with --from
 )
 assert sorted(f.name for f in DETECTION) == sorted(FORMATS), "every format is detected"
 
@@ -98,6 +105,10 @@ def default_format(layout: str, dst: str | os.PathLike, src_format: str | None =
 def detect(src: Path) -> str:
     """Return the format of ``src`` judged from what is on disk."""
     directory = stat.S_ISDIR(source_stat(src).st_mode)
+    if not directory:
+        for form in FORMATS.values():
+            if form.refuses_part is not None:
+                form.refuses_part(src)
     if not directory and not read_head(src, 1):
         raise BadInputError(
             "is empty", path=src, hint="the file was not written completely; re-create it"

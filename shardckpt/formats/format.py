@@ -108,6 +108,9 @@ class Format:
     keeps_layout: bool = False
     """A trainer's own directory: converted to its layout without ``--format``, a source in
     this format is written in it again (``default_format``), not as a bare DCP."""
+    refuses_part: Callable[..., None] | None = None
+    """Raises when a file passed as SRC on its own is one part of a checkpoint directory
+    of this format (a DeepSpeed rank's file), naming the directory to pass."""
     notes: Callable[..., list[str]] = no_notes
     """What to tell the user about DST's tree at a world size (parts the trainer will not
     take as they are there), said once on stderr."""

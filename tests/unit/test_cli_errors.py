@@ -90,7 +90,8 @@ def test_unknown_file(capsys, small):
         f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
         "pass --format with one of dcp, dcp-safetensors, hf-storage, torch-checkpointing, torch, "
         "safetensors, hf, lightning, megatron, fsdp2-ranks, fsdp1-sharded, fsdp1-local, "
-        "accelerate, torchtitan, verl, verl-fsdp1",
+        "accelerate, torchtitan, verl, verl-fsdp1, deepspeed, deepspeed-module, "
+        "deepspeed-universal",
     )
 
 

@@ -30,6 +30,7 @@ from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
 from shardckpt.state.regions import Region, spread
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves, too_deep
 
@@ -78,10 +79,20 @@ def load(
         failure = judge_failed_load(exc, path, trust_pickle)
     if failure.kind == "refused":
         raise UnsafePickleError(
-            f"refused to unpickle ({failure.reason})", path=path, hint=TRUST_HINT
+            f"refused to unpickle ({failure.reason})",
+            path=path,
+            hint=pointer_hint(path) or TRUST_HINT,
         )
     if failure.kind == "damaged":
         raise _damaged(path, failure.reason)
+    if failure.kind == "missing":
+        raise BadInputError(
+            f"unpickling it imports the Python module '{failure.reason}', which is not installed",
+            path=path,
+            hint=pointer_hint(path)
+            or f"install '{failure.reason.split('.')[0]}' where shardckpt runs to load it "
+            "with --trust-pickle",
+        )
     raise BadInputError(
         f"not a readable torch.save file ({failure.reason})",
         path=path,
@@ -117,6 +128,8 @@ class TorchReader(Reader):
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
         obj = load_dict(self.src, trust_pickle)
+        # A ZeRO-3 model-states file read as a torch file would give empty weights.
+        refuse_placeholders(self.src, obj)
         self._tensors: dict[str, torch.Tensor] = {}
         try:
             self._tree = map_leaves(obj, self._describe)

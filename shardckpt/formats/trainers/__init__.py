@@ -3,7 +3,7 @@
 accelerate's ``save_state`` directories, Lightning's sharded checkpoints, torchtitan's
 ``step-N``, torch_checkpointing's ``CheckpointManager`` directories and megatron-core's
 ``torch_dist`` directories (``megatron/``), veRL's ``FSDPCheckpointManager`` directories
-(``verl/``). Converted to their own layout without ``--format``, each is written in its
+(``verl/``), and DeepSpeed ZeRO saves, read only (``deepspeed/``). Converted to their own layout without ``--format``, each is written in its
 own format again (``keeps_layout``). ``parts`` joins
 several checkpoints of other formats into one tree (and writes them back as several).
 """
@@ -109,4 +109,50 @@ VERL_FSDP1 = Format(
     keeps_layout=True,
 )
 
-FORMATS = (TORCH_CHECKPOINTING, LIGHTNING, ACCELERATE, TORCHTITAN, MEGATRON, VERL, VERL_FSDP1)
+# DeepSpeed's saves are sources only: per-rank files of one world size.
+DEEPSPEED = Format(
+    name="deepspeed",
+    layout="local",
+    title="DeepSpeed ZeRO",
+    reader=Ref("shardckpt.formats.trainers.deepspeed.reader:DeepSpeedReader"),
+    writer=Ref("shardckpt.formats.trainers.deepspeed.not_written:NotWritten"),
+    directory=True,
+    detect=Ref("shardckpt.formats.trainers.deepspeed.detect:is_deepspeed_dir"),
+    tells_whole=always,
+    refuses_part=Ref("shardckpt.formats.trainers.deepspeed.lone_file:refuse_lone_file"),
+)
+
+DEEPSPEED_MODULE = Format(
+    name="deepspeed-module",
+    layout="local",
+    title="DeepSpeed ZeRO (module weights)",
+    reader=Ref("shardckpt.formats.trainers.deepspeed.reader:DeepSpeedModuleReader"),
+    writer=Ref("shardckpt.formats.trainers.deepspeed.not_written:NotWritten"),
+    directory=True,
+    detect=Ref("shardckpt.formats.trainers.deepspeed.detect:never"),
+    tells_whole=always,
+)
+
+DEEPSPEED_UNIVERSAL = Format(
+    name="deepspeed-universal",
+    layout="local",
+    title="DeepSpeed universal",
+    reader=Ref("shardckpt.formats.trainers.deepspeed.universal:UniversalReader"),
+    writer=Ref("shardckpt.formats.trainers.deepspeed.not_written:NotWritten"),
+    directory=True,
+    detect=Ref("shardckpt.formats.trainers.deepspeed.detect:is_universal_checkpoint"),
+    tells_whole=always,
+)
+
+FORMATS = (
+    TORCH_CHECKPOINTING,
+    LIGHTNING,
+    ACCELERATE,
+    TORCHTITAN,
+    MEGATRON,
+    VERL,
+    VERL_FSDP1,
+    DEEPSPEED,
+    DEEPSPEED_MODULE,
+    DEEPSPEED_UNIVERSAL,
+)
