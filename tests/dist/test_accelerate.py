@@ -192,6 +192,6 @@ def test_a_sharded_and_a_full_save_of_one_job_are_the_same_tree(saved):
 
 def test_two_processes_write_the_same_accelerate_directory_as_one(saved, resumed, tmp_path):
     dst = tmp_path / "at3"
-    kwargs = {"fmt": "accelerate", "world_size": 3}
+    kwargs = {"format": "accelerate", "world_size": 3}
     run_ranks(ranks.convert, 2, str(saved / "fsdp2-sharded"), str(dst), "sharded", kwargs)
     assert file_hashes(dst) == file_hashes(saved / "fsdp2-sharded.m3")

@@ -34,7 +34,7 @@ def test_a_private_carried_file_stays_private_on_every_nodes_disk(tmp_path):
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir()
         dsts.append(str(tmp_path / f"node{node}" / "out"))
-    kwargs = {"fmt": "accelerate", "world_size": 2}
+    kwargs = {"format": "accelerate", "world_size": 2}
     run_ranks(ranks.convert_to_own, 2, str(src), dsts, "sharded", kwargs)
     for dst in map(Path, dsts):
         for rank in (0, 1):

@@ -131,7 +131,7 @@ def test_a_full_file_to_fsdp1_sharded_with_the_model_loads_into_fsdp1_and_trains
 def test_two_ranks_write_the_same_bytes_as_one(fsdp1_ckpt, tmp_path, kind):
     root, use_orig, _ = fsdp1_ckpt
     opts = {"model": MODEL, "wraps": WRAP} if kind == "local" else {}
-    local = {"fmt": f"fsdp1-{kind}", "world_size": 3}
+    local = {"format": f"fsdp1-{kind}", "world_size": 3}
     if kind == "local":
         local["use_orig_params"] = use_orig
     for name, to, extra in [

@@ -42,7 +42,7 @@ def test_hf_output_holds_the_model_state_under_plain_fqns(hf, ref):
 
 
 def test_two_ranks_write_the_same_shards_as_one(fsdp2_ckpt, hf, tmp_path):
-    kwargs = {"fmt": "hf", "max_shard_size": LIMIT}
+    kwargs = {"format": "hf", "max_shard_size": LIMIT}
     run_ranks(ranks.convert, 2, str(fsdp2_ckpt.dcp), str(tmp_path / "hf"), "full", kwargs)
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == {
         p.name: p.read_bytes() for p in hf.iterdir()
@@ -58,7 +58,7 @@ def test_hf_to_dcp_loads_into_fsdp2_as_model_weights(hf, ref, tmp_path):
 
 
 def test_bf16_hf_export_is_the_cast_of_the_full_state(fsdp2_ckpt, ref, tmp_path):
-    kwargs = {"fmt": "hf", "dtype": "bf16", "verify": True}
+    kwargs = {"format": "hf", "dtype": "bf16", "verify": True}
     run_ranks(ranks.convert, 2, str(fsdp2_ckpt.dcp), str(tmp_path / "hf"), "full", kwargs)
     (shard,) = [p for p in (tmp_path / "hf").iterdir() if p.suffix == ".safetensors"]
     expected = {k: t.to(torch.bfloat16) for k, t in ref["model"].items()}

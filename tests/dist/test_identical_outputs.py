@@ -25,11 +25,11 @@ MODEL = {
 CASES = {
     "torch": ("full.pt", "full", {}),
     "safetensors": ("full.safetensors", "full", {}),
-    "hf": ("hf", "full", {"fmt": "hf", "max_shard_size": 20_000}),
+    "hf": ("hf", "full", {"format": "hf", "max_shard_size": 20_000}),
     "dcp": ("dcp", "sharded", {"world_size": 4}),
     "fsdp2-ranks": ("ranks", "local", {"world_size": 4}),
-    "fsdp1-sharded": ("fsdp1s", "local", {"fmt": "fsdp1-sharded", "world_size": 4}),
-    "fsdp1-local": ("fsdp1l", "local", {"fmt": "fsdp1-local", "world_size": 4, **MODEL}),
+    "fsdp1-sharded": ("fsdp1s", "local", {"format": "fsdp1-sharded", "world_size": 4}),
+    "fsdp1-local": ("fsdp1l", "local", {"format": "fsdp1-local", "world_size": 4, **MODEL}),
 }
 
 

@@ -19,7 +19,7 @@ from shardckpt import api
 GOLDEN = Path(__file__).resolve().parents[1] / "goldens" / "megatron" / "gpt-tp2"
 CASES = {
     "full": ("full.pt", "full", {}),
-    "megatron": ("at3", "sharded", {"fmt": "megatron", "world_size": 3}),
+    "megatron": ("at3", "sharded", {"format": "megatron", "world_size": 3}),
     "dcp": ("dcp", "sharded", {"world_size": 3}),
 }
 

@@ -132,7 +132,7 @@ def test_an_item_that_differs_between_ranks_is_refused_when_selected(copy, capsy
 
 def test_two_ranks_write_the_same_bytes_as_one(saved, tmp_path):
     root, _ = saved
-    kwargs = {"fmt": "torch-checkpointing", "world_size": 3}
+    kwargs = {"format": "torch-checkpointing", "world_size": 3}
     api.convert(api.ConvertRequest(src=root, dst=tmp_path / "one", to="sharded", **kwargs))
     run_ranks(ranks.convert, 2, str(root), str(tmp_path / "two"), "sharded", kwargs)
     assert {p.name: p.read_bytes() for p in (tmp_path / "two").iterdir()} == {
