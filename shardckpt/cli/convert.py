@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from shardckpt.cli import library
 from shardckpt.cli.options import (
     ALL_FORMATS,
     CleanFqns,
@@ -222,6 +223,7 @@ def convert(
     version: Version = False,
 ) -> int:
     """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
+    library.load()
     from shardckpt import api
     from shardckpt.cli import render
     from shardckpt.core.dist import launch

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from shardckpt.cli import library
 from shardckpt.cli.options import (
     CleanFqns,
     DeviceOpt,
@@ -101,6 +102,7 @@ def diff(
     version: Version = False,
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
+    library.load()
     from shardckpt import api
     from shardckpt.api import applies
     from shardckpt.cli import render

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from shardckpt.cli import library
 from shardckpt.cli.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
 
 EPILOG = (
@@ -44,6 +45,7 @@ def inspect(
     version: Version = False,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
+    library.load()
     from shardckpt import api
     from shardckpt.cli import render
     from shardckpt.core.dist import launch

@@ -76,3 +76,27 @@ def interruptible() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within the block, record SIGINT, SIGTERM and SIGHUP; raise the first as ``Interrupted`` after it.
+
+    For importing torch once a command runs: an exception raised inside torch's import
+    (in a callback from its C++ side) aborts the process instead of unwinding it.
+    """
+    previous = {}
+    seen = len(_pending)
+    try:
+        for sig in HANDLED:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _record)
+    except ValueError:
+        pass  # not the main thread: its signals are not ours to defer
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if len(_pending) > seen:
+        raise Interrupted(_pending[seen])
