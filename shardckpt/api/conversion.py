@@ -179,7 +179,7 @@ def prepare(
             path=request.src,
             hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
         )
-    plan = _plan(request, reader, valid, flat_model, runtime)
+    plan = _plan(request, reader, form, valid, flat_model, runtime)
     if request.to != "full":
         _check_rank_work(plan, form)
     if form.name == "hf":
@@ -344,12 +344,12 @@ def _source_sight(request: ConvertRequest, runtime: Runtime) -> Sight | None:
 def _plan(
     request: ConvertRequest,
     reader: Reader,
+    form: Format,
     valid: Valid,
     flat_model: FlatModel | None,
     runtime: Runtime,
 ) -> ConvertPlan:
-    """Return the frozen plan: the selected tree, its tensors, who writes what, in batches."""
-    form = valid.form
+    """Return the frozen plan of DST in ``form``: the selected tree, its tensors, who writes what."""
     index = reader.index()
     carried = [p.file for p in index.parts if p.key is None]
     if carried and not form.carries_files and runtime.coordinator:

@@ -20,7 +20,7 @@ GOLDEN = Path(__file__).resolve().parents[1] / "goldens" / "megatron" / "gpt-tp2
 CASES = {
     "full": ("full.pt", "full", {}),
     "megatron": ("at3", "sharded", {"format": "megatron", "world_size": 3}),
-    "dcp": ("dcp", "sharded", {"world_size": 3}),
+    "dcp": ("dcp", "sharded", {"format": "dcp", "world_size": 3}),
 }
 
 

@@ -144,6 +144,17 @@ def test_megatron_output_at_3_holds_the_same_data_common_pt_and_config(tmp_path)
     assert len(stored["output_layer.weight"].chunks) == 3
 
 
+def test_without_format_a_megatron_source_stays_megatron_and_says_so(tmp_path, capsys):
+    dst = tmp_path / "at3"
+    argv = ["convert", str(GOLDEN), str(dst), "--to", "sharded", "--world-size", "3", "-q"]
+    assert run(argv) == 0
+    assert capsys.readouterr().err == (
+        "shardckpt: note: writing DST as a Megatron checkpoint, SRC's own layout "
+        "(pass --format dcp for a bare DCP one)\n"
+    )
+    assert {"common.pt", "metadata.json"} <= {p.name for p in dst.iterdir()}
+
+
 def test_a_full_file_back_to_megatron_puts_values_in_common_pt_and_the_rest_in_dcp(tmp_path):
     api.convert(api.ConvertRequest(src=GOLDEN, dst=tmp_path / "full.pt", to="full"))
     dst = tmp_path / "back"
