@@ -7,6 +7,7 @@ reason, where it cannot make the condition for real.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import resource
@@ -166,14 +167,35 @@ def _read(path: Path) -> str:
         return ""
 
 
-def run_capped(argv: list, memory_bytes: int, timeout: float = 120) -> tuple[int, str, float]:
-    """Run ``python -m shardckpt ARGV`` with its address space capped at ``memory_bytes``.
+@functools.cache
+def import_address_space() -> int:
+    """Return the address space a process holds once the library has imported torch.
+
+    It depends on the build: about 650 MiB for the CPU wheel, several GiB for a CUDA one,
+    whose libraries are mapped even where no GPU is. A cap meant to leave a budget for
+    the work is this floor plus the budget.
+    """
+    probe = (
+        "from shardckpt.cli import library; library.load(); "
+        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmPeak')))"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    return int(out.stdout.split()[-1]) << 10
+
+
+def run_capped(argv: list, budget_bytes: int, timeout: float = 120) -> tuple[int, str, float]:
+    """Run ``python -m shardckpt ARGV`` with ``budget_bytes`` of address space past torch's import.
 
     Return its exit code, its last line on stderr and its wall seconds. The cap
     (``RLIMIT_AS``) needs no privilege: a run that would fill memory fails at the cap
     in its own process instead of taking the machine with it, and one that would run
     for hours is killed at ``timeout`` (exit code -9).
     """
+    memory_bytes = import_address_space() + budget_bytes
 
     def capped() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))

@@ -201,7 +201,7 @@ def mesh_without_group(world_size: int, rank: int) -> Any:
     built per world size, sharing those, with only its own rank and coordinate.
     """
     template = _mesh_of(world_size)
-    if vars(template).keys() != _MESH_FIELDS:
+    if not vars(template).keys() <= _MESH_FIELDS | _SHARED_FIELDS_OF_LATER_TORCH:
         return _new_mesh(world_size, rank)  # a torch whose mesh holds more: build it whole
     # A shallow copy, fields in the constructor's order (a pickled mesh keeps that order).
     mesh = type(template).__new__(type(template))
@@ -231,6 +231,8 @@ _MESH_FIELDS = frozenset(
         "_hash",
     }
 )
+# Read on torch 2.15: a flag copied from the constructor's argument, the same for every rank.
+_SHARED_FIELDS_OF_LATER_TORCH = frozenset({"_preserve_rank_order"})
 
 
 @functools.lru_cache(maxsize=2)

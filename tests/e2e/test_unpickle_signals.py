@@ -134,13 +134,14 @@ def test_dcp_metadata_unpickling_in_c_acts_on_a_signal_in_the_middle(large_dcp):
     start = time.monotonic()
     _MetadataUnpickler(io.BytesIO(raw)).load()
     whole = time.monotonic() - start
+    stream = io.BytesIO(raw)
     previous = signal.signal(signal.SIGUSR1, _raise)
     try:
         threading.Timer(whole / 10, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-        start = time.monotonic()
         with pytest.raises(_Signalled):
-            _MetadataUnpickler(io.BytesIO(raw)).load()
-        interrupted = time.monotonic() - start
+            _MetadataUnpickler(stream).load()
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert interrupted < whole / 2, (interrupted, whole)
+    # Where the load stopped, not how long it took: a loaded machine delays the timer's
+    # thread, but a signal acted on only at the end would find every byte read.
+    assert stream.tell() < len(raw), (stream.tell(), len(raw))
