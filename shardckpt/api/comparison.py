@@ -11,9 +11,11 @@ from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, source_option
 from shardckpt.core.progress import Progress
 from shardckpt.engine.compare import DiffResult, compare
+from shardckpt.engine.read_checks import check_reads
 from shardckpt.formats import format_named, open_reader
 from shardckpt.formats.dcp.reader import as_stored
 from shardckpt.plan.selection import Selection, select
+from shardckpt.state.checksums import checking
 from shardckpt.state.tree import tensor_leaves
 
 
@@ -27,7 +29,11 @@ def diff(
     ``unnest_a``/``nest_a`` (and ``_b``) then re-root one side as ``convert`` does, so
     trees rooted differently (a flat state dict, ``{"model": ...}``) compare.
     """
-    runtime = runtime or Runtime()
+    with checking():
+        return _diff(request, runtime or Runtime(), progress)
+
+
+def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> DiffResult:
     request.check()
     a, b = request.a, request.b
 
@@ -59,7 +65,7 @@ def diff(
         progress = progress or Progress()
         progress.begin(sum(m.nbytes for _, m in tensor_leaves(tree_a)), "compare")
         try:
-            return compare(
+            result = compare(
                 ra,
                 tree_a,
                 rb,
@@ -72,6 +78,10 @@ def diff(
             )
         finally:
             progress.close()
+        # A damaged record is bad input, not a difference: either side's.
+        check_reads(runtime, a)
+        check_reads(runtime, b)
+        return result
 
 
 def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLike) -> str:

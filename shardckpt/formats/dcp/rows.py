@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardckpt.codecs.pickle_bounds import check_torch_file
 from shardckpt.codecs.pickle_scan import first_line
-from shardckpt.codecs.zip_skeleton import FileSlice
+from shardckpt.codecs.zip_records import FileSlice, ZipRecord, zip_records
 from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import os_error
 from shardckpt.core.torch_internals import stored_offset
+from shardckpt.state.checksums import Written, active
 
 _RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
 
@@ -45,6 +46,8 @@ class Placed:
     file: str
     start: int
     """Byte offset of the chunk's first element in ``file``."""
+    written: Written | None = None
+    """The zip record holding the elements and the CRC-32 written for it; None where none is."""
 
 
 class StoredRows:
@@ -76,6 +79,7 @@ class StoredRows:
             if placed is None:
                 return False
             parts.append((placed, offsets, sizes, lo, hi))
+        ledger = active()
         with ExitStack() as files:
             fds: dict[str, int] = {}
             for placed, offsets, sizes, lo, hi in parts:
@@ -84,11 +88,15 @@ class StoredRows:
                 row_bytes = math.prod(sizes[1:]) * target.element_size()
                 at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
                 dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
-                self._read(fds[placed.file], dest, at, key, placed.file)
+                read = self._read(fds[placed.file], dest, at, key, placed.file)
+                if ledger is not None and placed.written is not None:
+                    # CRC'd while the bytes just read are still in cache: no second pass.
+                    ledger.expect(placed.written, [key])
+                    ledger.note(*placed.written.key, at - placed.written.start, read)
         return True
 
-    def _read(self, fd: int, dest: torch.Tensor, at: int, key: str, file: str) -> None:
-        """Read ``dest``'s bytes from byte ``at`` of ``fd``; through a buffer if ``dest`` is strided."""
+    def _read(self, fd: int, dest: torch.Tensor, at: int, key: str, file: str) -> memoryview:
+        """Read ``dest``'s bytes from byte ``at`` of ``fd`` (through a buffer if ``dest`` is strided); return them."""
         buffer = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
         view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
         done = 0
@@ -107,6 +115,7 @@ class StoredRows:
             done += n
         if buffer is not dest:
             dest.copy_(buffer)
+        return view
 
     def _place(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
@@ -149,6 +158,7 @@ def _locate(
                 order = zf.read(orders[0]).decode() if orders else "little"
             chunk.seek(0)
             stored = torch.load(chunk, map_location="meta", weights_only=True)
+            records = zip_records(fd, offset, offset + length)
         except OSError as exc:
             raise os_error(exc, path) from None
         except ShardckptError:
@@ -181,7 +191,16 @@ def _locate(
             path=path,
             hint=_RECOPY,
         )
-    return Placed(file, offset + start)
+    return Placed(file, offset + start, _written(path, offset, records, at))
+
+
+def _written(path: Path, offset: int, records: list[ZipRecord], at: int) -> Written | None:
+    """Return the record of a chunk's zip (at ``offset`` of ``path``) whose data starts at ``at``."""
+    for record in records:
+        if record.start == at:
+            where = f"record '{record.name}' at byte {offset + record.start}"
+            return Written(str(path), offset + record.start, record.length, record.crcs, where)
+    return None
 
 
 def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:
