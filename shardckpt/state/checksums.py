@@ -4,10 +4,10 @@ torch writes a CRC-32 for every record of every ``torch.save`` zip (each ``.pt``
 DCP item) and never checks it; shardckpt writes one per tensor into the safetensors
 files it makes. A reader that reads bytes of such a span (a ``Written``) tells the
 command's ``Ledger`` (``note``), which CRCs them as they arrive, with no second pass
-over them: the spans one process read of a record are kept disjoint, and merged with
-``crc32_combine`` where they meet. At the end of a command every rank's spans go to the
-coordinator (``judge``), which looks for a chain of spans from the record's first byte
-to its last and compares the CRC combined along it with each one written. A record no
+over them; the spans one process read of a record are kept disjoint (a byte read twice
+is CRC'd once). At the end of a command every rank's spans go to the coordinator
+(``judge``), which looks for a chain of spans from the record's first byte to its last,
+combines their CRCs along it (``crc32_combine``) and compares with each one written. A record no
 chain covers was read in part (``--only``/``--filter`` leaving some of it unread, a
 tensor viewing part of its storage) and is not judged; ``shardckpt verify`` reads
 every record whole.
@@ -182,18 +182,12 @@ def _gaps(spans: list[Span], start: int, stop: int) -> Iterator[tuple[int, int]]
 
 
 def _insert(spans: list[Span], span: Span) -> None:
-    """Insert ``span`` into the sorted, disjoint ``spans``; merge it with the spans it touches."""
-    i = bisect.bisect_left(spans, span)
-    spans.insert(i, span)
-    if i + 1 < len(spans) and spans[i][0] + spans[i][1] == spans[i + 1][0]:
-        spans[i : i + 2] = [_joined(spans[i], spans[i + 1])]
-    if i > 0 and spans[i - 1][0] + spans[i - 1][1] == spans[i][0]:
-        spans[i - 1 : i + 1] = [_joined(spans[i - 1], spans[i])]
+    """Insert ``span`` into the sorted, disjoint ``spans``.
 
-
-def _joined(a: Span, b: Span) -> Span:
-    """Return the span of ``a`` followed by ``b``."""
-    return (a[0], a[1] + b[1], isal_zlib.crc32_combine(a[2], b[2], b[1]))
+    Neighbours are not merged: each boundary kept is one where another process's
+    spans may start (``_chained``), and a record has only as many as reads touched it.
+    """
+    bisect.insort(spans, span)
 
 
 def judge(everyone: Iterable[Iterable[Seen]]) -> Verdict:
