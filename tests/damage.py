@@ -8,6 +8,7 @@ flip a byte there and expect the line that names the file, the tensor and the re
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import struct
 import zipfile
@@ -29,16 +30,22 @@ class Flipped:
 
     file: Path
     tensors: tuple[str, ...]
-    record: str
-    start: int
+    where: str
+    """The record, as messages name it: ``record 'archive/data/0' at byte 1088``."""
 
     def line(self) -> str:
         """Return the error line shardckpt must print for this damage (tied tensors: both named)."""
+        return f"shardckpt: error: '{self.file}': {self.message()}: {RECOPY}"
+
+    def message(self) -> str:
+        """Return what the error says is damaged."""
         names = " and ".join(f"'{t}'" for t in self.tensors)
-        return (
-            f"shardckpt: error: '{self.file}': the bytes of {names} do not match the "
-            f"checksum written with them (record '{self.record}' at byte {self.start}): {RECOPY}"
-        )
+        return f"the bytes of {names} do not match the checksum written with them ({self.where})"
+
+
+def in_record(name: str, start: int) -> str:
+    """Return how messages name the zip record ``name`` whose data starts at byte ``start``."""
+    return f"record '{name}' at byte {start}"
 
 
 def copy(src: Path, dst: Path) -> Path:
@@ -98,7 +105,7 @@ def flip_in_torch_file(file: Path, tensor: str) -> Flipped:
     found = storages(file)
     start, size = found[tensor]
     tied = tuple(name for name, (at, _) in found.items() if at == start)
-    flipped = Flipped(file, tied, record_at(file.read_bytes(), start), start)
+    flipped = Flipped(file, tied, in_record(record_at(file.read_bytes(), start), start))
     flip(file, start + size // 2)
     return flipped
 
@@ -112,6 +119,16 @@ def flip_in_dcp(src: Path, key: str, offsets: tuple[int, ...] | None = None) -> 
     file = src / info.relative_path
     item = file.read_bytes()[info.offset : info.offset + info.length]
     ((start, size),) = storages(io.BytesIO(item)).values()
-    flipped = Flipped(file, (key,), record_at(item, start), info.offset + start)
+    flipped = Flipped(file, (key,), in_record(record_at(item, start), info.offset + start))
     flip(file, info.offset + start + size // 2)
     return flipped
+
+
+def flip_in_safetensors(file: Path, name: str) -> Flipped:
+    """Flip a byte in the middle of tensor ``name``'s data in a safetensors file."""
+    raw = file.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    a, b = json.loads(raw[8 : 8 + size])[name]["data_offsets"]
+    start, stop = 8 + size + a, 8 + size + b
+    flip(file, (start + stop) // 2)
+    return Flipped(file, (name,), f"its data at bytes {start}..{stop}")

@@ -117,3 +117,31 @@ def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert(rank_files, tm
     assert_damaged(capsys, flipped, "convert", src, out, "--to", "full", *FSDP1_MODEL)
     clean = rank_files / "local"
     assert_clean(capsys, "convert", clean, out, "--to", "full", "-q", *FSDP1_MODEL)
+
+
+def test_a_flipped_byte_in_a_shardckpt_safetensors_export_stops_convert_and_diff(
+    fsdp2_ckpt, tmp_path, capsys
+):
+    export = tmp_path / "model.safetensors"
+    assert_clean(capsys, "convert", fsdp2_ckpt.dcp, export, "--to", "full", "-q")
+    src = damage.copy(export, tmp_path / "flipped.safetensors")
+    flipped = damage.flip_in_safetensors(src, "optim.state.blocks.1.fc_out.weight.exp_avg_sq")
+    assert_damaged(
+        capsys, flipped, "convert", src, tmp_path / "out", "--to", "sharded", "--world-size", 3
+    )
+    assert_damaged(capsys, flipped, "diff", fsdp2_ckpt.dcp, src)
+    assert_clean(capsys, "diff", fsdp2_ckpt.dcp, export, "-q")
+
+
+def test_a_flipped_byte_in_a_shardckpt_hf_export_stops_convert_and_diff(
+    fsdp2_ckpt, tmp_path, capsys
+):
+    export = tmp_path / "hf"
+    hf = ["--to", "full", "--format", "hf", "--max-shard-size", "20KB", "-q"]
+    assert_clean(capsys, "convert", fsdp2_ckpt.dcp, export, *hf)
+    src = damage.copy(export, tmp_path / "flipped")
+    flipped = damage.flip_in_safetensors(
+        src / "model-00002-of-00003.safetensors", "blocks.0.fc_in.weight"
+    )
+    assert_damaged(capsys, flipped, "convert", src, tmp_path / "out.pt", "--to", "full")
+    assert_damaged(capsys, flipped, "diff", src, export)
