@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from shardckpt.api import ConvertResult, Inspection
+from shardckpt.api import ConvertResult, Inspection, Integrity
 from shardckpt.core.progress import human_bytes
 from shardckpt.core.words import counted
 from shardckpt.engine.compare import DiffResult
@@ -249,4 +249,43 @@ def diff_text(result: DiffResult) -> str:
     for d in result.differences:
         extra = f", max abs diff {d.max_abs_diff:g}" if d.max_abs_diff is not None else ""
         lines.append(f"  {dotted(d.path)}: {d.reason}{extra}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- verify
+
+
+def verify_json(result: Integrity) -> dict:
+    """Return the ``verify --json`` report."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "src": result.src,
+        "format": result.format,
+        "world_size": result.world_size,
+        "intact": result.intact,
+        "files": result.files,
+        "bytes": result.bytes,
+        "checked": result.checked,
+        "checked_bytes": result.checked_bytes,
+        "unchecked_bytes": result.unchecked_bytes,
+        "seconds": round(result.seconds, 3),
+        "damaged": [
+            {"file": f.file, "tensors": list(f.tensors), "where": f.where, "message": f.message}
+            for f in result.damaged
+        ],
+    }
+
+
+def verify_text(result: Integrity) -> str:
+    """Return the ``verify`` report: intact or damaged, what was read and checked, every finding."""
+    rate = result.bytes / result.seconds if result.seconds > 0 else 0.0
+    lines = [
+        f"{'intact' if result.intact else 'damaged'}: {result.src} ({result.format}, "
+        f"{counted(result.files, 'file')}, {human_bytes(result.bytes)} read in "
+        f"{result.seconds:.1f} s, {human_bytes(rate)}/s)",
+        f"  {counted(result.checked, 'record')} checked against the CRC-32 written with them "
+        f"({human_bytes(result.checked_bytes)}); {human_bytes(result.unchecked_bytes)} carry "
+        "no checksum",
+    ]
+    lines += [f"  '{f.file}': {f.message}" for f in result.damaged]
     return "\n".join(lines)

@@ -243,14 +243,17 @@ def checked(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def checking() -> Iterator[Ledger]:
-    """Yield the ledger the readers note into while inside; an outer one if a command runs inside another."""
+def checking(always: bool = False) -> Iterator[Ledger]:
+    """Yield the ledger the readers note into while inside; an outer one if a command runs inside another.
+
+    ``always``: whatever ``SHARDCKPT_CHECKSUMS`` says (``verify``, whose work it is).
+    """
     outer = _ACTIVE.get()
     if outer is not None:
         yield outer
         return
     ledger = Ledger()
-    if os.environ.get("SHARDCKPT_CHECKSUMS", "1") == "0":
+    if not always and os.environ.get("SHARDCKPT_CHECKSUMS", "1") == "0":
         yield ledger  # never active: nothing is noted, nothing judged
         return
     token = _ACTIVE.set(ledger)

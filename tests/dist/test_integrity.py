@@ -58,10 +58,12 @@ def test_a_flipped_byte_in_a_dcp_data_file_stops_convert_and_diff(fsdp2_ckpt, tm
     assert flipped.file.name == "__1_0.distcp"
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "full.pt", "--to", "full")
     assert not (tmp_path / "full.pt").exists()
+    assert_damaged(capsys, flipped, "verify", src, "-q")
     assert_damaged(capsys, flipped, "diff", src, fsdp2_ckpt.ref)
     assert_damaged(capsys, flipped, "diff", clean, src)
     assert_clean(capsys, "convert", clean, tmp_path / "ok.pt", "--to", "full", "-q")
     assert_clean(capsys, "diff", clean, fsdp2_ckpt.ref, "-q")
+    assert_clean(capsys, "verify", clean, "-q")
 
 
 def test_a_flipped_byte_in_a_dcp_data_file_stops_a_two_rank_convert(fsdp2_ckpt, tmp_path):
@@ -82,7 +84,9 @@ def test_a_flipped_byte_in_a_full_torch_file_stops_convert_and_diff(fsdp2_ckpt, 
     assert_damaged(capsys, flipped, "convert", src, out, "--to", "sharded", "--world-size", 2)
     assert not out.exists()
     assert_damaged(capsys, flipped, "diff", fsdp2_ckpt.dcp, src)
+    assert_damaged(capsys, flipped, "verify", src, "-q")
     assert_clean(capsys, "convert", fsdp2_ckpt.ref, out, "--to", "sharded", "--world-size", 2, "-q")
+    assert_clean(capsys, "verify", fsdp2_ckpt.ref, "-q")
 
 
 def test_a_flipped_byte_in_a_padded_fsdp2_rank_file_stops_convert_and_diff(
@@ -93,7 +97,9 @@ def test_a_flipped_byte_in_a_padded_fsdp2_rank_file_stops_convert_and_diff(
     flipped = damage.flip_in_torch_file(src / "rank1.pt", "model.embed.weight")
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "full.pt", "--to", "full")
     assert_damaged(capsys, flipped, "diff", rank_files / "fsdp2", src)
+    assert_damaged(capsys, flipped, "verify", src, "-q")
     assert_clean(capsys, "convert", rank_files / "fsdp2", tmp_path / "ok.pt", "--to", "full", "-q")
+    assert_clean(capsys, "verify", rank_files / "fsdp2", "-q")
 
 
 def test_a_flipped_byte_in_an_fsdp1_sharded_rank_file_stops_convert_and_diff(
@@ -115,8 +121,10 @@ def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert(rank_files, tm
     flipped = damage.flip_in_torch_file(src / "rank_0.pt", "model.blocks.1._flat_param")
     out = tmp_path / "full.pt"
     assert_damaged(capsys, flipped, "convert", src, out, "--to", "full", *FSDP1_MODEL)
+    assert_damaged(capsys, flipped, "verify", src, "-q")
     clean = rank_files / "local"
     assert_clean(capsys, "convert", clean, out, "--to", "full", "-q", *FSDP1_MODEL)
+    assert_clean(capsys, "verify", clean, "-q")
 
 
 def test_a_flipped_byte_in_a_shardckpt_safetensors_export_stops_convert_and_diff(
@@ -130,7 +138,9 @@ def test_a_flipped_byte_in_a_shardckpt_safetensors_export_stops_convert_and_diff
         capsys, flipped, "convert", src, tmp_path / "out", "--to", "sharded", "--world-size", 3
     )
     assert_damaged(capsys, flipped, "diff", fsdp2_ckpt.dcp, src)
+    assert_damaged(capsys, flipped, "verify", src, "-q")
     assert_clean(capsys, "diff", fsdp2_ckpt.dcp, export, "-q")
+    assert_clean(capsys, "verify", export, "-q")
 
 
 def test_a_flipped_byte_in_a_shardckpt_hf_export_stops_convert_and_diff(
@@ -145,3 +155,5 @@ def test_a_flipped_byte_in_a_shardckpt_hf_export_stops_convert_and_diff(
     )
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "out.pt", "--to", "full")
     assert_damaged(capsys, flipped, "diff", src, export)
+    assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_clean(capsys, "verify", export, "-q")
