@@ -89,13 +89,19 @@ def storages(source) -> dict[str, tuple[int, int]]:
     return out
 
 
+def data_start(zip_bytes: bytes, info: zipfile.ZipInfo) -> int:
+    """Return where the data of record ``info`` starts, after its local header (whose extra field
+    torch pads for alignment, unlike the central directory's)."""
+    header = zip_bytes[info.header_offset : info.header_offset + 30]
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
 def record_at(zip_bytes: bytes, start: int) -> str:
     """Return the name of the record whose data starts at ``start`` of a zip."""
     with zipfile.ZipFile(io.BytesIO(zip_bytes)) as zf:
         for info in zf.infolist():
-            header = zip_bytes[info.header_offset : info.header_offset + 30]
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            if info.header_offset + 30 + name_len + extra_len == start:
+            if data_start(zip_bytes, info) == start:
                 return info.filename
     raise AssertionError(f"no record starts at byte {start}")
 

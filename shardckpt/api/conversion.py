@@ -450,6 +450,7 @@ def write(
                 verified = verify_output(
                     reader, plan, destination, runtime, request.trust_pickle, placement, progress
                 )
+                check_reads(runtime, request.src)  # read again: records read whole only now
         finally:
             progress.close()
         runtime.agreed(lambda: destination.commit() if placement.opener else None)
