@@ -36,8 +36,15 @@ def rank_files(tmp_path_factory) -> Path:
 
 def cli(capsys, *argv) -> tuple[int, list[str]]:
     """Run the CLI in this process; return its exit code and stderr lines."""
+    code, _, err = run_cli(capsys, *argv)
+    return code, err
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, list[str]]:
+    """Run the CLI in this process; return its exit code, stdout and stderr lines."""
     code = run([str(a) for a in argv])
-    return code, capsys.readouterr().err.strip().splitlines()
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
 
 
 def assert_damaged(capsys, flipped: damage.Flipped, *argv) -> None:
@@ -154,6 +161,26 @@ def test_a_flipped_byte_in_a_shardckpt_hf_export_stops_convert_and_diff(
         src / "model-00002-of-00003.safetensors", "blocks.0.fc_in.weight"
     )
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "out.pt", "--to", "full")
-    assert_damaged(capsys, flipped, "diff", src, export)
+    assert_damaged(capsys, flipped, "diff", src, fsdp2_ckpt.dcp, "--only", "model")
     assert_damaged(capsys, flipped, "verify", src, "-q")
     assert_clean(capsys, "verify", export, "-q")
+
+
+def test_diff_of_two_hf_exports_compares_their_digests_and_reads_no_tensor_they_agree_on(
+    fsdp2_ckpt, tmp_path, capsys
+):
+    hf = ["--to", "full", "--format", "hf", "-q"]
+    assert_clean(capsys, "convert", fsdp2_ckpt.dcp, tmp_path / "a", *hf)
+    assert_clean(capsys, "convert", fsdp2_ckpt.dcp, tmp_path / "b", *hf, "--max-shard-size", "20KB")
+    flipped = damage.flip_in_safetensors(
+        tmp_path / "b" / "model-00002-of-00003.safetensors", "norm.weight"
+    )
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    # The flipped tensor's digest still agrees: diff does not read it; verify does.
+    assert (code, out) == (
+        0,
+        "equal: 25 leaves compared (25 tensors equal by the digests both carry, not read)\n",
+    )
+    assert_damaged(capsys, flipped, "verify", tmp_path / "b", "-q")
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b", "--atol", "1e-30")
+    assert (code, out) == (3, "")
