@@ -13,7 +13,7 @@ EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
     "  shardckpt verify .demo/ckpt-dcp\n\n"
     "  shardckpt verify .demo/model.safetensors --json\n\n"
-    "  torchrun --standalone --nproc-per-node 2 -m shardckpt verify .demo/ranks-at-4 -q && echo intact\n\n"
+    "  torchrun --standalone --nproc-per-node 2 -m shardckpt verify .demo/ranks-at-2 -q && echo intact\n\n"
     "Exit 0 when intact, 3 when anything is damaged (each damaged tensor and file is listed)."
 )
 
