@@ -43,6 +43,8 @@ class InspectRequest:
     """``pkg.module:factory`` building the model: what an ``fsdp1-local`` source's flat parameters hold."""
     wraps: Sequence[str] = ()
     """FSDP1 ``ModuleWrapPolicy`` classes (``pkg.module:Class``), with ``model``."""
+    verify: bool = False
+    """Also read every byte and check it against its checksums, as ``verify`` does."""
 
     def __post_init__(self) -> None:
         _frozen(self)

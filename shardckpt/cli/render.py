@@ -89,6 +89,8 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
             for c in insp.components
         ],
     }
+    if insp.integrity is not None:
+        doc["verify"] = verify_json(insp.integrity)
     return doc
 
 
@@ -140,6 +142,8 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
         + "".join(f"; {k} {human_bytes(v)}" for k, v in t["by_dtype"].items()),
     ]
     lines += [f"warning: {w}" for w in doc["warnings"]]
+    if insp.integrity is not None:
+        lines += ["", verify_text(insp.integrity)]
     return "\n".join(lines)
 
 

@@ -35,7 +35,6 @@ def verify(
     from shardckpt.api import applies
     from shardckpt.cli import render
     from shardckpt.core.dist import launch
-    from shardckpt.core.errors import BadInputError
     from shardckpt.core.progress import Progress
 
     applies.check(applies.VERIFY_RULES, applies.Choice(quiet=quiet, json_out=json_out))
@@ -45,13 +44,20 @@ def verify(
         result = api.verify(request, runtime, Progress(enabled=bar, desc="verify"))
     if not quiet:
         emit(json.dumps(render.verify_json(result)) if json_out else render.verify_text(result))
+    raise_if_damaged(result, listed=not quiet)
+    return 0
+
+
+def raise_if_damaged(result, listed: bool) -> None:
+    """Raise the one-line error (exit 3) naming the first finding of ``verify``, if any; ``listed``: all are on stdout."""
+    from shardckpt.core.errors import BadInputError
+
     if result.intact:
-        return 0
+        return
     first, more = result.damaged[0], len(result.damaged) - 1
-    also = f" ({more} more damaged, listed on stdout)" if more and not quiet else ""
-    also = also or (f" ({more} more damaged: run without -q to list them)" if more else "")
+    where = "listed on stdout" if listed else "run without -q to list them"
     raise BadInputError(
-        first.message + also,
+        first.message + (f" ({more} more damaged, {where})" if more else ""),
         path=first.file,
         hint="the file was damaged after it was written; re-copy it",
     )

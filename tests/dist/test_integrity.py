@@ -66,6 +66,7 @@ def test_a_flipped_byte_in_a_dcp_data_file_stops_convert_and_diff(fsdp2_ckpt, tm
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "full.pt", "--to", "full")
     assert not (tmp_path / "full.pt").exists()
     assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_damaged(capsys, flipped, "inspect", src, "--verify")
     assert_damaged(capsys, flipped, "diff", src, fsdp2_ckpt.ref)
     assert_damaged(capsys, flipped, "diff", clean, src)
     assert_clean(capsys, "convert", clean, tmp_path / "ok.pt", "--to", "full", "-q")
@@ -92,6 +93,7 @@ def test_a_flipped_byte_in_a_full_torch_file_stops_convert_and_diff(fsdp2_ckpt, 
     assert not out.exists()
     assert_damaged(capsys, flipped, "diff", fsdp2_ckpt.dcp, src)
     assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_damaged(capsys, flipped, "inspect", src, "--verify")
     assert_clean(capsys, "convert", fsdp2_ckpt.ref, out, "--to", "sharded", "--world-size", 2, "-q")
     assert_clean(capsys, "verify", fsdp2_ckpt.ref, "-q")
 
@@ -105,6 +107,7 @@ def test_a_flipped_byte_in_a_padded_fsdp2_rank_file_stops_convert_and_diff(
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "full.pt", "--to", "full")
     assert_damaged(capsys, flipped, "diff", rank_files / "fsdp2", src)
     assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_damaged(capsys, flipped, "inspect", src, "--verify", "--json")
     assert_clean(capsys, "convert", rank_files / "fsdp2", tmp_path / "ok.pt", "--to", "full", "-q")
     assert_clean(capsys, "verify", rank_files / "fsdp2", "-q")
 
@@ -129,6 +132,7 @@ def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert(rank_files, tm
     out = tmp_path / "full.pt"
     assert_damaged(capsys, flipped, "convert", src, out, "--to", "full", *FSDP1_MODEL)
     assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_damaged(capsys, flipped, "inspect", src, "--verify")
     clean = rank_files / "local"
     assert_clean(capsys, "convert", clean, out, "--to", "full", "-q", *FSDP1_MODEL)
     assert_clean(capsys, "verify", clean, "-q")
@@ -146,6 +150,7 @@ def test_a_flipped_byte_in_a_shardckpt_safetensors_export_stops_convert_and_diff
     )
     assert_damaged(capsys, flipped, "diff", fsdp2_ckpt.dcp, src)
     assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_damaged(capsys, flipped, "inspect", src, "--verify")
     assert_clean(capsys, "diff", fsdp2_ckpt.dcp, export, "-q")
     assert_clean(capsys, "verify", export, "-q")
 
