@@ -68,8 +68,13 @@ class ZipRecord:
     @property
     def storage_key(self) -> str | None:
         """Return ``K`` for a ``torch.save`` storage record ``<archive>/data/K``, else None."""
-        head, _, tail = self.name.partition("/data/")
-        return tail if tail.isdigit() and "/" not in head else None
+        return storage_key(self.name)
+
+
+def storage_key(name: str) -> str | None:
+    """Return ``K`` for the name of a ``torch.save`` storage record ``<archive>/data/K``, else None."""
+    head, _, tail = name.partition("/data/")
+    return tail if tail.isdigit() and "/" not in head else None
 
 
 def zip_records(fd: int, start: int, end: int) -> list[ZipRecord]:
@@ -87,30 +92,39 @@ def zip_records(fd: int, start: int, end: int) -> list[ZipRecord]:
     pos = central
     for info in infos:
         fixed = os.pread(fd, _CENTRAL_HEADER, start + pos)
-        local = os.pread(fd, _LOCAL_HEADER, start + info.header_offset)
-        if len(fixed) < _CENTRAL_HEADER or len(local) < _LOCAL_HEADER:
+        if len(fixed) < _CENTRAL_HEADER:
             raise DamagedZip(f"zip: the headers of record {info.filename!r} are cut short")
         n, m, k = struct.unpack("<HHH", fixed[28:34])
-        (flags,) = struct.unpack("<H", local[6:8])
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        data = info.header_offset + _LOCAL_HEADER + name_len + extra_len
-        if flags & _DATA_DESCRIPTOR:
-            # torch's writer leaves the local header's CRC 0 and puts it after the
-            # data, in a descriptor that may start with its own signature.
-            after = data + info.file_size
-            signed = os.pread(fd, 4, start + after) == _DESCRIPTOR_SIGNATURE
-            local_at = after + (4 if signed else 0)
-        else:
-            local_at = info.header_offset + 14
-        written = os.pread(fd, 4, start + local_at)
-        local_crc = struct.unpack("<I", written)[0] if len(written) == 4 else -1
-        out.append(
-            ZipRecord(
-                info.filename, data, info.file_size, (local_at, pos + 16), (local_crc, info.CRC)
-            )
-        )
+        out.append(record(fd, start, info, pos + 16))
         pos += _CENTRAL_HEADER + n + m + k
     return out
 
 
-__all__ = ["FileSlice", "ZipRecord", "zip_records"]
+def record(fd: int, start: int, info: zipfile.ZipInfo, central_at: int = -1) -> ZipRecord:
+    """Return the record ``info`` describes in the zip at byte ``start`` of ``fd``.
+
+    ``central_at``: where the central directory keeps its CRC-32, when the caller walked
+    the directory (-1 when it only reads the values).
+    """
+    local = os.pread(fd, _LOCAL_HEADER, start + info.header_offset)
+    if len(local) < _LOCAL_HEADER:
+        raise DamagedZip(f"zip: the headers of record {info.filename!r} are cut short")
+    (flags,) = struct.unpack("<H", local[6:8])
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    data = info.header_offset + _LOCAL_HEADER + name_len + extra_len
+    if flags & _DATA_DESCRIPTOR:
+        # torch's writer leaves the local header's CRC 0 and puts it after the
+        # data, in a descriptor that may start with its own signature.
+        after = data + info.file_size
+        signed = os.pread(fd, 4, start + after) == _DESCRIPTOR_SIGNATURE
+        local_at = after + (4 if signed else 0)
+    else:
+        local_at = info.header_offset + 14
+    written = os.pread(fd, 4, start + local_at)
+    local_crc = struct.unpack("<I", written)[0] if len(written) == 4 else -1
+    return ZipRecord(
+        info.filename, data, info.file_size, (local_at, central_at), (local_crc, info.CRC)
+    )
+
+
+__all__ = ["FileSlice", "ZipRecord", "record", "storage_key", "zip_records"]

@@ -136,10 +136,12 @@ class Ledger:
             self.note(file, start, tensor.data_ptr() - storage.data_ptr(), raw_bytes(tensor))
         return tensor
 
-    def note(self, file: str, start: int, offset: int, data) -> None:
+    def note(self, file: str, start: int, offset: int, data, crc: int | None = None) -> None:
         """CRC ``data``, read at ``offset`` into the span at (``file``, ``start``), if it is one.
 
-        Only the parts not read before are CRC'd, so the spans stay disjoint.
+        Only the parts not read before are CRC'd, so the spans stay disjoint. ``crc``: the
+        CRC-32 of all of ``data``, taken by the reader while the bytes were in cache; used
+        as it is when none of them was read before.
         """
         written = self._written.get((file, start))
         if written is None:
@@ -148,7 +150,11 @@ class Ledger:
         stop = min(offset + len(view), written.length)
         spans = self._spans.setdefault((file, start), [])
         at = max(offset, 0)
-        for gap_start, gap_stop in _gaps(spans, at, stop):
+        gaps = list(_gaps(spans, at, stop))
+        if crc is not None and gaps == [(offset, offset + len(view))]:
+            _insert(spans, (offset, len(view), crc))
+            return
+        for gap_start, gap_stop in gaps:
             piece = view[gap_start - offset : gap_stop - offset]
             _insert(spans, (gap_start, gap_stop - gap_start, isal_zlib.crc32(piece)))
 
