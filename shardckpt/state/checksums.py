@@ -7,10 +7,11 @@ command's ``Ledger`` (``note``), which CRCs them as they arrive, with no second 
 over them; the spans one process read of a record are kept disjoint (a byte read twice
 is CRC'd once). At the end of a command every rank's spans go to the coordinator
 (``judge``), which looks for a chain of spans from the record's first byte to its last,
-combines their CRCs along it (``crc32_combine``) and compares with each one written. A record no
-chain covers was read in part (``--only``/``--filter`` leaving some of it unread, a
-tensor viewing part of its storage) and is not judged; ``shardckpt verify`` reads
-every record whole.
+combines their CRCs along it (``crc32_combine``) and compares with each one written.
+Where a little is missing (a shard's padding no tensor views), the coordinator reads it
+(``next_gap``, ``engine.read_checks``). A record read mostly in part (``--only`` or
+``--filter`` leaving some of it unread, a tensor viewing a small part of its storage) is
+not judged; ``shardckpt verify`` reads every record whole.
 
 One ledger per command (``checking``), found by the readers through ``active()``:
 readers are built in many places and nest (a trainer's directory holds DCP data and
@@ -196,8 +197,8 @@ def _insert(spans: list[Span], span: Span) -> None:
     bisect.insort(spans, span)
 
 
-def judge(everyone: Iterable[Iterable[Seen]]) -> Verdict:
-    """Return the damaged spans among those read whole, from what every process read."""
+def merged(everyone: Iterable[Iterable[Seen]]) -> list[Seen]:
+    """Return what every process read, one ``Seen`` per written span, in file order."""
     spans: dict[Key, list[Span]] = {}
     written: dict[Key, Written] = {}
     names: dict[Key, list[str]] = {}
@@ -208,21 +209,42 @@ def judge(everyone: Iterable[Iterable[Seen]]) -> Verdict:
             spans.setdefault(key, []).extend(s.spans)
             known = names.setdefault(key, [])
             known += [n for n in s.names if n not in known]
+    return [Seen(written[k], tuple(names[k]), tuple(sorted(spans[k]))) for k in sorted(written)]
+
+
+def judge(everyone: Iterable[Iterable[Seen]]) -> Verdict:
+    """Return the damaged spans among those read whole, from what every process read."""
     damaged, whole, partial, checked = [], 0, 0, 0
-    for key in sorted(written):
-        crc = _chained(spans[key], written[key].length)
+    for seen in merged(everyone):
+        written = seen.written
+        crc = _reach(seen.spans).get(written.length)
         if crc is None:
             partial += 1
             continue
         whole += 1
-        checked += written[key].length
-        if any(c != crc for c in written[key].crcs):
-            damaged.append(Damage(written[key], tuple(names[key]), crc))
+        checked += written.length
+        if any(c != crc for c in written.crcs):
+            damaged.append(Damage(written, seen.names, crc))
     return Verdict(tuple(damaged), whole, partial, checked)
 
 
-def _chained(spans: list[Span], length: int) -> int | None:
-    """Return the CRC-32 of bytes [0, length) combined along spans that chain, or None if none do.
+def next_gap(spans: Iterable[Span], length: int) -> tuple[int, int] | None:
+    """Return the bytes to read so that ``spans`` chain further towards ``length``; None once they chain to it.
+
+    From the farthest byte a chain reaches to where the next span starts (the record's
+    end if none does): bytes no process read, or read only inside a span that starts
+    elsewhere.
+    """
+    spans = sorted(spans)
+    reach = _reach(spans)
+    if length in reach:
+        return None
+    at = max(reach)
+    return at, min((s[0] for s in spans if s[0] > at), default=length)
+
+
+def _reach(spans: Iterable[Span]) -> dict[int, int]:
+    """Return each offset a chain of spans reaches from 0, with the CRC-32 of the bytes before it.
 
     Spans read by different processes may overlap without sharing a boundary: a chain
     uses only spans that start where the one before it ended.
@@ -231,7 +253,7 @@ def _chained(spans: list[Span], length: int) -> int | None:
     for offset, size, crc in sorted(spans):
         if offset in reach:
             reach.setdefault(offset + size, isal_zlib.crc32_combine(reach[offset], crc, size))
-    return reach.get(length)
+    return reach
 
 
 _ACTIVE: ContextVar[Ledger | None] = ContextVar("shardckpt_ledger", default=None)

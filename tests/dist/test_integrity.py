@@ -128,7 +128,8 @@ def test_a_flipped_byte_in_an_fsdp1_sharded_rank_file_stops_convert_and_diff(
 
 def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert(rank_files, tmp_path, capsys):
     src = damage.copy(rank_files / "local", tmp_path / "local")
-    flipped = damage.flip_in_torch_file(src / "rank_0.pt", "model.blocks.1._flat_param")
+    # rank 1, the last: its shard of each flat parameter ends in FSDP1's padding.
+    flipped = damage.flip_in_torch_file(src / "rank_1.pt", "model.blocks.1._flat_param")
     out = tmp_path / "full.pt"
     assert_damaged(capsys, flipped, "convert", src, out, "--to", "full", *FSDP1_MODEL)
     assert_damaged(capsys, flipped, "verify", src, "-q")

@@ -7,7 +7,7 @@ import zlib
 
 import torch
 
-from shardckpt.state.checksums import Ledger, Written, checked, checking, judge
+from shardckpt.state.checksums import Ledger, Written, checked, checking, judge, next_gap
 
 DATA = os.urandom(1000)
 CRC = zlib.crc32(DATA)
@@ -97,3 +97,10 @@ def test_shardckpt_checksums_0_turns_the_checks_off(monkeypatch):
         ledger.map_storage(storage, ("f", 100))
         checked(torch.empty(0, dtype=torch.uint8).set_(storage))
     assert ledger.seen() == []
+
+
+def test_the_gap_to_read_runs_from_where_the_chain_stops_to_the_next_span():
+    assert next_gap([(0, 10, 0), (10, 20, 0)], 30) is None
+    assert next_gap([(0, 10, 0), (10, 20, 0)], 32) == (30, 32)  # padding nobody read
+    assert next_gap([(0, 60, 0), (40, 60, 0)], 100) == (60, 100)  # overlap, no shared boundary
+    assert next_gap([(20, 10, 0)], 30) == (0, 20)

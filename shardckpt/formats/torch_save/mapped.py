@@ -19,23 +19,19 @@ import torch
 
 from shardckpt.codecs.pickle_scan import DamagedZip
 from shardckpt.codecs.zip_records import ZipRecord, zip_records
-from shardckpt.state.checksums import Ledger, Written, active, raw_bytes
+from shardckpt.state.checksums import Ledger, Written, active
 from shardckpt.state.tree import dotted, walk
 
 _CANDIDATES = 8
 """Records tried for the first storage: the first whose length fits places all the others."""
-_SLACK_BYTES = 1 << 20
-"""Bytes of a record no tensor views (FSDP2's padding) CRC'd when it is mapped, at least."""
 
 
 @dataclass
 class _Mapped:
-    """A memory-mapped storage, the tensors viewing it, and the bytes they view."""
+    """A memory-mapped storage and the tensors viewing it."""
 
     storage: torch.UntypedStorage
     names: list[str] = field(default_factory=list)
-    views: list[tuple[int, int]] | None = field(default_factory=list)
-    """Byte ranges of the storage the tensors view; None when one is not a run of bytes."""
 
 
 def expect_mapped(path: Path, obj: object) -> None:
@@ -72,28 +68,6 @@ def _expect(ledger: Ledger, path: Path, record: ZipRecord, mapped: _Mapped) -> N
     written = Written(str(path), record.start, record.length, record.crcs, where)
     ledger.expect(written, mapped.names)
     ledger.map_storage(mapped.storage, written.key)
-    if mapped.views is None:
-        return
-    # Bytes no tensor views are never read (FSDP2 saves a rank's padded shard whole, the
-    # tensor views its rows): CRC'd now, so reading the tensors completes the record.
-    slack = list(_gaps(sorted(mapped.views), record.length))
-    viewed = record.length - sum(b - a for a, b in slack)
-    if slack and sum(b - a for a, b in slack) <= max(viewed, _SLACK_BYTES):
-        every = torch.empty(0, dtype=torch.uint8).set_(mapped.storage)
-        for a, b in slack:
-            ledger.note(*written.key, a, raw_bytes(every[a:b]))
-
-
-def _gaps(views: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """Return the byte ranges of [0, length) that no sorted view covers."""
-    out, at = [], 0
-    for a, b in views:
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < length:
-        out.append((at, length))
-    return out
 
 
 def _storages(obj: object) -> dict[int, _Mapped]:
@@ -104,13 +78,7 @@ def _storages(obj: object) -> dict[int, _Mapped]:
             storage = tensor.untyped_storage()
             if tensor.device.type != "cpu" or not storage.nbytes():
                 continue
-            mapped = out.setdefault(storage.data_ptr(), _Mapped(storage))
-            mapped.names.append(dotted(path))
-            if mapped.views is not None and tensor.is_contiguous():
-                start = tensor.data_ptr() - storage.data_ptr()
-                mapped.views.append((start, start + tensor.numel() * tensor.element_size()))
-            elif tensor.numel():
-                mapped.views = None
+            out.setdefault(storage.data_ptr(), _Mapped(storage)).names.append(dotted(path))
     return out
 
 
