@@ -77,19 +77,23 @@ def storage_key(name: str) -> str | None:
     return tail if tail.isdigit() and "/" not in head else None
 
 
-def zip_records(fd: int, start: int, end: int) -> list[ZipRecord]:
+def zip_records(fd: int, start: int, end: int, central: bool = True) -> list[ZipRecord]:
     """Return every record of the zip at bytes [start, end) of ``fd``, in central-directory order.
 
-    Raises ``DamagedZip`` when the zip's directory does not read.
+    ``central``: find where the central directory keeps each CRC-32 (for a writer that
+    patches them); a reader needs only the values. Raises ``DamagedZip`` when the zip's
+    directory does not read.
     """
     try:
         with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, start, end))) as zf:
             infos = zf.infolist()
-            central = zf.start_dir
+            directory = zf.start_dir
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
         raise DamagedZip(f"zip: {exc}") from None
+    if not central:
+        return [record(fd, start, info) for info in infos]
     out = []
-    pos = central
+    pos = directory
     for info in infos:
         fixed = os.pread(fd, _CENTRAL_HEADER, start + pos)
         if len(fixed) < _CENTRAL_HEADER:
@@ -116,11 +120,13 @@ def record(fd: int, start: int, info: zipfile.ZipInfo, central_at: int = -1) -> 
         # torch's writer leaves the local header's CRC 0 and puts it after the
         # data, in a descriptor that may start with its own signature.
         after = data + info.file_size
-        signed = os.pread(fd, 4, start + after) == _DESCRIPTOR_SIGNATURE
+        descriptor = os.pread(fd, 8, start + after)
+        signed = descriptor[:4] == _DESCRIPTOR_SIGNATURE
         local_at = after + (4 if signed else 0)
+        written = descriptor[4:8] if signed else descriptor[:4]
     else:
         local_at = info.header_offset + 14
-    written = os.pread(fd, 4, start + local_at)
+        written = local[14:18]
     local_crc = struct.unpack("<I", written)[0] if len(written) == 4 else -1
     return ZipRecord(
         info.filename, data, info.file_size, (local_at, central_at), (local_crc, info.CRC)

@@ -109,7 +109,7 @@ def _zip_spans(
     """Return the records of the zip at bytes [start, end) of ``path``, or the problem of one that does not read."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        records = zip_records(fd, start, end)
+        records = zip_records(fd, start, end, central=False)
     except DamagedZip as exc:
         return (), (f"{what} is not a readable torch.save zip ({exc})",)
     finally:

@@ -97,7 +97,7 @@ def _records(path: Path) -> list[ZipRecord] | None:
     """Return the storage records of the zip at ``path``, by offset; None when torch swapped its bytes."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        records = zip_records(fd, 0, os.fstat(fd).st_size)
+        records = zip_records(fd, 0, os.fstat(fd).st_size, central=False)
         order = [r for r in records if r.name.rsplit("/", 1)[-1] == "byteorder"]
         if order and os.pread(fd, order[0].length, order[0].start).decode() != sys.byteorder:
             return None
