@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from shardckpt.cli.options import DeviceOpt, JsonOut, Quiet, SrcFormat, TrustPickle, Version, emit
+from shardckpt.core.errors import BadInputError
 
 EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
@@ -50,8 +51,6 @@ def verify(
 
 def raise_if_damaged(result, listed: bool) -> None:
     """Raise the one-line error (exit 3) naming the first finding of ``verify``, if any; ``listed``: all are on stdout."""
-    from shardckpt.core.errors import BadInputError
-
     if result.intact:
         return
     first, more = result.damaged[0], len(result.damaged) - 1
