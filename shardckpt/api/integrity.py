@@ -52,6 +52,9 @@ class Integrity:
     """Records and tensors whose bytes were checked against a checksum."""
     checked_bytes: int
     seconds: float = 0.0
+    """The whole run, SRC's metadata checks included."""
+    read_seconds: float = 0.0
+    """Reading the files and CRC'ing them, on the slowest rank."""
     damaged: list[Finding] = field(default_factory=list)
 
     @property
@@ -90,6 +93,7 @@ def verify(
         _expect(ledger, checks)
         total = sum(c.size for c in checks)
         progress.begin(total, "read")
+        reading = time.perf_counter()
         try:
             runtime.agreed(
                 lambda: scan(
@@ -98,6 +102,7 @@ def verify(
             )
         finally:
             progress.close()
+        read_seconds = time.perf_counter() - reading
         verdict = judged(runtime)
     assert verdict is not None  # checking(always=True) is active
     result = Integrity(
@@ -105,6 +110,7 @@ def verify(
     )
     result.damaged = _findings(checks, verdict)
     result.seconds = time.perf_counter() - start
+    result.read_seconds = read_seconds
     return result
 
 

@@ -286,6 +286,7 @@ def verify_json(result: Integrity) -> dict:
         "checked_bytes": result.checked_bytes,
         "unchecked_bytes": result.unchecked_bytes,
         "seconds": round(result.seconds, 3),
+        "read_seconds": round(result.read_seconds, 3),
         "damaged": [
             {"file": f.file, "tensors": list(f.tensors), "where": f.where, "message": f.message}
             for f in result.damaged
@@ -295,11 +296,11 @@ def verify_json(result: Integrity) -> dict:
 
 def verify_text(result: Integrity) -> str:
     """Return the ``verify`` report: intact or damaged, what was read and checked, every finding."""
-    rate = result.bytes / result.seconds if result.seconds > 0 else 0.0
+    rate = result.bytes / result.read_seconds if result.read_seconds > 0 else 0.0
     lines = [
         f"{'intact' if result.intact else 'damaged'}: {result.src} ({result.format}, "
         f"{counted(result.files, 'file')}, {human_bytes(result.bytes)} read in "
-        f"{result.seconds:.1f} s, {human_bytes(rate)}/s)",
+        f"{result.read_seconds:.1f} s at {human_bytes(rate)}/s, {result.seconds:.1f} s in all)",
         f"  {counted(result.checked, 'record')} checked against the CRC-32 written with them "
         f"({human_bytes(result.checked_bytes)}); {human_bytes(result.unchecked_bytes)} carry "
         "no checksum",
