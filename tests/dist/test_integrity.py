@@ -121,12 +121,17 @@ def test_a_flipped_byte_in_an_fsdp1_sharded_rank_file_stops_convert_and_diff(
     )
     assert_damaged(capsys, flipped, "convert", src, tmp_path / "full.pt", "--to", "full")
     assert_damaged(capsys, flipped, "diff", src, rank_files / "sharded")
+    assert_damaged(capsys, flipped, "verify", src, "-q")
+    assert_damaged(capsys, flipped, "inspect", src, "--verify")
     assert_clean(
         capsys, "convert", rank_files / "sharded", tmp_path / "ok.pt", "--to", "full", "-q"
     )
+    assert_clean(capsys, "verify", rank_files / "sharded", "-q")
 
 
-def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert(rank_files, tmp_path, capsys):
+def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert_and_diff(
+    rank_files, tmp_path, capsys
+):
     src = damage.copy(rank_files / "local", tmp_path / "local")
     # rank 1, the last: its shard of each flat parameter ends in FSDP1's padding.
     flipped = damage.flip_in_torch_file(src / "rank_1.pt", "model.blocks.1._flat_param")
@@ -134,6 +139,7 @@ def test_a_flipped_byte_in_an_fsdp1_local_rank_file_stops_convert(rank_files, tm
     assert_damaged(capsys, flipped, "convert", src, out, "--to", "full", *FSDP1_MODEL)
     assert_damaged(capsys, flipped, "verify", src, "-q")
     assert_damaged(capsys, flipped, "inspect", src, "--verify")
+    assert_damaged(capsys, flipped, "diff", src, rank_files / "local")
     clean = rank_files / "local"
     assert_clean(capsys, "convert", clean, out, "--to", "full", "-q", *FSDP1_MODEL)
     assert_clean(capsys, "verify", clean, "-q")
