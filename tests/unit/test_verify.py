@@ -145,3 +145,40 @@ def test_convert_verify_finds_a_byte_the_disk_changed_after_the_fill(
         "in 'out.pt'; nothing was written to DST: the output was damaged as it was written: "
         "check the disk, and run again"
     )
+
+
+@pytest.fixture
+def export(tmp_path) -> Path:
+    """Return a safetensors export shardckpt wrote from a file ``torch.save`` wrote."""
+    torch.save(state(), tmp_path / "full.pt")
+    out = tmp_path / "model.safetensors"
+    assert run(["convert", str(tmp_path / "full.pt"), str(out), "--to", "full", "-q"]) == 0
+    return out
+
+
+def test_digests_altered_in_a_safetensors_header_are_refused_by_every_command(export, capsys):
+    raw = export.read_bytes()
+    at = raw.index(b'"shardckpt.crc32":"') + len(b'"shardckpt.crc32":"')
+    export.write_bytes(raw[:at] + b"z" + raw[at + 1 :])  # same length: the header still reads
+    line = (
+        f"shardckpt: error: '{export}': malformed 'shardckpt.crc32' header metadata "
+        "(not 8 hex digits per tensor): the file was altered after shardckpt wrote it; re-copy it"
+    )
+    for argv in (
+        ["verify", export, "-q"],
+        ["inspect", export],
+        ["convert", export, export.parent / "out.pt", "--to", "full", "-q"],
+    ):
+        code, out, err = cli(capsys, *argv)
+        assert (code, out, err) == (3, "", [line]), argv
+
+
+def test_a_safetensors_file_cut_short_is_refused_by_verify_naming_it(export, capsys):
+    export.write_bytes(export.read_bytes()[:-4])
+    code, out, err = cli(capsys, "verify", export, "-q")
+    assert (code, out) == (3, "")
+    assert err == [
+        f"shardckpt: error: '{export}': not a readable safetensors file (SafetensorError: Error "
+        "while deserializing header: incomplete metadata, file not fully covered): the file is "
+        "truncated or in another format; name its format with --format"
+    ]
