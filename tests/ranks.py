@@ -67,3 +67,9 @@ def convert_to_own_expecting_failure(
     except ShardckptError as exc:
         return type(exc).__name__, exc.exit_code, exc.line()
     return "no error", 0, ""
+
+
+def verify(src: str) -> tuple[bool, list[tuple[str, str]], int]:
+    """Run ``api.verify`` on this rank; return whether intact, the findings, and the bytes read."""
+    result = api.verify(api.VerifyRequest(src=src), runtime=world_runtime())
+    return result.intact, [(f.file, f.message) for f in result.damaged], result.bytes

@@ -1,4 +1,4 @@
-"""The library surface: ``inspect``, ``convert`` and ``diff``, each taking one request.
+"""The library surface: ``inspect``, ``convert``, ``diff`` and ``verify``, each taking one request.
 
     from shardckpt import api
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 from shardckpt.api.comparison import diff
 from shardckpt.api.conversion import ConvertResult, convert
 from shardckpt.api.inspection import Inspection, inspect
-from shardckpt.api.requests import ConvertRequest, DiffRequest, InspectRequest
+from shardckpt.api.integrity import Finding, Integrity, verify
+from shardckpt.api.requests import ConvertRequest, DiffRequest, InspectRequest, VerifyRequest
 from shardckpt.engine.compare import DiffResult
 from shardckpt.state.choices import LAYOUTS
 
@@ -25,9 +26,13 @@ __all__ = [
     "ConvertResult",
     "DiffRequest",
     "DiffResult",
+    "Finding",
     "InspectRequest",
     "Inspection",
+    "Integrity",
+    "VerifyRequest",
     "convert",
     "diff",
     "inspect",
+    "verify",
 ]

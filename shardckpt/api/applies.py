@@ -173,15 +173,15 @@ INSPECT_RULES: tuple[Rule, ...] = (
 )
 
 
-DIFF_RULES: tuple[Rule, ...] = (
-    Rule(
-        "--json",
-        lambda c: c.json_out,
-        lambda c: not c.quiet,
-        "has nothing to print in under --quiet, which prints nothing",
-        "drop one of them",
-    ),
+_JSON_NOT_QUIET = Rule(
+    "--json",
+    lambda c: c.json_out,
+    lambda c: not c.quiet,
+    "has nothing to print in under --quiet, which prints nothing",
+    "drop one of them",
 )
+DIFF_RULES: tuple[Rule, ...] = (_JSON_NOT_QUIET,)
+VERIFY_RULES: tuple[Rule, ...] = (_JSON_NOT_QUIET,)
 
 
 def check(rules: tuple[Rule, ...], choice: Choice) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,10 +12,13 @@ from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, source_option
 from shardckpt.core.progress import Progress
 from shardckpt.engine.compare import DiffResult, compare
+from shardckpt.engine.read_checks import check_reads
 from shardckpt.formats import format_named, open_reader
+from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp.reader import as_stored
 from shardckpt.plan.selection import Selection, select
-from shardckpt.state.tree import tensor_leaves
+from shardckpt.state.checksums import checking
+from shardckpt.state.tree import TensorMeta, tensor_leaves
 
 
 def diff(
@@ -27,7 +31,11 @@ def diff(
     ``unnest_a``/``nest_a`` (and ``_b``) then re-root one side as ``convert`` does, so
     trees rooted differently (a flat state dict, ``{"model": ...}``) compare.
     """
-    runtime = runtime or Runtime()
+    with checking():
+        return _diff(request, runtime or Runtime(), progress)
+
+
+def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> DiffResult:
     request.check()
     a, b = request.a, request.b
 
@@ -59,7 +67,7 @@ def diff(
         progress = progress or Progress()
         progress.begin(sum(m.nbytes for _, m in tensor_leaves(tree_a)), "compare")
         try:
-            return compare(
+            result = compare(
                 ra,
                 tree_a,
                 rb,
@@ -69,9 +77,32 @@ def diff(
                 rtol=request.rtol,
                 cast=request.cast,
                 progress=progress,
+                same=_same_digests(ra, rb) if request.atol == request.rtol == 0 else None,
             )
         finally:
             progress.close()
+        # A damaged record is bad input, not a difference: either side's.
+        check_reads(runtime, a)
+        check_reads(runtime, b)
+        return result
+
+
+def _same_digests(a: Reader, b: Reader) -> Callable[[TensorMeta, TensorMeta], bool] | None:
+    """Return a test of whether two tensors' digests, written by shardckpt into both sources, agree.
+
+    Equal digests are taken for equal bytes, so such tensors are not read: the chance that
+    bytes that differ have the same CRC-32 is 1 in 2^32 for damage, but a CRC is no
+    defence against bytes made to match one; ``--atol``/``--rtol`` read every tensor.
+    """
+    digests_a, digests_b = a.tensor_digests(), b.tensor_digests()
+    if not digests_a or not digests_b:
+        return None
+
+    def same(x: TensorMeta, y: TensorMeta) -> bool:
+        crc = digests_a.get(x.key)
+        return crc is not None and crc == digests_b.get(y.key)
+
+    return same
 
 
 def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLike) -> str:

@@ -28,6 +28,7 @@ from shardckpt.core.sight import Sight, look
 from shardckpt.core.words import counted
 from shardckpt.engine import fill
 from shardckpt.engine.exchange import SharedReader
+from shardckpt.engine.read_checks import check_reads
 from shardckpt.formats import (
     FILE_SUFFIXES,
     Format,
@@ -45,6 +46,7 @@ from shardckpt.plan.plan import ConvertPlan, make_plan
 from shardckpt.plan.selection import Selection, parse_edit
 from shardckpt.plan.world_limits import check_rank_work
 from shardckpt.plan.world_limits import check_world_size as check_most_ranks
+from shardckpt.state.checksums import checking
 from shardckpt.state.choices import LAYOUTS
 from shardckpt.state.model import model_params
 
@@ -85,8 +87,13 @@ def convert(
 
     DST appears only complete: written beside it, checked with ``verify``, then renamed.
     Under ``torchrun`` each rank reads only the files of SRC it sees (``core.sight``).
+    Every CRC-32 written with SRC's records is checked as they are read (``checking``).
     """
-    runtime = runtime or Runtime()
+    with checking():
+        return _convert(request, runtime or Runtime(), progress)
+
+
+def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | None) -> ConvertResult:
     start = time.perf_counter()
     form = output_format(request)
     destination = Destination(
@@ -438,10 +445,12 @@ def write(
         progress = progress or Progress()
         try:
             fill.run(reader, plan, writer, runtime, progress)
+            check_reads(runtime, request.src)
             if request.verify:
                 verified = verify_output(
                     reader, plan, destination, runtime, request.trust_pickle, placement, progress
                 )
+                check_reads(runtime, request.src)  # read again: records read whole only now
         finally:
             progress.close()
         runtime.agreed(lambda: destination.commit() if placement.opener else None)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardckpt.api import applies
-from shardckpt.api.requests import InspectRequest
+from shardckpt.api.integrity import Integrity, verify
+from shardckpt.api.requests import InspectRequest, VerifyRequest
 from shardckpt.api.source import open_checked
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import source_option
+from shardckpt.core.progress import Progress
 from shardckpt.core.words import counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index
@@ -35,11 +37,18 @@ class Inspection:
     warnings: list[str] = field(default_factory=list)
     components: list = field(default_factory=list)
     """A trainer's checkpoint: its parts (``formats.trainers.torchtitan.Component``), else empty."""
+    integrity: Integrity | None = None
+    """With ``verify``: what reading every byte found (``api.verify``)."""
 
 
 @source_option("--format")
-def inspect(request: InspectRequest, runtime: Runtime | None = None) -> Inspection:
-    """Return the metadata of ``request.src``: leaves, layouts, optimizer subtrees; reads no tensor data."""
+def inspect(
+    request: InspectRequest, runtime: Runtime | None = None, progress: Progress | None = None
+) -> Inspection:
+    """Return the metadata of ``request.src``: leaves, layouts, optimizer subtrees.
+
+    Reads no tensor data, unless ``request.verify`` asks for every byte to be checked.
+    """
     runtime = runtime or Runtime()
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
 
@@ -61,12 +70,19 @@ def inspect(request: InspectRequest, runtime: Runtime | None = None) -> Inspecti
     leaves = [(p, leaf) for p, leaf in walk(index.tree) if matches(p, request.filters)]
     optimizers = [describe_optimizer(index.tree, p) for p in find_optimizers(index.tree)]
     parts = format_named(index.format).components
+    checked = None
+    if request.verify:
+        asked = VerifyRequest(
+            src=request.src, format=index.format, trust_pickle=request.trust_pickle
+        )
+        checked = verify(asked, runtime, progress)
     return Inspection(
         index,
         leaves,
         optimizers,
         notes + _optimizer_warnings(index.tree, optimizers),
         parts(index.tree) if parts is not None else [],
+        checked,
     )
 
 

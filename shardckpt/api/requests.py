@@ -1,7 +1,7 @@
 """What each command is asked to do: one frozen, keyword-only request per command.
 
 The CLI builds a request from its options; a library user builds one directly and
-passes it to ``shardckpt.api.inspect``, ``convert`` or ``diff``. A request holds the
+passes it to ``shardckpt.api.inspect``, ``convert``, ``diff`` or ``verify``. A request holds the
 user's words as given (paths, names, globs), normalised to immutable values; what
 they mean is checked when the command runs (``ConvertRequest.check``), on every rank
 alike, inside the first agreed step.
@@ -43,6 +43,8 @@ class InspectRequest:
     """``pkg.module:factory`` building the model: what an ``fsdp1-local`` source's flat parameters hold."""
     wraps: Sequence[str] = ()
     """FSDP1 ``ModuleWrapPolicy`` classes (``pkg.module:Class``), with ``model``."""
+    verify: bool = False
+    """Also read every byte and check it against its checksums, as ``verify`` does."""
 
     def __post_init__(self) -> None:
         _frozen(self)
@@ -172,3 +174,15 @@ class DiffRequest:
         for name, tol in (("--atol", self.atol), ("--rtol", self.rtol)):
             if not (tol >= 0 and math.isfinite(tol)):
                 raise UsageError(f"{name} must be a finite number >= 0, not {tol}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyRequest:
+    """``shardckpt verify SRC``: whether every byte of a checkpoint is as it was written."""
+
+    src: str | os.PathLike
+    """The checkpoint: a file or a directory."""
+    format: str | None = None
+    """The source's format; None detects it."""
+    trust_pickle: bool = False
+    """Load pickles that may run code (only for files you trust)."""

@@ -1,6 +1,12 @@
-"""``--verify``: the staged output read back and compared with SRC before it becomes DST."""
+"""``--verify``: the staged output read back and compared with SRC before it becomes DST.
+
+Reading it back checks the CRC-32 written with each of DST's records (and a safetensors
+output's digests) as their bytes are read: a mismatch is bytes the disk did not keep.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from shardckpt.core.destination import Destination
 from shardckpt.core.dist import Runtime
@@ -10,6 +16,7 @@ from shardckpt.core.progress import Progress
 from shardckpt.core.sight import look
 from shardckpt.engine.compare import compare
 from shardckpt.engine.exchange import SharedReader
+from shardckpt.engine.read_checks import judged, within
 from shardckpt.formats import format_named, open_reader
 from shardckpt.formats.dcp.reader import as_stored
 from shardckpt.plan.plan import ConvertPlan
@@ -49,6 +56,7 @@ def verify_output(
             written, tree = runtime.agreed(written_reader)
         progress.begin(sum(m.nbytes for _, m in tensor_leaves(expected)), "verify")
         check = compare(reader, expected, written, tree, runtime, progress=progress)
+        damaged = judged(runtime, within(destination.tmp))
     except ShardckptError as exc:
         if isinstance(exc, RemoteRankError):
             raise
@@ -57,6 +65,18 @@ def verify_output(
             path=dst,
             hint="please report this",
         ) from None
+    if damaged is not None and damaged.damaged:
+        # The checksums written with DST's records, as DST was read back: the bytes on
+        # disk are not those the fill wrote (the disk, or memory on the way).
+        first = damaged.damaged[0]
+        name = Path(first.written.file).relative_to(destination.tmp).as_posix()
+        name = Path(dst).name if name == "." else name
+        raise IOFailure(
+            f"--verify read the output back and {first.message()} in '{name}'; "
+            "nothing was written to DST",
+            path=dst,
+            hint="the output was damaged as it was written: check the disk, and run again",
+        )
     if not check.equal:
         first = check.differences[0]
         raise IOFailure(

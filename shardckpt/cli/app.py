@@ -1,4 +1,4 @@
-"""The Typer app: wires the commands (``cli/inspect.py``, ``convert.py``, ``diff.py``), runs them, reports errors."""
+"""The Typer app: wires the commands (``cli/inspect.py``, ``convert.py``, ``diff.py``, ``verify.py``), runs them, reports errors."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import typer
 from shardckpt.cli import convert as convert_command
 from shardckpt.cli import diff as diff_command
 from shardckpt.cli import inspect as inspect_command
+from shardckpt.cli import verify as verify_command
 from shardckpt.cli.options import HELP_OPTIONS, RawArgsCommand, Version
 from shardckpt.core.errors import (
     BadInputError,
@@ -48,6 +49,7 @@ def _main(version: Version = False) -> None:
 app.command(epilog=inspect_command.EPILOG, cls=RawArgsCommand)(inspect_command.inspect)
 app.command(epilog=convert_command.EPILOG, cls=RawArgsCommand)(convert_command.convert)
 app.command(epilog=diff_command.EPILOG, cls=RawArgsCommand)(diff_command.diff)
+app.command(epilog=verify_command.EPILOG, cls=RawArgsCommand)(verify_command.verify)
 
 
 def report(error: ShardckptError) -> None:

@@ -14,7 +14,8 @@ EPILOG = (
     "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
     "  shardckpt inspect .demo/ckpt-dcp\n\n"
     "  shardckpt inspect .demo/ckpt-dcp --json --filter 'model.blocks.0.*'\n\n"
-    "  shardckpt inspect .demo/ckpt-dcp --shards"
+    "  shardckpt inspect .demo/ckpt-dcp --shards\n\n"
+    "  shardckpt inspect .demo/ckpt-dcp --verify"
 )
 
 
@@ -42,13 +43,23 @@ def inspect(
         ),
     ] = None,
     wraps: Wraps = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Also read every byte and check it against the checksums written with it, "
+            "as `shardckpt verify` does (exit 3 when damaged).",
+        ),
+    ] = False,
     version: Version = False,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
     library.load()
     from shardckpt import api
     from shardckpt.cli import render
+    from shardckpt.cli.verify import raise_if_damaged
     from shardckpt.core.dist import launch
+    from shardckpt.core.progress import Progress
 
     request = api.InspectRequest(
         src=src,
@@ -57,12 +68,16 @@ def inspect(
         trust_pickle=trust_pickle,
         model=model,
         wraps=wraps or (),
+        verify=verify,
     )
     with launch("cpu") as runtime:
-        result = api.inspect(request, runtime)
+        bar = Progress(enabled=runtime.coordinator and not json_out, desc="inspect --verify")
+        result = api.inspect(request, runtime, bar)
     emit(
         json.dumps(render.inspection_json(result, shards))
         if json_out
         else render.inspection_text(result, shards)
     )
+    if result.integrity is not None:
+        raise_if_damaged(result.integrity, listed=True)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from shardckpt.api import ConvertResult, Inspection
+from shardckpt.api import ConvertResult, Inspection, Integrity
 from shardckpt.core.progress import human_bytes
 from shardckpt.core.words import counted
 from shardckpt.engine.compare import DiffResult
@@ -89,6 +89,8 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
             for c in insp.components
         ],
     }
+    if insp.integrity is not None:
+        doc["verify"] = verify_json(insp.integrity)
     return doc
 
 
@@ -140,6 +142,8 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
         + "".join(f"; {k} {human_bytes(v)}" for k, v in t["by_dtype"].items()),
     ]
     lines += [f"warning: {w}" for w in doc["warnings"]]
+    if insp.integrity is not None:
+        lines += ["", verify_text(insp.integrity)]
     return "\n".join(lines)
 
 
@@ -223,6 +227,8 @@ def diff_json(result: DiffResult) -> dict:
             }
             for c, n in result.casts.items()
         ]
+    if result.by_digest:
+        doc["by_digest"] = result.by_digest
     return doc
 
 
@@ -235,18 +241,69 @@ def _cast_lines(result: DiffResult) -> list[str]:
     ]
 
 
+def _by_digest(result: DiffResult) -> str:
+    """Return how many tensors the sources' digests showed equal unread, as a note ('' if none)."""
+    if not result.by_digest:
+        return ""
+    return f" ({counted(result.by_digest, 'tensor')} equal by the digests both carry, not read)"
+
+
 def diff_text(result: DiffResult) -> str:
     """Return the readable ``diff`` report: 'equal', or each differing path."""
     if result.equal:
         return "\n".join(
-            [*_cast_lines(result), f"equal: {counted(result.compared, 'leaf', 'leaves')} compared"]
+            [
+                *_cast_lines(result),
+                f"equal: {counted(result.compared, 'leaf', 'leaves')} compared{_by_digest(result)}",
+            ]
         )
     n = len(result.differences)
     lines = [
         *_cast_lines(result),
-        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}:",
+        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}"
+        f"{_by_digest(result)}:",
     ]
     for d in result.differences:
         extra = f", max abs diff {d.max_abs_diff:g}" if d.max_abs_diff is not None else ""
         lines.append(f"  {dotted(d.path)}: {d.reason}{extra}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- verify
+
+
+def verify_json(result: Integrity) -> dict:
+    """Return the ``verify --json`` report."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "src": result.src,
+        "format": result.format,
+        "world_size": result.world_size,
+        "intact": result.intact,
+        "files": result.files,
+        "bytes": result.bytes,
+        "checked": result.checked,
+        "checked_bytes": result.checked_bytes,
+        "unchecked_bytes": result.unchecked_bytes,
+        "seconds": round(result.seconds, 3),
+        "read_seconds": round(result.read_seconds, 3),
+        "damaged": [
+            {"file": f.file, "tensors": list(f.tensors), "where": f.where, "message": f.message}
+            for f in result.damaged
+        ],
+    }
+
+
+def verify_text(result: Integrity) -> str:
+    """Return the ``verify`` report: intact or damaged, what was read and checked, every finding."""
+    rate = result.bytes / result.read_seconds if result.read_seconds > 0 else 0.0
+    lines = [
+        f"{'intact' if result.intact else 'damaged'}: {result.src} ({result.format}, "
+        f"{counted(result.files, 'file')}, {human_bytes(result.bytes)} read in "
+        f"{result.read_seconds:.1f} s at {human_bytes(rate)}/s, {result.seconds:.1f} s in all)",
+        f"  {counted(result.checked, 'record')} checked against the CRC-32 written with them "
+        f"({human_bytes(result.checked_bytes)}); {human_bytes(result.unchecked_bytes)} carry "
+        "no checksum",
+    ]
+    lines += [f"  '{f.file}': {f.message}" for f in result.damaged]
     return "\n".join(lines)

@@ -20,13 +20,13 @@ import os
 import pickle
 import struct
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from shardckpt.codecs.tensor_bytes import contiguous_bytes
+from shardckpt.codecs.zip_records import FileSlice, zip_records
 from shardckpt.core.torch_internals import (
     fake_tensor_mode,
     is_placeholder,
@@ -34,10 +34,6 @@ from shardckpt.core.torch_internals import (
     untyped_storage,
 )
 from shardckpt.state.regions import Piece, Record, crc32
-
-_LOCAL_HEADER = 30
-_CENTRAL_HEADER = 46
-_DATA_DESCRIPTOR = 0x08  # general-purpose flag bit 3
 
 
 def fake_mode():
@@ -74,34 +70,6 @@ def storages_in_order(obj) -> list[tuple[torch.UntypedStorage, bool]]:
     return list(seen.values())
 
 
-class FileSlice(io.RawIOBase):
-    """Bytes [start, end) of a file, seekable, as a file of their own (a zip inside a DCP file)."""
-
-    def __init__(self, fd: int, start: int, end: int):
-        self._fd, self._start, self._end, self._pos = fd, start, end, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._end - self._start}[whence]
-        self._pos = base + pos
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self._end - self._start - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 @dataclass(frozen=True)
 class _Entry:
     """One data record of a ``torch.save`` zip, relative to the zip's first byte."""
@@ -120,30 +88,11 @@ class _Entry:
 
 def _data_records(fd: int, start: int, end: int) -> list[_Entry]:
     """Return the ``data/K`` records of the zip at bytes [start, end) of ``fd``, by K."""
-    with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, start, end))) as zf:
-        infos = zf.infolist()
-        central = zf.start_dir
-    out: dict[int, _Entry] = {}
-    pos = central
-    for info in infos:
-        fixed = os.pread(fd, _CENTRAL_HEADER, start + pos)
-        n, m, k = struct.unpack("<HHH", fixed[28:34])
-        head, _, tail = info.filename.partition("/data/")
-        if tail.isdigit() and "/" not in head:
-            local = os.pread(fd, _LOCAL_HEADER, start + info.header_offset)
-            (flags,) = struct.unpack("<H", local[6:8])
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            data = info.header_offset + _LOCAL_HEADER + name_len + extra_len
-            if flags & _DATA_DESCRIPTOR:
-                # torch's writer leaves the local header's CRC 0 and puts it after the
-                # data, in a descriptor that may start with its own signature.
-                after = data + info.file_size
-                signed = os.pread(fd, 4, start + after) == b"PK\x07\x08"
-                crc_at = (after + (4 if signed else 0), pos + 16)
-            else:
-                crc_at = (info.header_offset + 14, pos + 16)
-            out[int(tail)] = _Entry(int(tail), data, info.file_size, crc_at)
-        pos += _CENTRAL_HEADER + n + m + k
+    out = {
+        int(r.storage_key): _Entry(int(r.storage_key), r.start, r.length, r.crc_at)
+        for r in zip_records(fd, start, end)
+        if r.storage_key is not None
+    }
     return [out[k] for k in sorted(out)]
 
 
@@ -227,13 +176,14 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def patch_crc(fd: int, record: Record, crc: int) -> None:
-    """Write ``crc`` into ``record``'s CRC-32 fields."""
-    packed = struct.pack("<I", crc)
+    """Write ``crc`` into ``record``'s CRC-32 fields (as hex digits for a text field)."""
+    packed = b"%08x" % crc if record.as_text else struct.pack("<I", crc)
     for at in record.crc_at:
         pwrite_all(fd, memoryview(packed), at)
 
 
 __all__ = [
+    "FileSlice",
     "TensorBlob",
     "pwrite_all",
     "fake_mode",

@@ -38,6 +38,18 @@ class SourcePart:
     """Why a carried file is not read (what it holds)."""
 
 
+@dataclass(frozen=True)
+class StoredItem:
+    """One item of a data file that stores several one after another (DCP's ``.distcp``)."""
+
+    offset: int
+    length: int
+    key: str
+    """The key it holds a chunk of (or the value of), as messages name it."""
+    zip: bool
+    """Whether it is a ``torch.save`` zip as stored (not transformed by an extension)."""
+
+
 @dataclass
 class Index:
     """A source as metadata: its format, world size and tree of ``TensorMeta`` and values."""
@@ -104,6 +116,22 @@ class Reader(ABC):
         else a directory holds is no part of it: ``--overwrite`` will not delete it.
         """
         return frozenset({""})
+
+    def stored_items(self) -> dict[str, list[StoredItem]]:
+        """Return the items of each data file that holds several, by file relative to SRC.
+
+        ``shardckpt verify`` checks each item's zip and that the items account for every
+        byte of the file; a file not named here is checked as a whole.
+        """
+        return {}
+
+    def tensor_digests(self) -> dict[str, int]:
+        """Return the CRC-32 of each tensor's bytes written in the source itself, by reader key.
+
+        Only files shardckpt wrote carry them (a safetensors header's digests): ``diff``
+        reads a tensor's bytes only where two sides' digests differ or are missing.
+        """
+        return {}
 
     def notes(self) -> list[str]:
         """Return what ``inspect`` should warn about this source that its index cannot show."""

@@ -31,6 +31,9 @@ class Record:
     length: int
     crc_at: tuple[int, ...]
     """Byte positions in ``file`` of the record's CRC-32 fields (local header, central directory)."""
+    as_text: bool = False
+    """The CRC-32 is written as 8 lowercase hex digits (a digest in a safetensors header),
+    not as a zip's 4 little-endian bytes."""
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,14 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("name", VARIANTS)
+def test_verify_reads_every_file_save_state_wrote_and_finds_it_intact(saved, name):
+    result = api.verify(api.VerifyRequest(src=saved / name))
+    files = [p for p in (saved / name).rglob("*") if p.is_file()]
+    assert (result.intact, result.files) == (True, len(files))
+    assert result.bytes == sum(p.stat().st_size for p in files) and result.checked > 0
+
+
+@pytest.mark.parametrize("name", VARIANTS)
 def test_inspect_shows_every_part_and_names_the_files_it_does_not_read(saved, name):
     insp = api.inspect(api.InspectRequest(src=saved / name))
     doc = inspection_json(insp)

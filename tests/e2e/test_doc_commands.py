@@ -2,7 +2,7 @@
 
 The docs promise that their ```bash blocks run, in order, from the root of a checkout
 after ``bash scripts/demo.sh``; each page (and the ``--help`` epilogs, convert's then
-diff's then inspect's) starts from a directory holding only the demo's
+diff's then inspect's then verify's) starts from a directory holding only the demo's
 ``.demo/ckpt-dcp``, and later lines use what earlier lines wrote. Lines run as
 ``doc_lines`` runs them (most in this process).
 Commands in other fences (```text) are samples of output, or multi-node launches that
@@ -22,7 +22,7 @@ import pytest
 from doc_lines import run_all, workspace
 from user_shell import REPO
 
-from shardckpt.cli import convert, diff, inspect
+from shardckpt.cli import convert, diff, inspect, verify
 
 DOCS = REPO / "docs"
 # Pages about a trainer's own directory run on what that trainer saves, not on the
@@ -55,10 +55,10 @@ def commands(text: str) -> list[str]:
 
 
 def epilog_commands() -> list[str]:
-    """Return the example lines of convert's, diff's and inspect's ``--help``, in that order."""
+    """Return the example lines of convert's, diff's, inspect's and verify's ``--help``, in that order."""
     lines = [
         line.strip()
-        for module in (convert, diff, inspect)
+        for module in (convert, diff, inspect, verify)
         for line in module.EPILOG.splitlines()
         if COMMAND.match(line)
     ]
@@ -98,7 +98,7 @@ def test_every_command_of_a_docs_page_runs_on_the_demo(page, demo_ckpt, tmp_path
 @pytest.mark.timeout(400)
 def test_every_help_example_runs_on_the_demo(demo_ckpt, tmp_path, capfd):
     lines = epilog_commands()
-    assert len(lines) >= 15 and sum(line.startswith("torchrun") for line in lines) == 1
+    assert len(lines) >= 18 and sum(line.startswith("torchrun") for line in lines) == 2
     assert run_all(lines, workspace(tmp_path, demo_ckpt), capfd) == []
 
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import damage
 import pytest
 
 from shardckpt.cli.app import run
@@ -137,3 +138,17 @@ def test_torchrun_writes_per_rank_files_for_another_world_size(fsdp2_ckpt, tmp_p
             tmp_path / "one" / name
         ).read_bytes(), name
     assert run(["diff", str(fsdp2_ckpt.dcp), str(tmp_path / "ranks3")]) == 0
+
+
+def test_torchrun_two_ranks_verify_reads_every_byte_and_says_damage_once(fsdp2_ckpt, tmp_path):
+    proc = torchrun(2, "verify", fsdp2_ckpt.dcp, "--json")
+    assert proc.returncode == 0, proc.stderr
+    size = sum(p.stat().st_size for p in fsdp2_ckpt.dcp.iterdir())
+    assert proc.stdout.count("{") == 1 and f'"bytes": {size},' in proc.stdout
+    src = damage.copy(fsdp2_ckpt.dcp, tmp_path / "dcp")
+    flipped = damage.flip_in_dcp(src, "optim.state.blocks.1.fc_out.weight.exp_avg_sq")
+    proc = torchrun(2, "verify", src)
+    assert proc.returncode == 1  # torchrun's, for any failing worker
+    assert proc.stdout.count(flipped.message()) == 1 and proc.stdout.startswith("damaged: ")
+    # Printed once by rank 0 (torchrun's root-cause summary quotes it again, in its own words).
+    assert proc.stderr.splitlines().count(flipped.line()) == 1, proc.stderr

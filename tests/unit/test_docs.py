@@ -19,7 +19,7 @@ from shardckpt.cli.app import app, run
 from shardckpt.formats import FORMATS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-COMMANDS = ("inspect", "convert", "diff")
+COMMANDS = ("inspect", "convert", "diff", "verify")
 
 
 def _sections() -> dict[str, str]:

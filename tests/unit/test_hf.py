@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 
 import pytest
 import torch
@@ -86,7 +88,17 @@ def test_hf_output_spans_several_shards_and_its_index_covers_every_tensor_once(s
     assert_trees_equal(tensors, model)
     for name, file in index["weight_map"].items():
         with safe_open(dst / file, framework="pt") as f:
-            assert name in f.keys() and f.metadata() == {"format": "pt"}
+            assert name in f.keys()
+            assert f.metadata() == {"format": "pt", "shardckpt.crc32": crc32_digits(dst / file)}
+
+
+def crc32_digits(path) -> str:
+    """Return zlib's CRC-32 of each tensor's bytes in a safetensors file, 8 hex digits each, in data order."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    return "".join(f"{zlib.crc32(raw[8 + size + a : 8 + size + b]):08x}" for a, b in spans)
 
 
 def test_shards_fill_in_tree_order_and_a_big_tensor_goes_alone(src, tmp_path):

@@ -9,9 +9,9 @@ line that names the file (``.metadata``, or the data file) and the key, so ``ins
 ``convert`` and ``diff`` stop before reading. It reads no data (one ``stat`` per data
 file) and costs O(n log n) in the number of chunks and values.
 
-What it cannot see: DCP stores no checksums, so bytes changed inside a data file's
-range are read as they are; and a chunk whose stored tensor is larger than
-``.metadata`` says is read as its leading part.
+What it cannot see: bytes changed inside a data file's range (the CRC-32 of each
+item's records is checked as they are read: ``state.checksums``); and a chunk whose
+stored tensor is larger than ``.metadata`` says is read as its leading part.
 """
 
 from __future__ import annotations

@@ -131,6 +131,7 @@ class HfStorageReader(DcpReader):
 
     format = "hf-storage"
     rows_class = RawRows
+    zip_items = False
 
     def load_metadata(self) -> Metadata:
         return hf_storage_metadata(self.src)

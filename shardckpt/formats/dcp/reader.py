@@ -63,7 +63,7 @@ from shardckpt.core.files import has_file, os_error, os_error_in
 from shardckpt.core.sight import Sight
 from shardckpt.core.signals import Interrupted
 from shardckpt.core.words import shown
-from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.base import Index, Reader, Rows, StoredItem
 from shardckpt.formats.dcp import METADATA_FILE
 from shardckpt.formats.dcp.check import check_metadata
 from shardckpt.formats.dcp.rows import StoredRows
@@ -355,6 +355,9 @@ class DcpReader(Reader):
     # What places a stored chunk's rows in its file; a variant that stores chunks
     # otherwise (safetensors) brings its own.
     rows_class: type[StoredRows] = StoredRows
+    # Whether each stored item is a torch.save zip (FileSystemWriter's); torch's other
+    # writers store safetensors files, which ``verify`` checks by their headers instead.
+    zip_items = True
 
     def load_metadata(self) -> Metadata:
         """Return the checkpoint's DCP ``Metadata`` (``.metadata``, read safely); a variant reads its own."""
@@ -461,6 +464,28 @@ class DcpReader(Reader):
         except OSError as exc:
             raise os_error(exc, self.src) from None
         return frozenset({METADATA_FILE} | stored | empty)
+
+    def stored_items(self) -> dict[str, list[StoredItem]]:
+        """Return the items ``.metadata`` stores in each data file, each a ``torch.save`` zip.
+
+        Where tensors are stored as a safetensors blob (``zip_items`` False), the values'
+        zips come first and the blob fills the rest of the file; a file of the blob alone
+        is checked by its header.
+        """
+        out: dict[str, list[StoredItem]] = {}
+        md = self.metadata
+        for index, info in (md.storage_data or {}).items():
+            value = isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+            if self.zip_items or value:
+                zipped = not info.transform_descriptors
+                item = StoredItem(info.offset, info.length, index.fqn, zipped)
+                out.setdefault(info.relative_path, []).append(item)
+        if not self.zip_items:
+            for name, items in out.items():
+                end = max(i.offset + i.length for i in items)
+                size = (self.src / name).stat().st_size
+                items.append(StoredItem(end, size - end, "the safetensors data", False))
+        return out
 
     def _files_on_disk(self) -> int | None:
         """Return one more than the highest rank a ``__R_0.distcp`` file here is named for."""

@@ -26,16 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from isal import isal_zlib
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardckpt.codecs.pickle_bounds import check_torch_file
 from shardckpt.codecs.pickle_scan import first_line
-from shardckpt.codecs.zip_skeleton import FileSlice
+from shardckpt.codecs.zip_records import FileSlice, ZipRecord, record, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import os_error
 from shardckpt.core.torch_internals import stored_offset
+from shardckpt.state.checksums import Written, active
 
 _RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
+_READ = 4 << 20
+"""Bytes read at a time: few enough to be CRC'd from the CPU's cache as they arrive."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class Placed:
     file: str
     start: int
     """Byte offset of the chunk's first element in ``file``."""
+    written: Written | None = None
+    """The zip record holding the elements and the CRC-32 written for it; None where none is."""
 
 
 class StoredRows:
@@ -76,6 +82,7 @@ class StoredRows:
             if placed is None:
                 return False
             parts.append((placed, offsets, sizes, lo, hi))
+        ledger = active()
         with ExitStack() as files:
             fds: dict[str, int] = {}
             for placed, offsets, sizes, lo, hi in parts:
@@ -84,17 +91,27 @@ class StoredRows:
                 row_bytes = math.prod(sizes[1:]) * target.element_size()
                 at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
                 dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
-                self._read(fds[placed.file], dest, at, key, placed.file)
+                check = ledger is not None and placed.written is not None
+                read, crc = self._read(fds[placed.file], dest, at, key, placed.file, check)
+                if check:
+                    ledger.expect(placed.written, [key])
+                    ledger.note(*placed.written.key, at - placed.written.start, read, crc)
         return True
 
-    def _read(self, fd: int, dest: torch.Tensor, at: int, key: str, file: str) -> None:
-        """Read ``dest``'s bytes from byte ``at`` of ``fd``; through a buffer if ``dest`` is strided."""
+    def _read(
+        self, fd: int, dest: torch.Tensor, at: int, key: str, file: str, crc: bool
+    ) -> tuple[memoryview, int | None]:
+        """Read ``dest``'s bytes from byte ``at`` of ``fd`` (through a buffer if ``dest`` is strided).
+
+        Returns them, and with ``crc`` their CRC-32, taken ``_READ`` bytes at a time as each
+        arrives, while it is still in the CPU's cache: no second pass over the bytes.
+        """
         buffer = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
         view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
-        done = 0
+        done, total = 0, 0 if crc else None
         while done < len(view):
             try:
-                n = os.preadv(fd, [view[done:]], at + done)
+                n = os.preadv(fd, [view[done : done + _READ]], at + done)
             except OSError as exc:
                 raise os_error(exc, self.src / file) from None
             if n == 0:
@@ -104,9 +121,12 @@ class StoredRows:
                     path=self.src / file,
                     hint=_RECOPY,
                 )
+            if total is not None:
+                total = isal_zlib.crc32_combine(total, isal_zlib.crc32(view[done : done + n]), n)
             done += n
         if buffer is not dest:
             dest.copy_(buffer)
+        return view, total
 
     def _place(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
@@ -147,6 +167,8 @@ def _locate(
             with zipfile.ZipFile(chunk) as zf:
                 orders = [n for n in zf.namelist() if n.rsplit("/", 1)[-1] == "byteorder"]
                 order = zf.read(orders[0]).decode() if orders else "little"
+                # The storage's record, whose CRC-32 its bytes are checked against as read.
+                records = [record(fd, offset, i) for i in zf.infolist() if storage_key(i.filename)]
             chunk.seek(0)
             stored = torch.load(chunk, map_location="meta", weights_only=True)
         except OSError as exc:
@@ -181,7 +203,16 @@ def _locate(
             path=path,
             hint=_RECOPY,
         )
-    return Placed(file, offset + start)
+    return Placed(file, offset + start, _written(path, offset, records, at))
+
+
+def _written(path: Path, offset: int, records: list[ZipRecord], at: int) -> Written | None:
+    """Return the record of a chunk's zip (at ``offset`` of ``path``) whose data starts at ``at``."""
+    for stored in records:
+        if stored.start == at:
+            where = f"record '{stored.name}' at byte {offset + stored.start}"
+            return Written(str(path), offset + stored.start, stored.length, stored.crcs, where)
+    return None
 
 
 def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:

@@ -109,6 +109,7 @@ class DcpSafetensorsReader(DcpReader):
 
     format = "dcp-safetensors"
     rows_class = RawRows
+    zip_items = False
 
     def load_metadata(self) -> Metadata:
         return placed_metadata(read_metadata(self.src, self.trust_pickle), self.src)

@@ -32,6 +32,7 @@ from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.ranks.rank_names import present_rank_files
 from shardckpt.formats.ranks.rank_set import check_one_save, job_world_size
 from shardckpt.formats.torch_save.file import load_dict
+from shardckpt.state.checksums import checked
 from shardckpt.state.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
 
@@ -201,11 +202,15 @@ class Fsdp2RanksReader(Reader):
         t = subtree(self.objects[source.part][rank], source.path)
         return t.to_local() if isinstance(t, DTensor) else t.detach()
 
+    def _rows(self, source: _Source, c: Chunk, lo: int, hi: int) -> torch.Tensor:
+        """Return rows [lo, hi) of the tensor from chunk ``c``'s file, their bytes checked as read."""
+        return checked(self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]])
+
     def _read_one(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         """Return rows ``[start, stop)`` (or all) of a tensor, from the files whose chunks hold them."""
         source = self._sources[meta.key]
         if not meta.shape:
-            return self._local(source, source.chunks[0].rank)
+            return checked(self._local(source, source.chunks[0].rank))
         start, stop = rows if rows is not None else (0, meta.shape[0])
         wanted = (stop - start,) + meta.shape[1:]
         # Replicas hold the same chunk: read each distinct chunk once, from its lowest rank.
@@ -222,13 +227,13 @@ class Fsdp2RanksReader(Reader):
             c, lo, hi = pieces[0]
             if (lo, hi) == (start, stop):
                 # One chunk covers the rows: a view of the memory map, nothing copied.
-                return self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]]
+                return self._rows(source, c, lo, hi)
         out = torch.empty(wanted, dtype=meta.dtype)
         for c, lo, hi in pieces:
             dst = (slice(lo - start, hi - start),) + tuple(
                 slice(o, o + s) for o, s in zip(c.offsets[1:], c.sizes[1:])
             )
-            out[dst] = self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]]
+            out[dst] = self._rows(source, c, lo, hi)
         return out
 
 

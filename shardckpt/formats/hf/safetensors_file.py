@@ -29,7 +29,14 @@ from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_t
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import os_error, read_head, source_file, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
-from shardckpt.state.regions import Region, spread, whole
+from shardckpt.formats.hf.digests import (
+    DIGESTS_KEY,
+    Digests,
+    digest_records,
+    placeholder,
+    read_digests,
+)
+from shardckpt.state.regions import Record, Region, spread, whole
 from shardckpt.state.tree import TensorMeta, dotted, too_deep, walk
 
 TREE_KEY = "shardckpt"
@@ -95,6 +102,7 @@ class SafetensorsReader(Reader):
         with opened(self.src, hint) as f:
             self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
             self._header_metadata = f.metadata() or {}
+        self.digests = read_digests(self.src)
 
     def index(self) -> Index:
         encoded = self._header_metadata.get(TREE_KEY)
@@ -115,15 +123,20 @@ class SafetensorsReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
-        out = []
         with safe_open(self.src, framework="pt") as f:
-            for meta, r in zip(metas, rows):
-                out.append(
-                    f.get_tensor(meta.key)
-                    if r is None or not meta.shape
-                    else f.get_slice(meta.key)[r[0] : r[1]]
-                )
-        return out
+            return [read_rows(f, meta, r, self.digests) for meta, r in zip(metas, rows)]
+
+    def tensor_digests(self) -> dict[str, int]:
+        return dict(self.digests.crcs) if self.digests else {}
+
+
+def read_rows(f, meta: TensorMeta, rows: Rows, digests: Digests | None) -> torch.Tensor:
+    """Return rows of tensor ``meta`` from the open file ``f``, checked against its digest if it has one."""
+    whole_tensor = rows is None or not meta.shape
+    out = f.get_tensor(meta.key) if whole_tensor else f.get_slice(meta.key)[rows[0] : rows[1]]
+    if digests is not None:
+        digests.note(meta.key, 0 if whole_tensor else rows[0], out)
+    return out
 
 
 def tensor_names(tree: dict) -> dict[tuple, str]:
@@ -153,6 +166,8 @@ class Header:
     """Each tensor's place in the file, in header order."""
     size: int
     """The file's final size."""
+    records: tuple[Record, ...] = ()
+    """Each tensor's data, whose CRC-32 is patched into the header's digests (``formats.hf.digests``)."""
 
     def write(self, path: Path) -> None:
         """Create ``path`` with this header, at its final size (the data area sparse until filled)."""
@@ -162,8 +177,12 @@ class Header:
 
 
 def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str = "") -> Header:
-    """Return the layout of a file of ``entries`` (name, meta) in order; refuse what it cannot store."""
-    header: dict = {"__metadata__": metadata}
+    """Return the layout of a file of ``entries`` (name, meta) in order; refuse what it cannot store.
+
+    The header's ``__metadata__`` gets a CRC-32 per tensor (``formats.hf.digests``),
+    zeros until the data is in.
+    """
+    header: dict = {"__metadata__": {**metadata, DIGESTS_KEY: placeholder(len(entries))}}
     offset = 0
     for name, meta in entries:
         if meta.dtype not in DTYPE_NAMES:
@@ -178,12 +197,14 @@ def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str 
         }
         offset += meta.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    start = 8 + len(raw)
+    raw = struct.pack("<Q", len(raw) + (-len(raw) % 8)) + raw + b" " * (-len(raw) % 8)
+    spans = [(len(raw) + header[name]["data_offsets"][0], meta.nbytes) for name, meta in entries]
+    records = digest_records(raw, spans, file)
     regions = tuple(
-        whole(meta, file, start + header[name]["data_offsets"][0]) for name, meta in entries
+        whole(meta, file, start, record)
+        for (_, meta), (start, _), record in zip(entries, spans, records)
     )
-    return Header(struct.pack("<Q", len(raw)) + raw, regions, start + offset)
+    return Header(raw, regions, len(raw) + offset, tuple(records))
 
 
 class SafetensorsWriter(Writer):
@@ -204,8 +225,15 @@ class SafetensorsWriter(Writer):
 
     def frame(self, runtime) -> Frame:
         runtime.agreed(lambda: self._header.write(self.root) if runtime.coordinator else None)
-        regions = self._header.regions
-        return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))
+        return framed([self._header], self.plan.metas, runtime)
+
+
+def framed(headers: Sequence[Header], metas, runtime) -> Frame:
+    """Return a process's part of filling safetensors files: its rows; the coordinator patches the digests."""
+    regions = [r for header in headers for r in header.regions]
+    mine = spread(regions, metas, runtime.rank, runtime.world_size)
+    records = [r for header in headers for r in header.records] if runtime.coordinator else []
+    return Frame(mine, records)
 
 
 def is_safetensors_file(path: Path) -> bool:

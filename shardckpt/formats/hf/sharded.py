@@ -28,8 +28,8 @@ from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
-from shardckpt.formats.hf.safetensors_file import layout, opened, tensor_meta
-from shardckpt.state.regions import spread
+from shardckpt.formats.hf.digests import Digests, read_digests
+from shardckpt.formats.hf.safetensors_file import framed, layout, opened, read_rows, tensor_meta
 from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,8 +107,7 @@ class HfWriter(Writer):
                 header.write(self.root / file)
 
         runtime.agreed(lambda: create() if runtime.coordinator else None)
-        regions = [r for header in self._headers.values() for r in header.regions]
-        return Frame(spread(regions, self.plan.metas, runtime.rank, runtime.world_size))
+        return framed(list(self._headers.values()), self.plan.metas, runtime)
 
     def finish(self) -> None:
         if self.plan.hf_config is not None:
@@ -132,11 +131,13 @@ class HfReader(Reader):
         weight_map = self._read_index()
         self._file: dict[str, str] = {}
         self._metas: dict[str, TensorMeta] = {}
+        self._digests: dict[str, Digests | None] = {}
         for file in sorted(set(weight_map.values())):
             wanted = {name for name, f in weight_map.items() if f == file}
             for name, meta in self._read_shard(file, wanted):
                 self._file[name] = file
                 self._metas[name] = meta
+            self._digests[file] = read_digests(self.src / file)
 
     def _read_index(self) -> dict[str, str]:
         index_path = self.src / INDEX_FILE
@@ -235,13 +236,15 @@ class HfReader(Reader):
         for file, positions in by_file.items():
             with safe_open(self.src / file, framework="pt") as f:
                 for i in positions:
-                    meta, r = metas[i], rows[i]
-                    out[i] = (
-                        f.get_tensor(meta.key)
-                        if r is None or not meta.shape
-                        else f.get_slice(meta.key)[r[0] : r[1]]
-                    )
+                    out[i] = read_rows(f, metas[i], rows[i], self._digests[file])
         return out  # type: ignore[return-value]
+
+    def tensor_digests(self) -> dict[str, int]:
+        return {
+            name: digests.crcs[name]
+            for name, file in self._file.items()
+            if (digests := self._digests[file]) is not None
+        }
 
 
 def is_hf_dir(path: Path) -> bool:

@@ -30,7 +30,9 @@ from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.torch_save.mapped import expect_mapped
 from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
+from shardckpt.state.checksums import checked
 from shardckpt.state.regions import Region, spread
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves, too_deep
 
@@ -67,12 +69,15 @@ def load(
     try:
         with torch.serialization.safe_globals(allowed), quiet_protocol_warning():
             try:
-                return torch.load(path, map_location="cpu", mmap=True, **options)
+                obj = torch.load(path, map_location="cpu", mmap=True, **options)
             except RuntimeError as exc:
                 if "mmap" not in str(exc):
                     raise
                 # Files from torch.save(_use_new_zipfile_serialization=False) cannot be mapped.
                 return torch.load(path, map_location="cpu", **options)
+        # Each record's CRC-32 is checked as its bytes are read (``Ledger.note_view``).
+        expect_mapped(path, obj)
+        return obj
     except OSError as exc:
         raise os_error(exc, path) from None
     except Exception as exc:
@@ -158,7 +163,7 @@ class TorchReader(Reader):
         out = []
         for meta, r in zip(metas, rows):
             t = self._tensors[meta.key]
-            out.append(t if r is None else t[r[0] : r[1]])
+            out.append(checked(t if r is None else t[r[0] : r[1]]))
         return out
 
 

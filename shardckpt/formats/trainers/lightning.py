@@ -30,6 +30,7 @@ from shardckpt.formats.base import (
     Reader,
     Rows,
     SourcePart,
+    StoredItem,
     Writer,
     read_routed,
     rekeyed,
@@ -88,6 +89,9 @@ class LightningReader(Reader):
 
     def members(self) -> frozenset[str]:
         return self._dcp.members() | {META_FILE}
+
+    def stored_items(self) -> dict[str, list[StoredItem]]:
+        return self._dcp.stored_items()
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime

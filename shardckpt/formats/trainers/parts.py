@@ -25,7 +25,16 @@ import torch
 from shardckpt.core.copies import copy_entry
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, source_entry, source_tree, writing
-from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer, rekeyed
+from shardckpt.formats.base import (
+    Frame,
+    Index,
+    Reader,
+    Rows,
+    SourcePart,
+    StoredItem,
+    Writer,
+    rekeyed,
+)
 from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.state.regions import Record
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves
@@ -118,12 +127,23 @@ class PartsReader(Reader):
 
     def members(self) -> frozenset[str]:
         """Return each part's files, under its name in SRC, and the carried files ``kept`` says."""
-        read = {
-            f"{part.file}/{name}" if name else part.file
-            for part in self.parts
-            for name in part.reader.members()
-        }
+        read = {self._in_src(part, name) for part in self.parts for name in part.reader.members()}
         return frozenset(read | {p.file for p in self.carried if self.kept(p.file)})
+
+    def _in_src(self, part: Part, name: str) -> str:
+        """Return file ``name`` of ``part``'s reader relative to SRC (a part may be read from SRC itself)."""
+        where = part.reader.src.relative_to(self.src).as_posix()
+        if where == ".":
+            return name
+        return f"{where}/{name}" if name else where
+
+    def stored_items(self) -> dict[str, list[StoredItem]]:
+        """Return each part's items, under its name in SRC."""
+        return {
+            self._in_src(part, name): items
+            for part in self.parts
+            for name, items in part.reader.stored_items().items()
+        }
 
     def kept(self, name: str) -> bool:
         """Return whether carried file ``name`` is one the trainer writes (else a stranger here)."""

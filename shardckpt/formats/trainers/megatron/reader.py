@@ -16,7 +16,15 @@ from collections.abc import Sequence
 import torch
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
-from shardckpt.formats.base import Index, Reader, Rows, SourcePart, read_routed, rekeyed
+from shardckpt.formats.base import (
+    Index,
+    Reader,
+    Rows,
+    SourcePart,
+    StoredItem,
+    read_routed,
+    rekeyed,
+)
 from shardckpt.formats.dcp.reader import DcpReader, read_metadata
 from shardckpt.formats.torch_save.file import TorchReader
 from shardckpt.formats.trainers.megatron.config import COMMON_FILE, read_config
@@ -92,6 +100,9 @@ class MegatronReader(Reader):
 
     def notes(self) -> list[str]:
         return self._notes
+
+    def stored_items(self) -> dict[str, list[StoredItem]]:
+        return self._dcp.stored_items()
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime

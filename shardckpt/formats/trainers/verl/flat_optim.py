@@ -68,6 +68,9 @@ class FlatOptimReader(Reader):
         self._slices: dict[str, _Slice] = {}
         self._tree = self._by_fqn() if flat_model is not None else self._as_stored()
 
+    def members(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.files)
+
     def _check(self) -> dict[int, int]:
         """Return each flat parameter's shard size; refuse files that are not one save's slices."""
         first = self.states[0]

@@ -1,0 +1,125 @@
+"""Which zip record of a memory-mapped ``torch.save`` file each loaded tensor's bytes lie in.
+
+``torch.load(mmap=True)`` maps the file once and gives each storage the slice of the
+map at its record's data, so storage addresses keep the file's offsets apart by the
+same amounts: one storage matched to its record places them all. Each record then goes
+to the command's ledger (``state.checksums``) with the CRC-32 the zip holds for it and
+the tensors viewing it, so the bytes a reader takes from a storage are checked against
+the checksum ``torch.load`` never reads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardckpt.codecs.pickle_scan import DamagedZip
+from shardckpt.codecs.zip_records import ZipRecord, zip_records
+from shardckpt.state.checksums import Ledger, Written, active
+from shardckpt.state.tree import dotted, walk
+
+_CANDIDATES = 8
+"""Records tried for the first storage: the first whose length fits places all the others."""
+
+
+@dataclass
+class _Mapped:
+    """A memory-mapped storage and the tensors viewing it."""
+
+    storage: torch.UntypedStorage
+    names: list[str] = field(default_factory=list)
+
+
+def expect_mapped(path: Path, obj: object) -> None:
+    """Tell the active ledger the record, CRC-32 and tensors of each memory-mapped storage of ``obj``.
+
+    ``obj`` is what ``torch.load(path, mmap=True)`` returned. Storages it cannot place
+    (a file in the other byte order, whose bytes torch swapped in memory) are left
+    unchecked here; ``shardckpt verify`` reads the file's records themselves.
+    """
+    ledger = active()
+    if ledger is None:
+        return
+    try:
+        storages = _storages(obj)
+    except RecursionError:
+        return
+    if not storages:
+        return
+    try:
+        records = _records(path)
+    except (OSError, DamagedZip):
+        return
+    if records is None:
+        return
+    placed = _place(storages, records)
+    for ptr, mapped in storages.items():
+        record = placed.get(ptr)
+        if record is not None:
+            _expect(ledger, path, record, mapped)
+
+
+def _expect(ledger: Ledger, path: Path, record: ZipRecord, mapped: _Mapped) -> None:
+    where = f"record '{record.name}' at byte {record.start}"
+    written = Written(str(path), record.start, record.length, record.crcs, where)
+    ledger.expect(written, mapped.names)
+    ledger.map_storage(mapped.storage, written.key)
+
+
+def _storages(obj: object) -> dict[int, _Mapped]:
+    """Return the CPU storages the tensors of ``obj`` view, by address, with the tensors and their bytes."""
+    out: dict[int, _Mapped] = {}
+    for path, leaf in walk(obj):
+        for tensor in _local_tensors(leaf):
+            storage = tensor.untyped_storage()
+            if tensor.device.type != "cpu" or not storage.nbytes():
+                continue
+            out.setdefault(storage.data_ptr(), _Mapped(storage)).names.append(dotted(path))
+    return out
+
+
+def _local_tensors(leaf: object) -> list[torch.Tensor]:
+    """Return the plain tensors a leaf holds: itself, a DTensor's local shard, a ShardedTensor's shards."""
+    shards = getattr(leaf, "local_shards", None)
+    if isinstance(shards, list):
+        return [s.tensor for s in shards if isinstance(getattr(s, "tensor", None), torch.Tensor)]
+    local = getattr(leaf, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return [local]
+    return [leaf] if type(leaf) in (torch.Tensor, torch.nn.Parameter) else []
+
+
+def _records(path: Path) -> list[ZipRecord] | None:
+    """Return the storage records of the zip at ``path``, by offset; None when torch swapped its bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        records = zip_records(fd, 0, os.fstat(fd).st_size, central=False)
+        order = [r for r in records if r.name.rsplit("/", 1)[-1] == "byteorder"]
+        if order and os.pread(fd, order[0].length, order[0].start).decode() != sys.byteorder:
+            return None
+    finally:
+        os.close(fd)
+    return sorted((r for r in records if r.storage_key is not None and r.length), key=_start)
+
+
+def _start(record: ZipRecord) -> int:
+    return record.start
+
+
+def _place(storages: dict[int, _Mapped], records: list[ZipRecord]) -> dict[int, ZipRecord]:
+    """Return the record of each storage address, once one offset between map and file fits them all."""
+    by_start = {r.start: r for r in records}
+    first = min(storages)
+    size = storages[first].storage.nbytes()
+    for record in [r for r in records if r.length == size][:_CANDIDATES]:
+        base = first - record.start
+        placed = {ptr: by_start.get(ptr - base) for ptr in storages}
+        if all(
+            r is not None and r.length == storages[p].storage.nbytes() for p, r in placed.items()
+        ):
+            return placed  # type: ignore[return-value]
+    return {}
