@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from make_checkpoint import SEQ_LEN, VOCAB, build_model, build_optimizer, shard_model
+from make_checkpoint import SEQ_LEN, VOCAB, build_model, build_optimizer, leave, shard_model
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
@@ -134,6 +134,7 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f, indent=1)
+    leave()  # not through Python's finalization: see make_checkpoint.leave
 
 
 if __name__ == "__main__":

@@ -68,3 +68,23 @@ def run_all(lines: list[str], cwd: Path, capfd, outputs: list[str] | None = None
         if code != 0:
             failed.append(f"{line}\n  -> exit {code}\n{output}")
     return failed
+
+
+def printed_help(command: str, columns: int = 80) -> str:
+    """Return ``shardckpt COMMAND --help`` as a terminal of ``columns`` columns shows it."""
+    import typer
+
+    from shardckpt.cli.app import app
+
+    click_command = typer.main.get_command(app).commands[command]
+    ctx = click_command.context_class(
+        click_command, info_name=f"shardckpt {command}", terminal_width=columns
+    )
+    return click_command.get_help(ctx)
+
+
+def printed_examples(command: str, columns: int = 80) -> list[str]:
+    """Return the lines of the Examples section of ``printed_help``, as printed (stripped)."""
+    text = printed_help(command, columns)
+    section = text[text.index("\n  Examples") :]
+    return [line.strip() for line in section.splitlines()[1:] if line.strip()]

@@ -12,7 +12,7 @@ by any rank stops all of them with one error. See docs/python-api.md.
 
 from __future__ import annotations
 
-from shardckpt.api.comparison import diff
+from shardckpt.api.comparison import DiffReport, diff
 from shardckpt.api.conversion import ConvertResult, convert
 from shardckpt.api.inspection import Inspection, inspect
 from shardckpt.api.integrity import Finding, Integrity, verify
@@ -24,6 +24,7 @@ __all__ = [
     "LAYOUTS",
     "ConvertRequest",
     "ConvertResult",
+    "DiffReport",
     "DiffRequest",
     "DiffResult",
     "Finding",

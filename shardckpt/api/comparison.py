@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from shardckpt.api.requests import DiffRequest
@@ -16,14 +16,29 @@ from shardckpt.engine.read_checks import check_reads
 from shardckpt.formats import format_named, open_reader
 from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp.reader import as_stored
-from shardckpt.plan.selection import Selection, select
+from shardckpt.plan.selection import Selection, lift_model, select
 from shardckpt.state.checksums import checking
-from shardckpt.state.tree import TensorMeta, tensor_leaves
+from shardckpt.state.tree import (
+    TensorMeta,
+    dotted,
+    find_optimizers,
+    model_prefix,
+    tensor_leaves,
+    walk,
+)
+
+
+@dataclass
+class DiffReport(DiffResult):
+    """What ``diff`` found, and what the user is told beside it (a side compared by its
+    ``model`` subtree; a hint when the two are rooted apart)."""
+
+    notes: tuple[str, ...] = ()
 
 
 def diff(
     request: DiffRequest, runtime: Runtime | None = None, progress: Progress | None = None
-) -> DiffResult:
+) -> DiffReport:
     """Return how checkpoints ``a`` and ``b`` differ, leaf by leaf, after the same FQN cleaning.
 
     ``only`` and ``filters`` select the same part of both sides as ``convert`` would
@@ -35,7 +50,7 @@ def diff(
         return _diff(request, runtime or Runtime(), progress)
 
 
-def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> DiffResult:
+def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> DiffReport:
     request.check()
     a, b = request.a, request.b
 
@@ -64,6 +79,9 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
 
     with source_option(lambda exc: _side_option(exc, a, b)):
         tree_a, tree_b = runtime.agreed(selected)
+        notes: tuple[str, ...] = ()
+        if request.only == "model" and not _rerooted(request):
+            tree_a, tree_b, notes = _model_against_root(tree_a, tree_b)
         progress = progress or Progress()
         progress.begin(sum(m.nbytes for _, m in tensor_leaves(tree_a)), "compare")
         try:
@@ -84,7 +102,9 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
         # A damaged record is bad input, not a difference: either side's.
         check_reads(runtime, a)
         check_reads(runtime, b)
-        return result
+    if not result.equal and request.only == "all" and not _rerooted(request):
+        notes = (*notes, *_hint(tree_a, tree_b, result))
+    return DiffReport(**{f.name: getattr(result, f.name) for f in fields(result)}, notes=notes)
 
 
 def _same_digests(a: Reader, b: Reader) -> Callable[[TensorMeta, TensorMeta], bool] | None:
@@ -103,6 +123,56 @@ def _same_digests(a: Reader, b: Reader) -> Callable[[TensorMeta, TensorMeta], bo
         return crc is not None and crc == digests_b.get(y.key)
 
     return same
+
+
+def _rerooted(request: DiffRequest) -> bool:
+    """Return whether either side is re-rooted by ``--unnest-a`` ... ``--nest-b``."""
+    return any((request.unnest_a, request.nest_a, request.unnest_b, request.nest_b))
+
+
+def _model_against_root(tree_a: dict, tree_b: dict) -> tuple[dict, dict, tuple[str, ...]]:
+    """Return the trees ``--only model`` compares, and a note when one side was lifted.
+
+    ``convert --only model`` writes one file with the model's FQNs at its root; a side
+    that holds a ``model`` subtree compared with a side that holds none is compared by
+    that subtree, as the export was made from it.
+    """
+    in_a, in_b = bool(model_prefix(tree_a)), bool(model_prefix(tree_b))
+    if in_a == in_b:
+        return tree_a, tree_b, ()
+    side, other = ("A", "B") if in_a else ("B", "A")
+    lifted, beside = lift_model(tree_a if in_a else tree_b)
+    left = f" (left out beside it: {', '.join(repr(k) for k in beside)})" if beside else ""
+    note = (
+        f"--only model: comparing {side}'s 'model' subtree with {other}'s root, as "
+        f"convert --only model writes one file{left}"
+    )
+    return (lifted, tree_b, (note,)) if in_a else (tree_a, lifted, (note,))
+
+
+def _hint(tree_a: dict, tree_b: dict, result: DiffResult) -> tuple[str, ...]:
+    """Return the hint for trees that differ only in what ``--only model`` leaves out.
+
+    A model-only export against its checkpoint: either the export holds the checkpoint's
+    ``model`` subtree at its root, or every difference is optimizer state one side lacks.
+    """
+    for side, other, full, flat in (("A", "B", tree_a, tree_b), ("B", "A", tree_b, tree_a)):
+        if not model_prefix(full) or model_prefix(flat):
+            continue
+        model = {dotted(p[1:]) for p, _ in walk(full) if p[:1] == ("model",)}
+        names = {dotted(p) for p, _ in walk(flat)}
+        if names and names <= model:
+            return (
+                f"{other} holds {side}'s model state at its root (a model-only export): "
+                "pass --only model to compare them",
+            )
+    optim = [o for t in (tree_a, tree_b) for o in find_optimizers(t)]
+    if optim and all(
+        d.reason in ("only in A", "only in B") and any(d.path[: len(o)] == o for o in optim)
+        for d in result.differences
+    ):
+        return ("only one side holds this optimizer state: pass --only model to compare the rest",)
+    return ()
 
 
 def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLike) -> str:

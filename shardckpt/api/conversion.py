@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardckpt.api import applies
+from shardckpt.api.launch_notes import launch_notes
 from shardckpt.api.requests import ConvertRequest
 from shardckpt.api.verification import verify_output
 from shardckpt.core.destination import Destination
@@ -25,6 +26,7 @@ from shardckpt.core.errors import ShardckptError, UsageError, notice, source_opt
 from shardckpt.core.placement import Placement, open_destination
 from shardckpt.core.progress import Progress
 from shardckpt.core.sight import Sight, look
+from shardckpt.core.signals import completed
 from shardckpt.core.words import counted
 from shardckpt.engine import fill
 from shardckpt.engine.exchange import SharedReader
@@ -108,8 +110,16 @@ def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | Non
         # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
         # before anything that waits on every rank (listing SRC, reading it) starts.
         runtime.check(destination.check)
-    prepared = runtime.agreed(lambda: prepare(request, valid, destination, runtime))
-    verified = None if request.dry_run else write(request, prepared, destination, runtime, progress)
+    progress = progress or Progress()
+    try:
+        prepared = runtime.agreed(lambda: prepare(request, valid, destination, runtime, progress))
+        if not request.dry_run:
+            _note_idle_ranks(prepared.plan, runtime)
+        verified = (
+            None if request.dry_run else write(request, prepared, destination, runtime, progress)
+        )
+    finally:
+        progress.close()
     plan = prepared.plan
     return ConvertResult(
         str(request.src),
@@ -170,9 +180,15 @@ def validate(request: ConvertRequest, form: Format | None, runtime: Runtime) -> 
 
 
 def prepare(
-    request: ConvertRequest, valid: Valid, destination: Destination, runtime: Runtime
+    request: ConvertRequest,
+    valid: Valid,
+    destination: Destination,
+    runtime: Runtime,
+    progress: Progress | None = None,
 ) -> Prepared:
     """Open SRC, plan, and make DST's writer."""
+    progress = progress or Progress()
+    progress.status("reading SRC's metadata")
     form, choice = valid.form, valid.choice
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
     sight = _source_sight(request, runtime)
@@ -186,14 +202,16 @@ def prepare(
             path=request.src,
             hint="pass --model pkg.module:factory and the --wrap classes training wrapped",
         )
-    plan = _plan(request, reader, form, valid, flat_model, runtime)
+    selection = replace(valid.selection, model_root=_model_root(request, form))
+    progress.status(_planning(request, valid.world_size))
+    plan = _plan(request, reader, form, valid, selection, flat_model, runtime)
     if request.to != "full":
         _check_rank_work(plan, form)
     if form.name == "hf":
         plan = _with_hf_config(plan, valid.companions, request.src, runtime)
     reader.check_selected(plan.tree)
     if runtime.coordinator:
-        for note in form.notes(plan.tree, plan.world_size):
+        for note in (*plan.notes, *form.notes(plan.tree, plan.world_size)):
             notice(note)
     writer = form.writer(destination.tmp, plan)
     return Prepared(form, _reading(reader, plan, sight), plan, writer)
@@ -335,6 +353,36 @@ def _selection(request: ConvertRequest) -> Selection:
     )
 
 
+def _note_idle_ranks(plan: ConvertPlan, runtime: Runtime) -> None:
+    """Say once (rank 0) when the launch has more processes than work for them."""
+    if runtime.distributed and runtime.coordinator:
+        for note in launch_notes(
+            runtime.world_size, plan.layout, plan.world_size, runtime.device.type
+        ):
+            notice(note)
+
+
+def _planning(request: ConvertRequest, world_size: int) -> str:
+    """Return what the status line says while DST is planned (the long part at thousands of ranks)."""
+    if request.to == "full":
+        return "planning DST"
+    return f"planning DST for {world_size:,} target {'rank' if world_size == 1 else 'ranks'}"
+
+
+def _model_root(request: ConvertRequest, form: Format) -> bool:
+    """Return whether DST's root is the ``model`` subtree: ``--only model`` to one file a model loads.
+
+    ``model.load_state_dict`` takes the model's FQNs at the root; a file of
+    ``model.embed.weight`` ... would need unnesting by every user who loads it.
+    """
+    return (
+        request.only == "model"
+        and form.model_root
+        and request.unnest is None
+        and request.nest is None
+    )
+
+
 def _source_sight(request: ConvertRequest, runtime: Runtime) -> Sight | None:
     """Return which ranks see which of SRC's files when they do not all see all of them."""
     sight = look(request.src, runtime) if runtime.distributed else None
@@ -353,6 +401,7 @@ def _plan(
     reader: Reader,
     form: Format,
     valid: Valid,
+    selection: Selection,
     flat_model: FlatModel | None,
     runtime: Runtime,
 ) -> ConvertPlan:
@@ -367,7 +416,7 @@ def _plan(
         )
     return make_plan(
         index,
-        valid.selection,
+        selection,
         form.name,
         valid.world_size,
         request.buffer_bytes,
@@ -443,6 +492,8 @@ def write(
         runtime.agreed(lambda: _check_placement(placement, form, plan, request))
         writer.placement = placement
         progress = progress or Progress()
+        # Laying out DST's files (DCP's own planning, at M target ranks) comes before the bar.
+        progress.status(_planning(request, plan.world_size))
         try:
             fill.run(reader, plan, writer, runtime, progress)
             check_reads(runtime, request.src)
@@ -454,6 +505,7 @@ def write(
         finally:
             progress.close()
         runtime.agreed(lambda: destination.commit() if placement.opener else None)
+        completed(f"'{request.dst}'")
     except BaseException as exc:
         if runtime.coordinator and not destination.committed:
             # BaseException.add_note is Python 3.11+; __notes__ is what it appends to.

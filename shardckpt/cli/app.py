@@ -17,20 +17,23 @@ from shardckpt.cli import inspect as inspect_command
 from shardckpt.cli import verify as verify_command
 from shardckpt.cli.options import HELP_OPTIONS, RawArgsCommand, Version
 from shardckpt.core.errors import (
+    EXIT_USAGE,
     BadInputError,
     CollectiveFailure,
     IOFailure,
     RemoteRankError,
     ShardckptError,
+    UsageError,
 )
 from shardckpt.core.rank_env import env_rank
-from shardckpt.core.signals import Interrupted, interruptible
+from shardckpt.core.signals import Interrupted, held, interruptible
 
 app = typer.Typer(
     name="shardckpt",
     help="Convert PyTorch training checkpoints between layouts, formats and world sizes.\n\n"
     "Run standalone, or under torchrun to spread the work over ranks:\n\n"
-    "  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full\n\n"
+    # \b: click prints the paragraph as it is, so the command is not split.
+    "\b\n  torchrun --nproc-per-node 4 -m shardckpt convert ckpt/step-100 full.pt --to full\n\n"
     "An option that does not apply to the run, or one that takes one value given twice, "
     "is a usage error (exit 2).",
     add_completion=False,
@@ -87,6 +90,9 @@ def run(argv: list[str] | None = None) -> int:
     try:
         with interruptible():
             code = app(args=argv, prog_name="shardckpt", standalone_mode=False)
+            late = held()
+        if late is not None:
+            _interrupted(late)
         return code if isinstance(code, int) else 0
     except ShardckptError as exc:
         report(exc)
@@ -103,11 +109,11 @@ def run(argv: list[str] | None = None) -> int:
     except (Interrupted, KeyboardInterrupt, typer.Abort) as exc:
         return _interrupted(exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT))
     except Exception as exc:
-        # Typer's usage errors (bad option, missing argument) know how to show themselves.
-        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
-            if env_rank() == 0:
-                exc.show()
-            return exc.exit_code
+        # click's usage errors (an unknown option, a missing argument): our one line.
+        if hasattr(exc, "format_message") and getattr(exc, "exit_code", None) == EXIT_USAGE:
+            failure = _usage(exc)
+            report(failure)
+            return failure.exit_code
         if os.environ.get("SHARDCKPT_DEBUG"):
             raise
         failure = _unexpected(exc)
@@ -115,9 +121,34 @@ def run(argv: list[str] | None = None) -> int:
         return failure.exit_code
 
 
+def _usage(exc: Exception) -> UsageError:
+    """Return click's usage error ``exc`` as our one line: what is wrong, and where help is."""
+    possible = sorted(getattr(exc, "possibilities", None) or ())
+    if possible:
+        # An unknown option close to real ones: click lists them as "Possible options".
+        message, hint = f"no such option: {exc.option_name}", f"did you mean {possible[0]}?"
+    else:
+        # "No such command 'convrt'. Did you mean 'convert'?": the guess becomes the hint.
+        message, _, guess = exc.format_message().strip().partition(". Did you mean ")
+        message = message[:1].lower() + message[1:].rstrip(".")
+        ctx = getattr(exc, "ctx", None)
+        hint = (
+            f"did you mean {guess}"
+            if guess
+            else f"see '{ctx.command_path if ctx else 'shardckpt'} -h'"
+        )
+    return UsageError(message, hint=hint)
+
+
 def _interrupted(exc: Interrupted) -> int:
     """Say once (rank 0) that a signal stopped the run, and what became of DST."""
-    if env_rank() == 0:
+    if env_rank() == 0 and exc.complete:
+        print(
+            f"shardckpt: note: {exc.name} came after {exc.complete} was complete: "
+            "the conversion finished, exit 0",
+            file=sys.stderr,
+        )
+    elif env_rank() == 0:
         notes = "".join(f": {n}" for n in getattr(exc, "__notes__", ()))
         print(f"shardckpt: interrupted by {exc.name}{notes}", file=sys.stderr)
     return exc.exit_code

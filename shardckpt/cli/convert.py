@@ -8,64 +8,55 @@ from typing import Annotated
 import typer
 
 from shardckpt.cli import library
+from shardckpt.cli.help import examples
 from shardckpt.cli.options import (
-    ALL_FORMATS,
     CleanFqns,
     DeviceOpt,
     Filters,
     JsonOut,
-    Layout,
     Nest,
-    Only,
-    OptimKeys,
+    OnlyOpt,
     Quiet,
     TrustPickle,
     Unnest,
     Version,
     Wraps,
+    choice,
     emit,
     in_given_order,
+    output_formats,
     parse_size,
 )
 from shardckpt.core.errors import UsageError
+from shardckpt.state.choices import LAYOUTS, OPTIM_KEYS
 
-EPILOG = (
-    "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
-    "  shardckpt convert .demo/ckpt-dcp .demo/full.pt --to full\n\n"
-    "  shardckpt convert .demo/ckpt-dcp .demo/model.safetensors --to full --only model\n\n"
-    "  torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/full.pt .demo/ckpt-2 --to sharded\n\n"
-    "  shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2\n\n"
-    "  shardckpt convert .demo/full.pt .demo/ckpt-at-8 --to sharded --world-size 8\n\n"
-    "  shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16\n\n"
-    "  PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups\n\n"
-    "  PYTHONPATH=examples shardckpt convert .demo/full.pt .demo/fsdp1-local --to local --format fsdp1-local --world-size 2 --only model --model make_checkpoint:build_model --wrap make_checkpoint:Block\n\n"
-    "  shardckpt convert .demo/full.pt .demo/small.pt --to full --drop '^blocks\\.1\\.' --rename '^head\\.=lm_head.'\n\n"
-    "  shardckpt convert .demo/ckpt-dcp .demo/weights.pt --to full --only model --unnest model\n\n"
-    "  shardckpt convert .demo/weights.pt .demo/ckpt-nested --to sharded --world-size 4 --nest model\n\n"
-    "  Multi-node, SRC on each node's own disk:\n\n"
-    "  torchrun --nnodes 2 --nproc-per-node 8 ... -m shardckpt convert /local/step-100 /shared/full.pt --to full --src-local"
+EPILOG = examples(
+    "shardckpt convert .demo/ckpt-dcp .demo/full.pt --to full",
+    "shardckpt convert .demo/ckpt-dcp .demo/model.safetensors --to full --only model",
+    "shardckpt convert .demo/full.pt .demo/ckpt-at-8 --to sharded --world-size 8",
+    "torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/full.pt .demo/ckpt-2 --to sharded",
+    "shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2",
+    "shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16",
+    "PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups",
 )
 
 
 def convert(
     ctx: typer.Context,
     src: Annotated[
-        str, typer.Argument(metavar="SRC", help="Source checkpoint (format detected; see --from).")
+        str, typer.Argument(metavar="SRC", help="Checkpoint to read (format detected, or --from).")
     ],
     dst: Annotated[
         str,
-        typer.Argument(
-            metavar="DST", help="Destination; written beside its name and renamed when complete."
-        ),
+        typer.Argument(metavar="DST", help="Output, written beside it and renamed when complete."),
     ],
     to: Annotated[
-        Layout,
-        typer.Option(
+        str,
+        choice(
             "--to",
-            help="Layout of DST: full (one file), sharded (DCP, or --format torch-checkpointing; "
-            "one file per rank of --world-size) "
-            "or local (per-rank files of one world size: --format fsdp2-ranks (default), "
-            "fsdp1-sharded, fsdp1-local).",
+            LAYOUTS,
+            "Layout of DST: full (every tensor whole), sharded (DCP: any world size loads it) "
+            "or local (per-rank files of one world size).",
         ),
     ],
     fmt: Annotated[
@@ -73,12 +64,7 @@ def convert(
         typer.Option(
             "--format",
             metavar="FORMAT",
-            help="Output format; default: torch, or safetensors for *.safetensors; dcp for sharded; "
-            "fsdp2-ranks for local. Also: hf (a Hugging Face directory of safetensors shards, "
-            "model state only), torch-checkpointing (sharded: torch_checkpointing's "
-            "CheckpointManager directory), lightning (sharded: DCP plus Lightning's meta.pt), "
-            "fsdp1-sharded, fsdp1-local, torchtitan (a step-N directory torchtitan's "
-            "CheckpointManager loads).",
+            help=f"Output format, the first one by default; {output_formats()}.",
         ),
     ] = None,
     src_format: Annotated[
@@ -86,7 +72,7 @@ def convert(
         typer.Option(
             "--from",
             metavar="FORMAT",
-            help=f"Source format, when detection is not wanted: {ALL_FORMATS}.",
+            help="Source format, when detection is not wanted (inspect -h lists them).",
         ),
     ] = None,
     world_size: Annotated[
@@ -94,13 +80,11 @@ def convert(
         typer.Option(
             "--world-size",
             metavar="M",
-            help="Ranks of a sharded or local DST, any M >= 1, whatever the launch; "
-            "required standalone, under torchrun default: the launch's.",
+            help="Ranks a sharded or local DST is for; required standalone (under torchrun: "
+            "the launch's).",
         ),
     ] = None,
-    only: Annotated[
-        Only, typer.Option("--only", help="all, model (everything but optimizers) or optim.")
-    ] = Only["all"],
+    only: OnlyOpt = "all",
     filters: Filters = None,
     clean_fqns: CleanFqns = True,
     dtype: Annotated[
@@ -108,23 +92,19 @@ def convert(
         typer.Option(
             "--dtype",
             metavar="DTYPE",
-            help="Cast model floating-point tensors (ints and bools stay as they are): keep, "
-            "bf16, fp16, fp32, or torch's names (bfloat16, float16, float32, torch.bfloat16).",
+            help="Cast model floating-point tensors to bf16, fp16 or fp32 (or torch's names).",
         ),
     ] = "keep",
     cast_optim: Annotated[
         bool,
-        typer.Option(
-            "--cast-optim",
-            help="With --dtype: also cast optimizer floating state (never its 'step' counters).",
-        ),
+        typer.Option("--cast-optim", help="With --dtype: cast optimizer state too (never 'step')."),
     ] = False,
     max_shard_size: Annotated[
         str | None,
         typer.Option(
             "--max-shard-size",
             metavar="SIZE",
-            help="For --format hf: the most tensor bytes per shard (default 5GB).",
+            help="For --format hf: tensor bytes per shard file (default 5GB).",
         ),
     ] = None,
     hf_config: Annotated[
@@ -132,26 +112,24 @@ def convert(
         typer.Option(
             "--hf-config",
             metavar="DIR",
-            help="For --format hf: copy config.json (and generation, tokenizer and processor "
-            "files) from DIR into DST, so from_pretrained loads it; default: a config.json in "
-            "or beside SRC.",
+            help="For --format hf: copy config.json and the tokenizer files from DIR.",
         ),
     ] = None,
     optim_keys: Annotated[
-        OptimKeys,
-        typer.Option(
+        str,
+        choice(
             "--optim-keys",
-            help="Key optimizer state by param ID (plain torch.optim), by FQN (FSDP/DCP), "
-            "flat (torch's flatten_optimizer_state_dict form, torchtitan), or keep.",
+            OPTIM_KEYS,
+            "Key optimizer state as found, by FQN (FSDP, DCP), by param ID (torch.optim) "
+            "or flat (torchtitan).",
         ),
-    ] = OptimKeys["keep"],
+    ] = "keep",
     model: Annotated[
         str | None,
         typer.Option(
             "--model",
             metavar="pkg.module:factory",
-            help="pkg.module:factory returning the module or (module, param_groups); "
-            "gives the order of param IDs.",
+            help="Builds the module, or (module, param_groups): param IDs, buffers, FSDP1 layouts.",
         ),
     ] = None,
     wraps: Wraps = None,
@@ -159,8 +137,7 @@ def convert(
         bool,
         typer.Option(
             "--use-orig-params",
-            help="Only for --format fsdp1-local output: the layout of FSDP1 with "
-            "use_orig_params=True (a source says which it has).",
+            help="For --format fsdp1-local: the layout of use_orig_params=True.",
         ),
     ] = False,
     renames: Annotated[
@@ -168,8 +145,7 @@ def convert(
         typer.Option(
             "--rename",
             metavar="REGEX=REPL",
-            help="'REGEX=REPL' applied (re.sub) to every FQN, model and optimizer alike "
-            "(repeatable; --rename and --drop apply in the order given).",
+            help="re.sub on every FQN (repeatable; with --drop, in the order given).",
         ),
     ] = None,
     drops: Annotated[
@@ -177,44 +153,33 @@ def convert(
         typer.Option(
             "--drop",
             metavar="REGEX",
-            help="Drop every FQN this regex finds, with its optimizer state "
-            "(repeatable; --rename and --drop apply in the order given).",
+            help="Drop every FQN this regex finds, with its optimizer state (repeatable).",
         ),
     ] = None,
     unnest: Unnest = None,
     nest: Nest = None,
     overwrite: Annotated[
         bool,
-        typer.Option(
-            "--overwrite",
-            help="Replace an existing DST: a file, or a directory holding a checkpoint.",
-        ),
+        typer.Option("--overwrite", help="Replace DST when it is a checkpoint (or empty)."),
     ] = False,
     verify: Annotated[
         bool,
         typer.Option(
-            "--verify",
-            help="Read the output back and compare every value with SRC before it becomes DST.",
+            "--verify", help="Compare DST, read back, with SRC before it is put in place."
         ),
     ] = False,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
+        bool, typer.Option("--dry-run", help="Print what would be written; write nothing.")
     ] = False,
     buffer_size: Annotated[
         str,
         typer.Option(
-            "--buffer-size",
-            metavar="SIZE",
-            help="Most tensor bytes a process holds at a time (default 256MiB; e.g. 64MiB).",
+            "--buffer-size", metavar="SIZE", help="Most tensor bytes a process holds at a time."
         ),
     ] = "256MiB",
     src_local: Annotated[
         bool,
-        typer.Option(
-            "--src-local",
-            help="SRC is on each node's own disk (under torchrun): each rank reads the files it "
-            "sees and rows move over the collective. Detected anyway; this says it is expected.",
-        ),
+        typer.Option("--src-local", help="Under torchrun: SRC is on each node's own disk."),
     ] = False,
     json_out: JsonOut = False,
     quiet: Quiet = False,
@@ -229,15 +194,15 @@ def convert(
     from shardckpt.core.dist import launch
     from shardckpt.core.progress import Progress
 
-    with launch(device.value if device else None) as runtime:
+    with launch(device) as runtime:
         request = api.ConvertRequest(
             src=src,
             dst=dst,
-            to=to.value,
+            to=to,
             format=fmt,
             src_format=src_format,
             world_size=world_size,
-            only=only.value,
+            only=only,
             filters=filters or (),
             clean_fqns=clean_fqns,
             dtype=dtype,
@@ -247,7 +212,7 @@ def convert(
                 if max_shard_size is not None
                 else None
             ),
-            optim_keys=optim_keys.value,
+            optim_keys=optim_keys,
             edits=_fqn_edits(ctx, renames or [], drops or []),
             unnest=unnest,
             nest=nest,

@@ -8,26 +8,28 @@ from typing import Annotated
 import typer
 
 from shardckpt.cli import library
+from shardckpt.cli.help import examples
 from shardckpt.cli.options import (
     CleanFqns,
     DeviceOpt,
     Filters,
     JsonOut,
-    Only,
     TrustPickle,
     Version,
     emit,
+    emit_notes,
+    only_option,
 )
 from shardckpt.core.errors import EXIT_DIFFERENT
 
-EPILOG = (
-    "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
-    "  shardckpt diff .demo/ckpt-dcp .demo/full.pt\n\n"
-    "  shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --filter 'optim.*' --json\n\n"
-    "  shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6\n\n"
-    "  shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2\n\n"
-    "  shardckpt diff .demo/weights.pt .demo/ckpt-dcp --nest-a model --only model\n\n"
-    "  shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same"
+EPILOG = examples(
+    "shardckpt diff .demo/ckpt-dcp .demo/full.pt",
+    "shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --filter 'optim.*' --json",
+    "shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6",
+    "shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2",
+    "shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same",
+    intro="Examples (they run as written after `bash scripts/demo.sh` and `shardckpt "
+    "convert --help`'s):",
 )
 
 
@@ -35,10 +37,16 @@ def diff(
     a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
     b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
     atol: Annotated[
-        float, typer.Option("--atol", metavar="X", help="Absolute tolerance (default: exact).")
+        float,
+        typer.Option(
+            "--atol", metavar="X", show_default=False, help="Absolute tolerance (default: exact)."
+        ),
     ] = 0.0,
     rtol: Annotated[
-        float, typer.Option("--rtol", metavar="X", help="Relative tolerance (default: exact).")
+        float,
+        typer.Option(
+            "--rtol", metavar="X", show_default=False, help="Relative tolerance (default: exact)."
+        ),
     ] = 0.0,
     fmt_a: Annotated[
         str | None,
@@ -48,14 +56,9 @@ def diff(
         str | None,
         typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected)."),
     ] = None,
-    only: Annotated[
-        Only,
-        typer.Option(
-            "--only",
-            help="Compare all, model (everything but optimizers) or optim, as convert --only "
-            "selects them (e.g. --only model against a model-only export).",
-        ),
-    ] = Only["all"],
+    only: only_option(
+        "Compare all, model (all but optimizers; against a model-only export) or optim."
+    ) = "all",
     filters: Filters = None,
     cast: Annotated[
         bool,
@@ -110,7 +113,7 @@ def diff(
     from shardckpt.core.progress import Progress
 
     applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
-    with launch(device.value if device else None) as runtime:
+    with launch(device) as runtime:
         request = api.DiffRequest(
             a=a,
             b=b,
@@ -119,7 +122,7 @@ def diff(
             atol=atol,
             rtol=rtol,
             clean_fqns=clean_fqns,
-            only=only.value,
+            only=only,
             filters=filters or (),
             cast=cast,
             unnest_a=unnest_a,
@@ -132,4 +135,5 @@ def diff(
         result = api.diff(request, runtime, progress)
     if not quiet:
         emit(json.dumps(render.diff_json(result)) if json_out else render.diff_text(result))
+        emit_notes(result.notes)
     return 0 if result.equal else EXIT_DIFFERENT

@@ -8,14 +8,14 @@ from typing import Annotated
 import typer
 
 from shardckpt.cli import library
+from shardckpt.cli.help import examples
 from shardckpt.cli.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
 
-EPILOG = (
-    "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):\n\n"
-    "  shardckpt inspect .demo/ckpt-dcp\n\n"
-    "  shardckpt inspect .demo/ckpt-dcp --json --filter 'model.blocks.0.*'\n\n"
-    "  shardckpt inspect .demo/ckpt-dcp --shards\n\n"
-    "  shardckpt inspect .demo/ckpt-dcp --verify"
+EPILOG = examples(
+    "shardckpt inspect .demo/ckpt-dcp",
+    "shardckpt inspect .demo/ckpt-dcp --json --filter 'model.blocks.0.*'",
+    "shardckpt inspect .demo/ckpt-dcp --shards",
+    "shardckpt inspect .demo/ckpt-dcp --verify",
 )
 
 
@@ -23,7 +23,9 @@ def inspect(
     src: Annotated[
         str,
         typer.Argument(
-            metavar="SRC", help="Checkpoint: DCP directory, .pt/.bin file or .safetensors file."
+            metavar="SRC",
+            help="Checkpoint: a file (.pt, .bin, .safetensors) or directory (DCP, per-rank "
+            "files, a trainer's).",
         ),
     ],
     fmt: SrcFormat = None,
@@ -38,8 +40,7 @@ def inspect(
         typer.Option(
             "--model",
             metavar="pkg.module:factory",
-            help="pkg.module:factory; names what fsdp1-local flat params hold "
-            "(for fsdp1-local sources only).",
+            help="Builds the module: names what fsdp1-local flat parameters hold.",
         ),
     ] = None,
     wraps: Wraps = None,

@@ -3,29 +3,72 @@
 from __future__ import annotations
 
 import re
-from enum import Enum
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
 
 from shardckpt import __version__
-from shardckpt.core.errors import UsageError
+from shardckpt.cli.help import HelpCommand
+from shardckpt.core.errors import UsageError, notice
 from shardckpt.core.rank_env import env_rank
+from shardckpt.core.words import closest
 from shardckpt.formats import FORMATS
-from shardckpt.state.choices import LAYOUTS, ONLY, OPTIM_KEYS
+from shardckpt.state.choices import LAYOUTS, ONLY
 
 
-def _choices(name: str, values) -> type[Enum]:
-    """Return a str Enum of ``values`` for Typer, so each option's choices live in one place."""
-    return Enum(name, {v: v for v in values}, type=str)
+def _not_a_choice(option: str, value: str, values: tuple[str, ...]) -> UsageError:
+    """Return the usage error for ``value`` given to ``option``, which takes one of ``values``."""
+    if values == LAYOUTS:
+        message = f"{option} {value!r} is not a layout (full, sharded or local)"
+    else:
+        message = f"{option} {value!r} is not one of {', '.join(values)}"
+    form = FORMATS.get(value) if values == LAYOUTS else None
+    if form is not None:
+        # `--to dcp`: a format given where its layout is asked for.
+        if form.default_for == form.layout:
+            hint = f"{value} is the default format of --to {form.layout}: pass --to {form.layout}"
+        else:
+            hint = f"{value} is a format of --to {form.layout}: pass --to {form.layout} --format {value}"
+    elif (guess := closest(value, values)) is not None:
+        hint = f"did you mean {option} {guess}?"
+    else:
+        hint = f"pass one of {', '.join(values)}"
+    return UsageError(message, hint=hint)
 
 
-Layout = _choices("Layout", LAYOUTS)
-Only = _choices("Only", ONLY)
-OptimKeys = _choices("OptimKeys", OPTIM_KEYS)
-Device = _choices("Device", ("cpu", "cuda"))
+def choice(option: str, values: tuple[str, ...], help: str, **more) -> typer.Option:
+    """Return an option that takes one of ``values``; another value is refused with a hint."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in values:
+            raise _not_a_choice(option, value, values)
+        return value
+
+    return typer.Option(option, metavar="|".join(values), help=help, callback=check, **more)
+
+
 ALL_FORMATS = ", ".join(FORMATS)
+
+
+def output_formats() -> str:
+    """Return the formats each layout is written in, its default first: 'full: torch, ...; sharded: ...'."""
+    by_layout = []
+    for layout in LAYOUTS:
+        written = [f for f in FORMATS.values() if f.layout == layout and f.written]
+        written.sort(key=lambda f: f.default_for != layout)
+        by_layout.append(f"{layout}: {', '.join(f.name for f in written)}")
+    return "; ".join(by_layout)
+
+
+def only_option(help: str):
+    """Return the option type of ``--only``: all, model or optim."""
+    return Annotated[str, choice("--only", ONLY, help)]
+
+
+OnlyOpt = only_option(
+    "model: all but optimizers (to one file, rooted as load_state_dict takes it); optim: "
+    "optimizers only."
+)
 
 # Option types shared by the commands.
 SrcFormat = Annotated[
@@ -51,10 +94,11 @@ TrustPickle = Annotated[
     ),
 ]
 DeviceOpt = Annotated[
-    Device | None,
-    typer.Option(
+    str | None,
+    choice(
         "--device",
-        help="Under torchrun: cpu, or cuda (every rank needs a GPU of its own); "
+        ("cpu", "cuda"),
+        "Under torchrun: cpu, or cuda (every rank needs a GPU of its own); "
         "default: cuda when every rank has one, else cpu.",
     ),
 ]
@@ -62,7 +106,7 @@ CleanFqns = Annotated[
     bool,
     typer.Option(
         "--clean-fqns/--no-clean-fqns",
-        help="Strip _fsdp_wrapped_module., _checkpoint_wrapped_module., _orig_mod. and a DDP module. prefix.",
+        help="Strip FSDP, activation-checkpoint and compile wrappers and DDP's 'module.' from FQNs.",
     ),
 ]
 Wraps = Annotated[
@@ -70,8 +114,8 @@ Wraps = Annotated[
     typer.Option(
         "--wrap",
         metavar="pkg.module:Class",
-        help="pkg.module:Class that FSDP1's ModuleWrapPolicy wrapped (repeatable); "
-        "with --model, gives fsdp1-local flat-parameter layouts (only those).",
+        help="A class FSDP1's ModuleWrapPolicy wrapped (repeatable; with --model, for "
+        "fsdp1-local).",
     ),
 ]
 
@@ -81,15 +125,9 @@ def _reroot_option(name: str, help: str):
     return Annotated[str | None, typer.Option(name, metavar="KEY", help=help)]
 
 
-Unnest = _reroot_option(
-    "--unnest",
-    "Make the subtree at top-level KEY the root (e.g. a Trainer checkpoint's state_dict); "
-    "any other top-level key left by the selection is an error.",
-)
+Unnest = _reroot_option("--unnest", "DST's root is the subtree at top-level KEY.")
 Nest = _reroot_option(
-    "--nest",
-    "Put the selected tree under top-level KEY (a flat state_dict -> {KEY: ...}, as DCP "
-    "loaders expect); after --unnest.",
+    "--nest", "DST holds the tree under top-level KEY: a flat state dict -> {KEY: ...}."
 )
 
 
@@ -117,6 +155,13 @@ def emit(text: str) -> None:
     """Print on stdout from rank 0 only (SPEC: only rank 0 prints)."""
     if env_rank() == 0:
         typer.echo(text)
+
+
+def emit_notes(notes) -> None:
+    """Print each note on stderr (``shardckpt: note: ...``) from rank 0 only."""
+    if env_rank() == 0:
+        for note in notes:
+            notice(note)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -152,7 +197,7 @@ def parse_size(text: str, option: str) -> int:
 _RAW_ARGS = "shardckpt.raw_args"
 
 
-class RawArgsCommand(TyperCommand):
+class RawArgsCommand(HelpCommand):
     """A command that keeps its raw arguments and refuses a single-valued option given twice.
 
     Click keeps the last of a repeated option silently (``--only model --only optim``

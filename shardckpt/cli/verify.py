@@ -7,15 +7,19 @@ from typing import Annotated
 
 import typer
 
+from shardckpt.cli.help import examples
 from shardckpt.cli.options import DeviceOpt, JsonOut, Quiet, SrcFormat, TrustPickle, Version, emit
 from shardckpt.core.errors import BadInputError
 
 EPILOG = (
-    "Examples (they run as written after `bash scripts/demo.sh` and `shardckpt convert --help`'s):\n\n"
-    "  shardckpt verify .demo/ckpt-dcp\n\n"
-    "  shardckpt verify .demo/model.safetensors --json\n\n"
-    "  torchrun --standalone --nproc-per-node 2 -m shardckpt verify .demo/ranks-at-2 -q && echo intact\n\n"
-    "Exit 0 when intact, 3 when anything is damaged (each damaged tensor and file is listed)."
+    examples(
+        "shardckpt verify .demo/ckpt-dcp",
+        "shardckpt verify .demo/model.safetensors --json",
+        "torchrun --standalone --nproc-per-node 2 -m shardckpt verify .demo/ranks-at-2 -q && echo intact",
+        intro="Examples (they run as written after `bash scripts/demo.sh` and "
+        "`shardckpt convert --help`'s):",
+    )
+    + "\n\nExit 0 when intact, 3 when anything is damaged (each damaged tensor and file is listed)."
 )
 
 

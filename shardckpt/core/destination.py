@@ -38,6 +38,7 @@ from shardckpt.core.errors import (
     notice,
 )
 from shardckpt.core.lock import FileLock, LockBusy, read_owner
+from shardckpt.core.signals import committing
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardckpt-(?P<kind>partial|old)$")
 _OURS = re.compile(r"^\..+\.shardckpt-(?:partial|old|lock)$")
@@ -225,7 +226,11 @@ class Destination:
             raise _cannot_prepare(exc, self.dst) from None
 
     def commit(self) -> None:
-        """Move the complete output onto DST."""
+        """Move the complete output onto DST (signals wait meanwhile; after it, they fail nothing)."""
+        with committing(f"'{self.dst}'"):
+            self._commit()
+
+    def _commit(self) -> None:
         try:
             if _lexists(self.dst):
                 _remove(self._old)

@@ -1,13 +1,16 @@
 """Progress, phase by phase: a tqdm bar on rank 0's stderr when it is a terminal, silent otherwise.
 
 Sizes and rates are binary (KiB, MiB, GiB), as everywhere else shardckpt prints them;
-tqdm's own scaling would print sizes in one system and rates in the other.
+tqdm's own scaling would print sizes in one system and rates in the other. Before the
+first bar (reading metadata, planning), a phase that keeps the terminal silent for more
+than a second says what it is doing, one line each.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from tqdm import tqdm
 
@@ -21,10 +24,14 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+STATUS_AFTER_S = 1.0
+"""How long a terminal stays silent before a phase without a bar says what it is doing."""
+
+
 class Progress:
     """Counts the work of one phase at a time; draws a bar only when ``enabled`` and stderr is a terminal."""
 
-    def __init__(self, enabled: bool = False, desc: str = ""):
+    def __init__(self, enabled: bool = False, desc: str = "", status_after: float | None = None):
         # CI logs are not terminals, but some CI runners fake one; CI=true keeps them clean too.
         self.enabled = (
             enabled
@@ -34,6 +41,49 @@ class Progress:
         self.desc = desc
         self._bar: tqdm | None = None
         self._bytes = True
+        self._status_after = STATUS_AFTER_S if status_after is None else status_after
+        self._lock = threading.Lock()
+        self._status: str | None = None
+        self._timer: threading.Timer | None = None
+        self._talking = False
+        """Whether a status line was printed since the last bar: the next one is said at once."""
+
+    def status(self, text: str) -> None:
+        """Say ``text`` on stderr once the terminal has been silent ``status_after`` seconds.
+
+        For work that has no bar (reading metadata, planning): quick work says nothing;
+        after a silent second each phase says what it is, and ``begin`` or ``close`` ends it.
+        """
+        if not self.enabled:
+            return
+        with self._lock:
+            if text == self._status:
+                return  # the same phase, named again by the next step of it
+            self._status = text
+            if self._talking:
+                self._say(text)
+            elif self._timer is None:
+                self._timer = threading.Timer(self._status_after, self._silence_ended)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _silence_ended(self) -> None:
+        with self._lock:
+            if self._status is not None and self._timer is not None:
+                self._talking = True
+                self._say(self._status)
+
+    def _say(self, text: str) -> None:
+        print(f"shardckpt: {text}...", file=sys.stderr, flush=True)
+
+    def _end_status(self) -> None:
+        """Stop a pending status line: a bar (or the end of the run) is what shows now."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = None
+            self._status = None
+            self._talking = False
 
     def begin(self, total: int, phase: str = "", unit: str = "bytes") -> None:
         """Start a phase (ending the one before) that counts towards ``total`` bytes, or files."""
@@ -62,7 +112,8 @@ class Progress:
             self._bar.update(n)
 
     def close(self) -> None:
-        """Remove the bar."""
+        """Remove the bar, and any status line still waiting to be said."""
+        self._end_status()
         if self._bar is not None:
             self._bar.close()
             self._bar = None

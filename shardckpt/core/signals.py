@@ -23,9 +23,11 @@ class Interrupted(BaseException):
     may swallow it.
     """
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, complete: str | None = None):
         self.signum = signum
-        self.exit_code = 128 + signum
+        self.complete = complete
+        """What the run had finished when the signal came (``'out.pt'``): then it is no failure."""
+        self.exit_code = 0 if complete else 128 + signum
         super().__init__(signal.Signals(signum).name)
 
     @property
@@ -34,8 +36,54 @@ class Interrupted(BaseException):
         return signal.Signals(self.signum).name
 
 
+# What the run has finished (its DST, in place), signals held meanwhile, and whether
+# signals are held at all: while DST is moved into place every signal waits.
+_complete: list[str] = []
+_held: list[int] = []
+_holding: list[bool] = []
+
+
 def _raise(signum: int, _frame) -> None:
-    raise Interrupted(signum)
+    if _holding or (_complete and not _held):
+        # Moving DST into place, or the first signal once it is there: it waits.
+        _held.append(signum)
+        return
+    raise Interrupted(signum, _complete[0] if _complete else None)
+
+
+@contextlib.contextmanager
+def committing(what: str) -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while the block puts ``what`` in place; then it is complete.
+
+    A signal in the middle of the renames would leave DST moved aside, or a finished DST
+    reported as not written. If the block fails, a signal held meanwhile is raised.
+    """
+    _holding.append(True)
+    try:
+        yield
+    except BaseException as exc:
+        _holding.clear()
+        if _held and not _complete:
+            raise Interrupted(_held.pop(0)) from exc
+        raise
+    _holding.clear()
+    completed(what)
+
+
+def completed(what: str) -> None:
+    """Say the run's output (``what``) is complete: a signal from now on does not make it fail.
+
+    The first SIGINT, SIGTERM or SIGHUP is held until the command returns (its summary
+    printed) and then only noted; a second ends the run at once. Either way the exit code
+    is 0, since DST is whole: a script must not redo, or distrust, a finished conversion.
+    """
+    if what not in _complete:
+        _complete.append(what)
+
+
+def held() -> Interrupted | None:
+    """Return the signal held since the output was complete (``completed``), if one came."""
+    return Interrupted(_held[0], _complete[0]) if _held and _complete else None
 
 
 # Signals that arrived before ``interruptible()``, while the CLI was still importing.
@@ -62,6 +110,9 @@ def defer() -> None:
 def interruptible() -> Iterator[None]:
     """Within the block, SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` (main thread only)."""
     previous = {}
+    _complete.clear()
+    _held.clear()
+    _holding.clear()
     try:
         for sig in HANDLED:
             # An ignored signal stays ignored: `nohup` ignores SIGHUP so the run survives logout.

@@ -1,9 +1,17 @@
-"""How messages count things (``1 tensor``, ``2 tensors``) and quote values read from files."""
+"""How messages count things (``1 tensor``, ``2 tensors``), quote values read from files, and guess typos."""
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+from collections.abc import Iterable
 from itertools import islice
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """Return the one of ``choices`` ``word`` is most likely a typo of, or None when none is close."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

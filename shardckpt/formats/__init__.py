@@ -13,10 +13,13 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError, UsageError
+from shardckpt.core.errors import BadInputError, UnsafePickleError, UsageError
 from shardckpt.core.files import read_head, source_stat
+from shardckpt.core.words import closest
 from shardckpt.formats import dcp, fsdp1, fsdp2, hf, torch_save, trainers
 from shardckpt.formats.format import Format
+from shardckpt.formats.not_a_checkpoint import not_a_checkpoint
+from shardckpt.state.choices import LAYOUTS
 
 if TYPE_CHECKING:
     from shardckpt.core.sight import Sight
@@ -81,10 +84,19 @@ SUPPORTED_READ = ", ".join(FORMATS)
 
 
 def format_named(name: str) -> Format:
-    """Return the format called ``name``; refuse an unknown name."""
-    if name not in FORMATS:
-        raise UsageError(f"unknown format {name!r}", hint=f"use one of {SUPPORTED_READ}")
-    return FORMATS[name]
+    """Return the format called ``name``; refuse an unknown name, with the one it is likely a typo of."""
+    if name in FORMATS:
+        return FORMATS[name]
+    guess = closest(name, (*FORMATS, *LAYOUTS))
+    if guess in LAYOUTS:
+        # `--format sharded` (or `shraded`): a layout given where a format is asked for.
+        formats = ", ".join(f.name for f in FORMATS.values() if f.layout == guess)
+        hint = f"{guess} is a layout, --to {guess}; its formats are {formats}"
+    elif guess is not None:
+        hint = f"did you mean {guess}?"
+    else:
+        hint = f"use one of {SUPPORTED_READ}"
+    raise UsageError(f"unknown format {name!r}", hint=hint)
 
 
 def default_format(layout: str, dst: str | os.PathLike, src_format: str | None = None) -> str:
@@ -117,11 +129,7 @@ def detect(src: Path) -> str:
         if form.directory == directory and form.detect(src):
             return form.name
     if not directory:
-        raise BadInputError(
-            "cannot tell the format of this file",
-            path=src,
-            hint=f"pass {SRC_FORMAT} with one of {SUPPORTED_READ}",
-        )
+        raise not_a_checkpoint(src)
     if any(p.suffix == ".distcp" for p in src.iterdir()):
         raise BadInputError(
             f"has *.distcp files but no '{dcp.METADATA_FILE}'",

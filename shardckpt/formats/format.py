@@ -114,3 +114,8 @@ class Format:
     notes: Callable[..., list[str]] = no_notes
     """What to tell the user about DST's tree at a world size (parts the trainer will not
     take as they are there), said once on stderr."""
+    written: bool = True
+    """Whether shardckpt writes it (``--format``), or reads it only (its writer refuses)."""
+    model_root: bool = False
+    """One file a model loads (``torch``, ``safetensors``): with ``--only model``, DST's
+    root is the ``model`` subtree, what ``model.load_state_dict`` takes."""

@@ -19,7 +19,7 @@ from shardckpt.core.words import counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index, Rows
 from shardckpt.plan.cast import cast_tree
-from shardckpt.plan.selection import Selection, check_values, select
+from shardckpt.plan.selection import Selection, check_values, select_noting
 from shardckpt.state.choices import DEFAULT_BUFFER_BYTES
 from shardckpt.state.optim import ModelParams
 from shardckpt.state.regions import dim0_rows
@@ -173,6 +173,8 @@ class ConvertPlan:
     """For ``torch-checkpointing`` from itself: how the source serialized each item."""
     hf_config: object | None = None
     """For ``hf``: the ``formats.hf_config.HfConfig`` whose files DST gets beside the weights."""
+    notes: tuple[str, ...] = ()
+    """What the selection did that the user is told once (``--only model`` re-rooting DST)."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:
@@ -206,7 +208,8 @@ def make_plan(
 ) -> ConvertPlan:
     """Return the plan that moves ``index``'s selected part into format ``fmt`` at ``world_size``."""
     form = format_named(fmt)
-    tree = form.dst_tree(select(index, selection), index.src)
+    selected, notes = select_noting(index, selection)
+    tree = form.dst_tree(selected, index.src)
     tree, read_as = cast_tree(tree, dtype, cast_optim)
     check_values(tree, index.src)
     tensors = tuple(tensor_leaves(tree))
@@ -241,8 +244,9 @@ def make_plan(
             p
             for p in index.parts
             if p.key is None
-            or (selection.nest is None and selection.unnest is None and p.key in tree)
+            or (selection.nest is None and selection.unnest is None and not notes and p.key in tree)
         ),
         MappingProxyType(dict(index.serializations or {}) if index.format == form.name else {}),
         hf_config,
+        notes,
     )

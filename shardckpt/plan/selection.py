@@ -23,6 +23,7 @@ from shardckpt.state.tree import (
     dotted,
     find_optimizers,
     is_tensor_leaf,
+    model_prefix,
     prune,
     rename_keys,
     split_model_optim,
@@ -85,6 +86,10 @@ class Selection:
     """``--nest KEY``: DST's root holds the selected tree under ``KEY`` (after ``unnest``)."""
     side: str = ""
     """How ``diff`` names the side these two apply to (``--unnest-a``: ``"-a"``)."""
+    model_root: bool = False
+    """``--only model`` to one file a model loads (``Format.model_root``), without
+    ``--unnest``/``--nest``: the ``model`` subtree, where the selection has one, is DST's
+    root, as ``model.load_state_dict`` takes it; what sits beside it is left out, said."""
 
     def __post_init__(self) -> None:
         if self.only not in ONLY:
@@ -133,7 +138,12 @@ def _collision(src: str, exc: KeyError, after: str, hint: str) -> BadInputError:
 
 
 def select(index: Index, selection: Selection) -> dict:
-    """Return the tree DST will hold: FQN cleaning, optimizer keys and renames, ``--only``, ``--filter``.
+    """Return the tree DST will hold: FQN cleaning, optimizer keys and renames, ``--only``, ``--filter``."""
+    return select_noting(index, selection)[0]
+
+
+def select_noting(index: Index, selection: Selection) -> tuple[dict, tuple[str, ...]]:
+    """Return the tree DST will hold, and the notes its re-rooting calls for (what it left out).
 
     Rekeying sees the whole source, so the model state that tells param IDs apart is
     there even when ``--only optim`` leaves it out of DST.
@@ -155,14 +165,40 @@ def select(index: Index, selection: Selection) -> dict:
     return reroot(dict(tree), selection, index.src)
 
 
-def reroot(tree: dict, selection: Selection, src: str) -> dict:
-    """Return ``tree`` lifted out of its top-level ``--unnest`` key, then nested under ``--nest``.
+def lift_model(tree: dict) -> tuple[dict, list[str]]:
+    """Return the ``model`` subtree of ``tree`` as a root, and the top-level keys left beside it.
+
+    ``tree`` unchanged (nothing left out) when it has no ``model`` subtree: a flat state
+    dict is already what ``model.load_state_dict`` takes.
+    """
+    if not model_prefix(tree):
+        return tree, []
+    return dict(tree["model"]), [k for k in tree if k != "model"]
+
+
+def _quoted(keys: Sequence[object]) -> str:
+    return ", ".join(f"'{k}'" for k in keys)
+
+
+def reroot(tree: dict, selection: Selection, src: str) -> tuple[dict, tuple[str, ...]]:
+    """Return ``tree`` lifted out of its top-level ``--unnest`` key, then nested under ``--nest``; and notes.
 
     Both act on the tree the rest of the selection left, so ``--filter``, ``--only`` and
     ``--rename`` name paths as SRC has them. Lifting out a key while others remain
-    beside it would drop them unseen: that is refused, naming them.
+    beside it would drop them unseen: that is refused, naming them, unless ``--only
+    model`` asked for the model state alone (a step counter beside it is left out, said).
     """
     option = f"--unnest{selection.side}"
+    notes: tuple[str, ...] = ()
+    if selection.model_root and selection.unnest is None and selection.nest is None:
+        lifted, beside = lift_model(tree)
+        if lifted is tree:
+            return tree, ()
+        left = f" (left out beside it: {_quoted(beside)})" if beside else ""
+        return lifted, (
+            "--only model to one file: DST's root is the 'model' subtree, as "
+            f"model.load_state_dict takes it{left}; --filter 'model.*' keeps the 'model' key",
+        )
     if selection.unnest is not None:
         key = selection.unnest
         if key not in tree:
@@ -181,17 +217,21 @@ def reroot(tree: dict, selection: Selection, src: str) -> dict:
                 hint="pass a top-level key that holds a dict",
             )
         others = [k for k in tree if k != key]
-        if others:
-            names = ", ".join(f"'{k}'" for k in others)
+        if others and selection.only != "model":
             raise UsageError(
-                f"{option} {key} would leave out the other top-level keys beside it: {names}",
+                f"{option} {key} would leave out the other top-level keys beside it: "
+                f"{_quoted(others)}",
                 path=src,
-                hint=f"select '{key}' alone first, e.g. --filter '{key}.*'",
+                hint=f"select '{key}' alone first, e.g. --filter '{key}.*' (or --only model)",
+            )
+        if others:
+            notes = (
+                f"{option} {key} leaves out what --only model kept beside it: {_quoted(others)}",
             )
         tree = dict(value)
     if selection.nest is not None:
         tree = {selection.nest: tree}
-    return tree
+    return tree, notes
 
 
 def _rekey(src: str, tree: dict, selection: Selection) -> dict:

@@ -19,10 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from doc_lines import run_all, workspace
+from doc_lines import printed_examples, run_all, workspace
 from user_shell import REPO
-
-from shardckpt.cli import convert, diff, inspect, verify
 
 DOCS = REPO / "docs"
 # Pages about a trainer's own directory run on what that trainer saves, not on the
@@ -55,11 +53,14 @@ def commands(text: str) -> list[str]:
 
 
 def epilog_commands() -> list[str]:
-    """Return the example lines of convert's, diff's, inspect's and verify's ``--help``, in that order."""
+    """Return the example lines convert's, diff's, inspect's and verify's ``--help`` print at 80 columns.
+
+    As printed, not as written in the source: a line click re-wrapped would not run.
+    """
     lines = [
-        line.strip()
-        for module in (convert, diff, inspect, verify)
-        for line in module.EPILOG.splitlines()
+        line
+        for command in ("convert", "diff", "inspect", "verify")
+        for line in printed_examples(command)
         if COMMAND.match(line)
     ]
     return [line for line in lines if "--nnodes" not in line]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
+import torch
 from doc_lines import run_all, workspace
 from user_shell import REPO
 
@@ -48,3 +50,29 @@ def test_every_usage_line_runs_as_written_after_the_demo(demo_ckpt, tmp_path, ca
     assert run_all(lines, workspace(tmp_path, demo_ckpt), capfd, outputs) == []
     # The setup step's OMP_NUM_THREADS keeps torchrun's banner away.
     assert "Setting OMP_NUM_THREADS" not in "".join(outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_evaluation_export_loads_into_the_model_with_strict(demo_ckpt, tmp_path, capfd):
+    from safetensors.torch import load_file
+
+    (line,) = [
+        line
+        for line in bash_lines(section(README.read_text(), "Usage"))
+        if "--only model" in line and ".safetensors" in line
+    ]
+    cwd = workspace(tmp_path, demo_ckpt)
+    assert run_all([line], cwd, capfd) == []
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from make_checkpoint import build_model
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    model = build_model(seed=1)
+    exported = load_file(cwd / ".demo" / "model.safetensors")
+    model.load_state_dict(exported, strict=True)
+    ref = torch.load(demo_ckpt.parent / "ref.pt", weights_only=True)["model"]
+    assert sorted(exported) == sorted(ref)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref[name]), name

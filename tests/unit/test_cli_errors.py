@@ -87,11 +87,9 @@ def test_unknown_file(capsys, small):
     (small / "notes.txt").write_text("hello")
     assert error_of(capsys, ["inspect", small / "notes.txt"]) == (
         3,
-        f"shardckpt: error: '{small / 'notes.txt'}': cannot tell the format of this file: "
-        "pass --format with one of dcp, dcp-safetensors, hf-storage, torch-checkpointing, torch, "
-        "safetensors, hf, lightning, megatron, fsdp2-ranks, fsdp1-sharded, fsdp1-local, "
-        "accelerate, torchtitan, verl, verl-fsdp1, deepspeed, deepspeed-module, "
-        "deepspeed-universal",
+        f"shardckpt: error: '{small / 'notes.txt'}': is a text file, not a checkpoint: pass a "
+        "checkpoint file (.pt, .bin, .safetensors) or directory (DCP, per-rank files, a "
+        "trainer's), or --format FORMAT for one whose format is not detected",
     )
 
 

@@ -48,7 +48,7 @@ def error(tree: dict, **kwargs) -> str:
 def test_unnest_refuses_to_drop_the_other_top_level_keys_and_names_them():
     assert error({"model": {"fc.w": W}, "optim": OPTIM, "step": 2}, unnest="model") == (
         "'src.pt': --unnest model would leave out the other top-level keys beside it: "
-        "'optim', 'step': select 'model' alone first, e.g. --filter 'model.*'"
+        "'optim', 'step': select 'model' alone first, e.g. --filter 'model.*' (or --only model)"
     )
 
 

@@ -337,3 +337,36 @@ def test_every_output_shardckpt_writes_is_replaced_by_a_second_run(capsys, ck, n
     assert sorted(p.name for p in ck.parent.iterdir()) == sorted(
         {ck.name, src.name, "cfg", dst.name}
     )
+
+
+NOT_CHECKPOINTS = {
+    # The case: `--overwrite` made notes.md a torch zip, exit 0.
+    "notes.md": b"# notes\n\nsome of my own words\n",
+    "config.json": b'{"hidden_size": 48}',
+    "random.bin": bytes(range(256)) * 16,
+    "photo.safetensors": b"\xff\xd8\xff\xe0 not a safetensors header",
+    "tool": b"\x7fELF\x02\x01\x01" + bytes(200),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_CHECKPOINTS))
+def test_overwrite_refuses_any_file_that_is_no_checkpoint(capsys, ck, name):
+    dst = ck.parent / name
+    dst.write_bytes(NOT_CHECKPOINTS[name])
+    argv = ["convert", ck, dst, "--to", "full", "--overwrite"]
+    assert_refused(capsys, argv, dst, "is a file that holds no checkpoint")
+
+
+def test_overwrite_refuses_a_truncated_torch_file(capsys, ck):
+    # A checkpoint cut short is the user's to repair or remove, not ours to replace.
+    dst = ck.parent / "cut.pt"
+    dst.write_bytes(ck.read_bytes()[:2000])
+    before = dst.read_bytes()
+    assert lines_of(capsys, ["convert", ck, dst, "--to", "full", "--overwrite"]) == (
+        2,
+        [
+            f"shardckpt: error: '{dst}': does not read as the checkpoint it looks like (is a "
+            f"damaged torch.save file (zip: File is not a zip file)), {KEEP}"
+        ],
+    )
+    assert dst.read_bytes() == before

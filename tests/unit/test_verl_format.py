@@ -65,7 +65,8 @@ def test_fsdp1_optimizer_without_model_is_refused_with_the_reason(tmp_path):
 def test_fsdp1_model_alone_needs_no_model(tmp_path):
     api.convert(api.ConvertRequest(src=FSDP1, dst=tmp_path / "model.pt", to="full", only="model"))
     out = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert_trees_equal(out, {"model": _reference("fsdp1")["model"]})
+    # One file of the model alone holds it at its root, as load_state_dict takes it.
+    assert_trees_equal(out, _reference("fsdp1")["model"])
 
 
 @pytest.mark.trainers

@@ -26,6 +26,8 @@ DCP = Format(
     keys_as_str=True,
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
     src_local=True,
+    refuses_part=Ref("shardckpt.formats.dcp.lone_file:refuse_lone_file"),
+    notes=Ref("shardckpt.formats.dcp.notes:flat_tree_notes"),
 )
 
 DCP_SAFETENSORS = Format(
@@ -34,6 +36,7 @@ DCP_SAFETENSORS = Format(
     title="safetensors-serialized DCP",
     reader=Ref("shardckpt.formats.dcp.safetensors_dcp:DcpSafetensorsReader"),
     writer=Ref("shardckpt.formats.dcp.read_only:ReadOnlyWriter"),
+    written=False,
     directory=True,
     detect=Ref("shardckpt.formats.dcp.safetensors_dcp:is_safetensors_dcp_dir"),
     keys_as_str=True,
@@ -46,6 +49,7 @@ HF_STORAGE = Format(
     title="Hugging Face storage",
     reader=Ref("shardckpt.formats.dcp.hf_storage:HfStorageReader"),
     writer=Ref("shardckpt.formats.dcp.read_only:ReadOnlyWriter"),
+    written=False,
     directory=True,
     detect=Ref("shardckpt.formats.dcp.hf_storage:looks_like"),
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),

@@ -16,6 +16,7 @@ SAFETENSORS = Format(
     directory=False,
     detect=Ref("shardckpt.formats.hf.safetensors_file:is_safetensors_file"),
     suffixes=(".safetensors",),
+    model_root=True,
 )
 
 HF = Format(

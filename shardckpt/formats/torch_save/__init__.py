@@ -14,6 +14,7 @@ TORCH = Format(
     detect=Ref("shardckpt.formats.torch_save.file:is_torch_file"),
     suffixes=(".pt", ".pth", ".bin"),
     default_for="full",
+    model_root=True,
 )
 
 FORMATS = (TORCH,)
