@@ -19,6 +19,7 @@ from pathlib import Path
 from shardckpt.api import applies
 from shardckpt.api.requests import ConvertRequest
 from shardckpt.api.verification import verify_output
+from shardckpt.core.costs import Costs, combined
 from shardckpt.core.destination import Destination
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError, notice, source_option
@@ -65,6 +66,9 @@ class ConvertResult:
     dry_run: bool = False
     verified: bool | None = None
     plan: ConvertPlan | None = None
+    costs: dict | None = None
+    """What the run cost (``core.costs.combined``): phase seconds, bytes, each rank's peak
+    resident memory; on the coordinator, None elsewhere and for a dry run."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ def convert(
     """
     runtime = runtime or Runtime()
     start = time.perf_counter()
+    costs = Costs()
     form = output_format(request)
     destination = Destination(
         request.dst,
@@ -96,14 +101,18 @@ def convert(
         srcs=(Path(request.src),),
         checkpoint_files=checkpoint_files,
     )
-    valid = runtime.agreed(lambda: validate(request, form, runtime))
-    if not request.dry_run:
-        # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
-        # before anything that waits on every rank (listing SRC, reading it) starts.
-        runtime.check(destination.check)
-    prepared = runtime.agreed(lambda: prepare(request, valid, destination, runtime))
-    verified = None if request.dry_run else write(request, prepared, destination, runtime, progress)
+    with costs.phase("plan"):
+        valid = runtime.agreed(lambda: validate(request, form, runtime))
+        if not request.dry_run:
+            # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
+            # before anything that waits on every rank (listing SRC, reading it) starts.
+            runtime.check(destination.check)
+        prepared = runtime.agreed(lambda: prepare(request, valid, destination, runtime))
+    verified = (
+        None if request.dry_run else write(request, prepared, destination, runtime, progress, costs)
+    )
     plan = prepared.plan
+    reports = None if request.dry_run else runtime.gather(costs.report())
     return ConvertResult(
         str(request.src),
         str(request.dst),
@@ -117,6 +126,7 @@ def convert(
         request.dry_run,
         verified,
         plan,
+        combined(reports, time.perf_counter() - start) if reports else None,
     )
 
 
@@ -427,8 +437,10 @@ def write(
     destination: Destination,
     runtime: Runtime,
     progress: Progress | None,
+    costs: Costs | None = None,
 ) -> bool | None:
     """Open DST, fill it, verify it and rename it into place; return whether it was verified."""
+    costs = costs or Costs()
     form, reader, plan, writer = prepared.form, prepared.reader, prepared.plan, prepared.writer
     verified = None
     try:
@@ -437,11 +449,18 @@ def write(
         writer.placement = placement
         progress = progress or Progress()
         try:
-            fill.run(reader, plan, writer, runtime, progress)
+            fill.run(reader, plan, writer, runtime, progress, costs)
             if request.verify:
-                verified = verify_output(
-                    reader, plan, destination, runtime, request.trust_pickle, placement, progress
-                )
+                with costs.phase("verify"):
+                    verified = verify_output(
+                        reader,
+                        plan,
+                        destination,
+                        runtime,
+                        request.trust_pickle,
+                        placement,
+                        progress,
+                    )
         finally:
             progress.close()
         runtime.agreed(lambda: destination.commit() if placement.opener else None)
