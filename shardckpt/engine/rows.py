@@ -9,6 +9,12 @@ from shardckpt.formats.base import Reader
 from shardckpt.state.regions import Region, nbytes, row_elements, rows_of
 from shardckpt.state.tree import TensorMeta
 
+GAP_BYTES = 64 * 1024
+"""Rows of one tensor this far apart or closer are read as one span, gap included: a process
+acts for every N-th target rank (``Placement.targets``), so its shards of a small tensor lie
+a shard apart, and one read per shard (a thousand target ranks' worth) costs more than
+reading the rows between them. What the gaps add is capped at the bytes the step needs."""
+
 
 def read_regions(
     reader: Reader, batch: Sequence[Region], metas: Mapping[str, TensorMeta], runtime
@@ -16,25 +22,34 @@ def read_regions(
     """Read the rows ``batch``'s regions lie in; return a lookup (region -> its bytes) and the bytes read.
 
     Regions of one tensor whose rows touch or overlap (one tensor's shards of
-    consecutive target ranks) are read once; rows of one tensor that lie apart are
-    separate requests. One ``read_spans`` call per step, on every rank, even with
+    consecutive target ranks) are read once, and so are rows at most ``GAP_BYTES`` apart;
+    rows further apart are separate requests. One ``read_spans`` call per step, on every rank, even with
     nothing to read: a reader whose reads are collectives (``exchange.SharedReader``)
     needs every rank in each.
     """
     spans: dict[str, list[list[int] | None]] = {}
+    needed = extra = 0
     for region in batch:
         if region.stop <= region.start:
             continue
-        rows = rows_of(region, metas[region.key])
+        meta = metas[region.key]
+        rows = rows_of(region, meta)
         known = spans.setdefault(region.key, [])
+        needed += nbytes(region, metas)
         if rows is None:
             known[:] = [None]
             continue
-        if known and known[-1] is not None and rows[0] <= known[-1][1] and known[-1][0] <= rows[1]:
+        last = known[-1] if known else None
+        if last is not None and rows[0] <= last[1] and last[0] <= rows[1]:
             # The common case, regions in row order: grow the last span.
-            span = known[-1]
-            span[0], span[1] = min(span[0], rows[0]), max(span[1], rows[1])
+            last[0], last[1] = min(last[0], rows[0]), max(last[1], rows[1])
             continue
+        if last is not None and rows[0] > last[1]:
+            gap = (rows[0] - last[1]) * (row_elements(meta) or 1) * meta.dtype.itemsize
+            if gap <= GAP_BYTES and extra + gap <= needed:
+                extra += gap
+                last[1] = rows[1]
+                continue
         for span in known:
             if span is not None and rows[0] <= span[1] and span[0] <= rows[1]:
                 span[0], span[1] = min(span[0], rows[0]), max(span[1], rows[1])
