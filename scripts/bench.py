@@ -3,6 +3,10 @@
     python scripts/bench.py [--size-gb 1.0] [--nproc 1,2] [--layouts all] [--world-size 4]
                             [--mem-cap 1.5GiB] [--buffer-size 256MiB] [--workdir .bench]
                             [--keep] [--warmup] [--repeat R] [--json] [--source dcp]
+    python scripts/bench.py --scale [--tensors 2000] [--world-sizes 8,64,256,1024] ...
+
+With --scale (first), the scale axis instead: a source of 2,000 small tensors resharded to
+many target ranks, wall, phases and peak RSS per process (``bench_scale.py``).
 
 With --source deepspeed the source is a ZeRO-2 bf16 run saved by DeepSpeed (model +
 AdamW, about SIZE_GB; ``bench_deepspeed.py``) and the reference DeepSpeed's own
@@ -1216,4 +1220,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--scale"]:
+        # The scale axis (many small tensors, many target ranks): its own cases and table.
+        import bench_scale
+
+        sys.exit(bench_scale.main(sys.argv[2:]))
     sys.exit(main())

@@ -29,6 +29,14 @@ def convert(src: str, dst: str, to: str, kwargs: dict) -> dict:
     return {"tensors": result.tensors, "world_size": result.world_size, "verified": result.verified}
 
 
+def convert_costs(src: str, dst: str, to: str, kwargs: dict) -> dict | None:
+    """Run ``api.convert`` on this rank; return what it reports it cost (None off the coordinator)."""
+    result = api.convert(
+        api.ConvertRequest(src=src, dst=dst, to=to, **kwargs), runtime=world_runtime()
+    )
+    return result.costs
+
+
 def convert_own(srcs: list[str], dst: str, to: str, kwargs: dict) -> dict:
     """Run ``api.convert`` from ``srcs[rank]``: each rank its own copy of SRC, as on a node's disk."""
     return convert(srcs[dist.get_rank()], dst, to, kwargs)

@@ -20,6 +20,7 @@ from shardckpt.api import applies
 from shardckpt.api.launch_notes import launch_notes
 from shardckpt.api.requests import ConvertRequest
 from shardckpt.api.verification import verify_output
+from shardckpt.core.costs import Costs, combined
 from shardckpt.core.destination import Destination
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError, notice, source_option
@@ -69,6 +70,9 @@ class ConvertResult:
     dry_run: bool = False
     verified: bool | None = None
     plan: ConvertPlan | None = None
+    costs: dict | None = None
+    """What the run cost (``core.costs.combined``): phase seconds, bytes, each rank's peak
+    resident memory; on the coordinator, None elsewhere and for a dry run."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def convert(
 
 def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | None) -> ConvertResult:
     start = time.perf_counter()
+    costs = Costs()
     form = output_format(request)
     destination = Destination(
         request.dst,
@@ -105,22 +110,29 @@ def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | Non
         srcs=(Path(request.src),),
         checkpoint_files=checkpoint_files,
     )
-    valid = runtime.agreed(lambda: validate(request, form, runtime))
-    if not request.dry_run:
-        # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
-        # before anything that waits on every rank (listing SRC, reading it) starts.
-        runtime.check(destination.check)
+    with costs.phase("plan"):
+        valid = runtime.agreed(lambda: validate(request, form, runtime))
+        if not request.dry_run:
+            # Each rank judges DST where it sees it (its node's disk): the verdicts are shared
+            # before anything that waits on every rank (listing SRC, reading it) starts.
+            runtime.check(destination.check)
     progress = progress or Progress()
     try:
-        prepared = runtime.agreed(lambda: prepare(request, valid, destination, runtime, progress))
+        with costs.phase("plan"):
+            prepared = runtime.agreed(
+                lambda: prepare(request, valid, destination, runtime, progress)
+            )
         if not request.dry_run:
             _note_idle_ranks(prepared.plan, runtime)
         verified = (
-            None if request.dry_run else write(request, prepared, destination, runtime, progress)
+            None
+            if request.dry_run
+            else write(request, prepared, destination, runtime, progress, costs)
         )
     finally:
         progress.close()
     plan = prepared.plan
+    reports = None if request.dry_run else runtime.gather(costs.report())
     return ConvertResult(
         str(request.src),
         str(request.dst),
@@ -134,6 +146,7 @@ def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | Non
         request.dry_run,
         verified,
         plan,
+        combined(reports, time.perf_counter() - start) if reports else None,
     )
 
 
@@ -483,8 +496,10 @@ def write(
     destination: Destination,
     runtime: Runtime,
     progress: Progress | None,
+    costs: Costs | None = None,
 ) -> bool | None:
     """Open DST, fill it, verify it and rename it into place; return whether it was verified."""
+    costs = costs or Costs()
     form, reader, plan, writer = prepared.form, prepared.reader, prepared.plan, prepared.writer
     verified = None
     try:
@@ -495,12 +510,19 @@ def write(
         # Laying out DST's files (DCP's own planning, at M target ranks) comes before the bar.
         progress.status(_planning(request, plan.world_size))
         try:
-            fill.run(reader, plan, writer, runtime, progress)
+            fill.run(reader, plan, writer, runtime, progress, costs)
             check_reads(runtime, request.src)
             if request.verify:
-                verified = verify_output(
-                    reader, plan, destination, runtime, request.trust_pickle, placement, progress
-                )
+                with costs.phase("verify"):
+                    verified = verify_output(
+                        reader,
+                        plan,
+                        destination,
+                        runtime,
+                        request.trust_pickle,
+                        placement,
+                        progress,
+                    )
                 check_reads(runtime, request.src)  # read again: records read whole only now
         finally:
             progress.close()

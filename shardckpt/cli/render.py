@@ -159,8 +159,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 # ---------------------------------------------------------------- convert
 
 
-def convert_json(result: ConvertResult) -> dict:
-    """Return the ``convert --json`` summary."""
+def convert_json(result: ConvertResult, wall: float | None = None) -> dict:
+    """Return the ``convert --json`` summary; ``seconds`` is ``wall`` (the command's) when given."""
+    seconds = result.seconds if wall is None else wall
     doc = {
         "src": result.src,
         "dst": result.dst,
@@ -170,18 +171,24 @@ def convert_json(result: ConvertResult) -> dict:
         "tensors": result.tensors,
         "nbytes": result.nbytes,
         "values": result.values,
-        "seconds": round(result.seconds, 3),
+        "seconds": round(seconds, 3),
         "dry_run": result.dry_run,
     }
     if result.verified is not None:
         doc["verified"] = result.verified
     if result.dry_run and result.plan is not None:
         doc["batches"] = len(result.plan.batches)
+    if result.costs is not None:
+        doc["costs"] = {**result.costs, "wall_seconds": round(seconds, 3)}
     return doc
 
 
-def convert_text(result: ConvertResult) -> str:
-    """Return the one-paragraph ``convert`` summary (or the plan, for ``--dry-run``)."""
+def convert_text(result: ConvertResult, wall: float | None = None) -> str:
+    """Return the one-paragraph ``convert`` summary (or the plan, for ``--dry-run``).
+
+    Its time is ``wall`` (the command's, start-up included) when given; what each phase
+    took, the bytes moved and the peak memory follow.
+    """
     what = (
         f"{counted(result.tensors, 'tensor')} ({human_bytes(result.nbytes)}) and "
         f"{counted(result.values, 'value')}, {_output(result)}"
@@ -192,8 +199,26 @@ def convert_text(result: ConvertResult) -> str:
             f"would write {result.dst}: {what}, in {counted(batches, 'batch', 'batches')} "
             "(dry run: nothing written)"
         )
-    text = f"wrote {result.dst}: {what} in {result.seconds:.1f} s"
+    seconds = result.seconds if wall is None else wall
+    text = f"wrote {result.dst}: {what} in {seconds:.1f} s"
+    if result.costs is not None:
+        text += f" ({cost_phrase(result.costs)})"
     return text + ("; verified equal to the source" if result.verified else "")
+
+
+def cost_phrase(costs: dict) -> str:
+    """Return ``plan 0.4, frame 0.1, write 2.0, flush 0.3, finish 0.1 s; read 1.0 GiB, ...``."""
+    phases = ", ".join(f"{name} {sec:.1f}" for name, sec in costs["phase_seconds"].items())
+    rates = costs.get("write_gb_per_s")
+    rate = f" at {rates:.2f} GB/s" if rates else ""
+    peaks = costs["peak_rss_bytes"]
+    peak = f"peak RSS {human_bytes(max(peaks))}"
+    if len(peaks) > 1:
+        peak += f" (largest of {len(peaks)} ranks; smallest {human_bytes(min(peaks))})"
+    return (
+        f"{phases} s; read {human_bytes(costs['read_bytes'])}, wrote "
+        f"{human_bytes(costs['written_bytes'])}{rate}; {peak}"
+    )
 
 
 def _output(result: ConvertResult) -> str:

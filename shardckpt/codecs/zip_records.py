@@ -20,7 +20,7 @@ from shardckpt.codecs.pickle_scan import DamagedZip
 
 _LOCAL_HEADER = 30
 _CENTRAL_HEADER = 46
-_DATA_DESCRIPTOR = 0x08  # general-purpose flag bit 3
+DATA_DESCRIPTOR = 0x08  # general-purpose flag bit 3
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 
 
@@ -116,7 +116,7 @@ def record(fd: int, start: int, info: zipfile.ZipInfo, central_at: int = -1) -> 
     (flags,) = struct.unpack("<H", local[6:8])
     name_len, extra_len = struct.unpack("<HH", local[26:30])
     data = info.header_offset + _LOCAL_HEADER + name_len + extra_len
-    if flags & _DATA_DESCRIPTOR:
+    if flags & DATA_DESCRIPTOR:
         # torch's writer leaves the local header's CRC 0 and puts it after the
         # data, in a descriptor that may start with its own signature.
         after = data + info.file_size
@@ -133,4 +133,4 @@ def record(fd: int, start: int, info: zipfile.ZipInfo, central_at: int = -1) -> 
     )
 
 
-__all__ = ["FileSlice", "ZipRecord", "record", "storage_key", "zip_records"]
+__all__ = ["DATA_DESCRIPTOR", "FileSlice", "ZipRecord", "record", "storage_key", "zip_records"]

@@ -20,13 +20,14 @@ import os
 import pickle
 import struct
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from shardckpt.codecs.tensor_bytes import contiguous_bytes
-from shardckpt.codecs.zip_records import FileSlice, zip_records
+from shardckpt.codecs.zip_records import DATA_DESCRIPTOR, FileSlice, zip_records
 from shardckpt.core.torch_internals import (
     fake_tensor_mode,
     is_placeholder,
@@ -86,6 +87,14 @@ class _Entry:
         )
 
 
+def _zip_entries(fd: int, start: int, end: int) -> dict[str, _Entry]:
+    """Return every record of the zip at bytes [start, end) of ``fd`` by name (number: its order)."""
+    return {
+        r.name: _Entry(number, r.start, r.length, r.crc_at)
+        for number, r in enumerate(zip_records(fd, start, end))
+    }
+
+
 def _data_records(fd: int, start: int, end: int) -> list[_Entry]:
     """Return the ``data/K`` records of the zip at bytes [start, end) of ``fd``, by K."""
     out = {
@@ -94,6 +103,81 @@ def _data_records(fd: int, start: int, end: int) -> list[_Entry]:
         if r.storage_key is not None
     }
     return [out[k] for k in sorted(out)]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """Return c10's ``hash_combine(seed, value)`` on 64-bit ``size_t``."""
+    return seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _MASK64) + (seed >> 2)) & _MASK64)
+
+
+@dataclass(frozen=True)
+class SerializationId:
+    """How ``torch.save`` makes its ``.data/serialization_id``: from the CRC-32 of its records.
+
+    ``PyTorchStreamWriter::writeSerializationId`` writes 20 digits of a hash of the
+    records' names, then 20 digits of the CRC-32s of the records written before it with
+    a data descriptor, combined in order (``c10::hash_combine``). Files that differ only in ``data.pkl``
+    (a rank's own number) differ in the second half only.
+    """
+
+    at: int
+    """Where the 40 digits lie, from the zip's first byte."""
+    crcs: tuple[int, ...]
+    """The CRC-32s combined, in order, as the file holds them."""
+    pickle: int
+    """Which of them is ``data.pkl``'s."""
+
+    def digits(self, pickle_crc: int) -> bytes:
+        """Return the id's second half for a ``data.pkl`` whose CRC-32 is ``pickle_crc``."""
+        combined = 0
+        for i, crc in enumerate(self.crcs):
+            combined = _hash_combine(combined, pickle_crc if i == self.pickle else crc)
+        return str(combined).zfill(20).encode()
+
+
+def serialization_id(fd: int, start: int, end: int) -> SerializationId | None:
+    """Return how the ``torch.save`` zip at [start, end) of ``fd`` made its serialization id.
+
+    None when it has none, or when its records' CRC-32s do not give the id it holds.
+    """
+    with zipfile.ZipFile(io.BufferedReader(FileSlice(fd, start, end))) as zf:
+        infos = zf.infolist()
+    entries = _zip_entries(fd, start, end)
+    found = [i for i in infos if i.filename.endswith("/.data/serialization_id")]
+    pickles = [n for n, i in enumerate(infos) if i.filename.rpartition("/")[2] == "data.pkl"]
+    if len(found) != 1 or len(pickles) != 1 or found[0].file_size != 40:
+        return None
+    # Only a record written with a data descriptor adds its CRC-32 (an empty one has none).
+    written = [i for i in infos if i is not found[0] and i.flag_bits & DATA_DESCRIPTOR]
+    if not any(i is infos[pickles[0]] for i in written):
+        return None
+    recipe = SerializationId(
+        entries[found[0].filename].start + 20,
+        tuple(i.CRC for i in written),
+        written.index(infos[pickles[0]]),
+    )
+    held = os.pread(fd, 20, start + recipe.at)
+    return recipe if recipe.digits(infos[pickles[0]].CRC) == held else None
+
+
+def named_record(fd: int, start: int, end: int, name: str, file: str) -> Record | None:
+    """Return record ``archive/{name}`` of the ``torch.save`` zip at [start, end) of ``fd``, or None."""
+    for full, entry in _zip_entries(fd, start, end).items():
+        head, _, tail = full.partition("/")
+        if tail == name and "/" not in head:
+            return entry.placed(start, file)
+    return None
+
+
+def pickle_record(fd: int, start: int, end: int, file: str) -> Record:
+    """Return the ``data.pkl`` record of the ``torch.save`` zip at bytes [start, end) of ``fd``."""
+    found = named_record(fd, start, end, "data.pkl", file)
+    if found is None:
+        raise RuntimeError(f"internal: no data.pkl in the torch.save zip of {file!r}")
+    return found
 
 
 def write_skeleton(
@@ -188,6 +272,10 @@ __all__ = [
     "pwrite_all",
     "fake_mode",
     "patch_crc",
+    "SerializationId",
+    "named_record",
+    "pickle_record",
+    "serialization_id",
     "storages_in_order",
     "tensor_blob",
     "write_blob",

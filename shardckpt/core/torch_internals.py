@@ -235,6 +235,24 @@ _MESH_FIELDS = frozenset(
 _SHARED_FIELDS_OF_LATER_TORCH = frozenset({"_preserve_rank_order"})
 
 
+def set_mesh_rank(mesh: Any, rank: int) -> bool:
+    """Make a mesh from ``mesh_without_group`` say it is rank ``rank``'s; return False where it cannot.
+
+    A writer that pickles one state dict for several target ranks changes only the
+    mesh they share. False on a torch whose mesh holds fields this does not know.
+    """
+    fields = vars(mesh).keys()
+    # The group names (job_mesh) and torch 2.15's rank-order flag hold no rank.
+    if not _MESH_FIELDS <= fields or fields - _MESH_FIELDS - _RANKLESS_MESH_FIELDS:
+        return False
+    mesh._rank = rank
+    mesh._coordinate_on_dim = (rank,)
+    return True
+
+
+_RANKLESS_MESH_FIELDS = frozenset({"_dim_group_names", "_preserve_rank_order"})
+
+
 @functools.lru_cache(maxsize=2)
 def _mesh_of(world_size: int) -> Any:
     """Return the mesh of ``world_size`` ranks as rank 0 sees it, built once per world size."""
@@ -302,6 +320,15 @@ def dcp_storage_info() -> type:
     """Return DCP's ``_StorageInfo`` (file, offset and length of a stored item), which ``.metadata`` holds."""
     return private(
         "torch.distributed.checkpoint.filesystem", "_StorageInfo", "writing DCP's .metadata needs"
+    )
+
+
+def dcp_version() -> str:
+    """Return the version ``FileSystemWriter.finish`` records in ``.metadata`` (``CURRENT_DCP_VERSION``)."""
+    return private(
+        "torch.distributed.checkpoint.filesystem",
+        "CURRENT_DCP_VERSION",
+        "writing DCP's .metadata needs",
     )
 
 

@@ -23,16 +23,18 @@ see their files.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from shardckpt.codecs.tensor_bytes import contiguous_bytes
 from shardckpt.codecs.zip_skeleton import patch_crc, pwrite_all
+from shardckpt.core.costs import Costs
 from shardckpt.core.files import writing
+from shardckpt.engine.dst_files import DstFiles
+from shardckpt.engine.jobs import JobQueue, regions_of
+from shardckpt.engine.rows import read_regions
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.state.regions import (
     Piece,
@@ -42,82 +44,69 @@ from shardckpt.state.regions import (
     combine_crc,
     crc32,
     nbytes,
-    row_elements,
-    rows_of,
 )
 
 Progress = Callable[[int], None]
 
 
-class _Files:
-    """The DST files this process writes into, each opened once (they exist: framing made them)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self._fds: dict[str, int] = {}
-
-    def path(self, file: str) -> Path:
-        return self.root / file if file else self.root
-
-    def fd(self, file: str) -> int:
-        if file not in self._fds:
-            with writing(self.path(file)):
-                self._fds[file] = os.open(self.path(file), os.O_RDWR)
-        return self._fds[file]
-
-    @property
-    def count(self) -> int:
-        """Return how many files this process has opened."""
-        return len(self._fds)
-
-    def sync(self, progress: Progress = lambda n: None) -> None:
-        """Flush every file written to disk (on a shared filesystem, each rank its own writes)."""
-        for file, fd in self._fds.items():
-            with writing(self.path(file)):
-                os.fsync(fd)
-            progress(1)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds.clear()
-
-
-def run(reader: Reader, plan, writer: Writer, runtime, progress) -> None:
+def run(
+    reader: Reader, plan, writer: Writer, runtime, progress, costs: Costs | None = None
+) -> None:
     """Write ``plan``'s output under ``writer.root`` (the staging path the coordinator opened)."""
-    frame = writer.frame(runtime)
+    costs = costs or Costs()
+    with costs.phase("frame"):
+        frame = writer.frame(runtime)
     metas = plan.metas
     # In source order, so that the rows of one tensor that go to several files (several
     # target ranks' shards) are read together, once.
     order = {m.key: i for i, (_, m) in enumerate(plan.tensors)}
     regions = sorted(frame.regions, key=lambda r: (order[r.key], r.start))
     work = batches(regions, metas, plan.buffer_bytes)
-    steps = _most(runtime, len(work))
-    progress.begin(sum(nbytes(r, metas) for r in frame.regions) * runtime.world_size, "write")
-    files = _Files(writer.root)
+    files = DstFiles(writer.root)
+    jobs = JobQueue(frame.files, files, plan.buffer_bytes)
+    total = sum(nbytes(r, metas) for r in frame.regions) + jobs.data
+    # Every rank's share is about the same: the bar counts this rank's, for all of them.
+    progress.begin(total * runtime.world_size, "write")
     pieces: list[Piece] = list(frame.pieces)
     try:
-        for i in range(steps):
-            batch = work[i] if i < len(work) else []
-            pieces += runtime.agreed(lambda b=batch: _fill(reader, b, metas, files, runtime))
-            progress(sum(nbytes(r, metas) for r in batch) * runtime.world_size)
+        with costs.phase("write"):
+            step = 0
+            while True:
+                batch = work[step] if step < len(work) else []
+                step += 1
+                mine = jobs.step(metas) if step > len(work) else []
+                if not _any_rank(runtime, bool(batch) or bool(mine)):
+                    break
+                done = runtime.agreed(
+                    lambda b=batch, m=mine: _fill(reader, b, m, metas, files, runtime, costs)
+                )
+                pieces += done[0]
+                progress(done[1] * runtime.world_size)
         # What was written may still be in the page cache: flushing it can take as long.
-        progress.begin(files.count, "flush to disk", unit="files")
-        runtime.agreed(lambda: files.sync(progress))
+        with costs.phase("flush"):
+            progress.begin(files.count, "flush to disk", unit="files")
+            runtime.agreed(lambda: files.sync(progress))
     finally:
         files.close()
-    if writer.placement is not None and writer.placement.several:
-        # DST on the nodes' own disks holds per-rank files only, each written whole by
-        # the process that framed it: its checksums are patched where it lies.
-        runtime.agreed(lambda: _patch_checksums(writer.root, [(frame.records, pieces)]))
-    else:
-        gathered = runtime.gather((frame.records, pieces))
-        runtime.agreed(
-            lambda: _patch_checksums(writer.root, gathered) if runtime.coordinator else None
-        )
-    runtime.agreed(lambda: writer.finish() if runtime.coordinator else None)
-    _copy_to_every_disk(writer, runtime)
+    with costs.phase("finish"):
+        if writer.placement is not None and writer.placement.several:
+            # DST on the nodes' own disks holds per-rank files only, each written whole by
+            # the process that framed it: its checksums are patched where it lies.
+            runtime.agreed(lambda: _patch_checksums(writer.root, [(frame.records, pieces)]))
+        else:
+            gathered = runtime.gather((frame.records, pieces))
+            runtime.agreed(
+                lambda: _patch_checksums(writer.root, gathered) if runtime.coordinator else None
+            )
+        runtime.agreed(lambda: writer.finish() if runtime.coordinator else None)
+        _copy_to_every_disk(writer, runtime)
+
+
+def _any_rank(runtime, flag: bool) -> bool:
+    """Return whether ``flag`` holds on any rank: every rank runs a step while one has work."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    runtime.max_over_ranks(t)
+    return bool(t.item())
 
 
 def _copy_to_every_disk(writer: Writer, runtime) -> None:
@@ -152,31 +141,27 @@ def _copy_to_every_disk(writer: Writer, runtime) -> None:
     runtime.agreed(write)
 
 
-def _most(runtime, count: int) -> int:
-    """Return the largest ``count`` over every rank."""
-    t = torch.tensor([count], dtype=torch.int64)
-    runtime.max_over_ranks(t)
-    return int(t.item())
+def _fill(
+    reader: Reader, batch: list[Region], jobs, metas, files: DstFiles, runtime, costs: Costs
+) -> tuple[list[Piece], int]:
+    """Read the rows of a step's regions and jobs, write each region at its offset and each job in order.
 
-
-def _fill(reader: Reader, batch: list[Region], metas, files: _Files, runtime) -> list[Piece]:
-    """Read the rows that hold ``batch``'s regions and write each region at its offset."""
+    Returns the pieces written into zip records of files several processes share, and
+    the tensor bytes written (what the progress bar counts).
+    """
     batch = [r for r in batch if r.stop > r.start]
-    read = _read_rows(reader, batch, metas, runtime)
+    asked = batch + [r for _, segments in jobs for r in regions_of(segments)]
+    lookup, read = read_regions(reader, asked, metas, runtime)
+    costs.read_bytes += read
     pieces = []
+    moved = 0
     for region in batch:
-        meta = metas[region.key]
-        first, tensor = read(region)
-        flat = tensor.reshape(-1)[region.start - first : region.stop - first]
-        data = contiguous_bytes(flat)
-        if len(data) != nbytes(region, metas):
-            raise RuntimeError(
-                f"internal: read {len(data)} bytes of '{meta.key}' for a region of "
-                f"{nbytes(region, metas)}"
-            )
+        data = lookup(region)
         fd = files.fd(region.file)
         with writing(files.path(region.file)):
             pwrite_all(fd, data, region.offset)
+        costs.written_bytes += len(data)
+        moved += len(data)
         if region.record is not None:
             record = region.record
             pieces.append(
@@ -184,47 +169,12 @@ def _fill(reader: Reader, batch: list[Region], metas, files: _Files, runtime) ->
                     record.file, record.start, region.offset - record.start, len(data), crc32(data)
                 )
             )
-    return pieces
-
-
-def _read_rows(reader: Reader, batch: list[Region], metas, runtime):
-    """Read the rows ``batch``'s regions lie in; return a lookup: region -> (first element, rows).
-
-    Regions of one tensor whose rows touch or overlap are read once; rows of one tensor
-    that lie apart (two target ranks' shards) are separate requests. One ``read_spans``
-    call per step, on every rank, even with nothing to read: a reader whose reads are
-    collectives (``exchange.SharedReader``) needs every rank in each.
-    """
-    spans: dict[str, list[list[int] | None]] = {}
-    for region in batch:
-        rows = rows_of(region, metas[region.key])
-        known = spans.setdefault(region.key, [])
-        if rows is None:
-            known[:] = [None]
-            continue
-        for span in known:
-            if span is not None and rows[0] <= span[1] and span[0] <= rows[1]:
-                span[0], span[1] = min(span[0], rows[0]), max(span[1], rows[1])
-                break
-        else:
-            known.append(list(rows))
-    asked = [(key, k) for key, v in spans.items() for k in range(len(v))]
-    requests = [
-        (metas[key], None if spans[key][k] is None else tuple(spans[key][k])) for key, k in asked
-    ]
-    got = dict(zip(asked, reader.read_spans(requests, runtime)))
-
-    def lookup(region: Region) -> tuple[int, torch.Tensor]:
-        meta = metas[region.key]
-        rows = rows_of(region, meta)
-        for k, span in enumerate(spans[region.key]):
-            if span is None:
-                return 0, got[(region.key, k)]
-            if span[0] <= rows[0] and rows[1] <= span[1]:
-                return span[0] * row_elements(meta), got[(region.key, k)]
-        raise RuntimeError(f"internal: no read holds a region of '{region.key}'")
-
-    return lookup
+    for job, segments in jobs:
+        before = job.written
+        job.write(segments, lookup)
+        costs.written_bytes += job.written - before
+        moved += sum(nbytes(r, metas) for r in regions_of(segments))
+    return pieces, moved
 
 
 def _patch_checksums(root: Path, gathered: list[tuple[list[Record], list[Piece]]]) -> None:
@@ -234,7 +184,7 @@ def _patch_checksums(root: Path, gathered: list[tuple[list[Record], list[Piece]]
     for _, pieces in gathered:
         for p in pieces:
             by_record[(p.file, p.record_start)].append(p)
-    files = _Files(root)
+    files = DstFiles(root)
     try:
         for key, record in records.items():
             fd = files.fd(record.file)

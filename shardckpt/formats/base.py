@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.placement import shared
-from shardckpt.state.regions import Piece, Record, Region
+from shardckpt.state.regions import FileJob, Piece, Record, Region
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves
 
 # Rows [start, stop) of dim 0, or None for the whole tensor.
@@ -156,6 +156,8 @@ class Frame:
     """The zip records this process framed, whose CRC-32 is patched once every rank wrote."""
     pieces: list[Piece] = field(default_factory=list)
     """Bytes framing already wrote into those records (a DTensor's mesh, for instance)."""
+    files: list[FileJob] = field(default_factory=list)
+    """Files this process writes whole, laid out as the engine reaches them (per-rank files)."""
 
 
 class Writer(ABC):

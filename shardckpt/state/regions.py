@@ -12,8 +12,9 @@ its ``Record``: the record's CRC-32 is combined from the pieces the ranks wrote
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 
 from isal import isal_zlib
@@ -22,7 +23,7 @@ from torch.distributed.tensor import Shard
 from shardckpt.state.tree import TensorMeta
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Record:
     """A zip record of DST file ``file``: bytes [start, start + length), its CRC-32 kept at ``crc_at``."""
 
@@ -36,7 +37,7 @@ class Record:
     not as a zip's 4 little-endian bytes."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Region:
     """Elements [start, stop) of source tensor ``key`` (row-major) at byte ``offset`` of ``file``."""
 
@@ -50,7 +51,7 @@ class Region:
     """The zip record the bytes belong to, or None (safetensors: no checksum)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """What one process wrote of a record: ``length`` bytes at ``offset`` into it, and their CRC-32."""
 
@@ -59,6 +60,41 @@ class Piece:
     offset: int
     length: int
     crc: int
+
+
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """A zip record whose data is one region: the bytes before it, the region, the bytes after it.
+
+    The bytes around it hold the record's CRC-32 fields (``torch.save``'s data
+    descriptor and central directory entry after it, or its local header before it),
+    filled in as the region's bytes are written: DCP's one-tensor ``torch.save`` items
+    are such records.
+    """
+
+    head: bytes
+    region: Region
+    tail: bytes
+    crc_at: tuple[int, ...]
+    """Where the record's CRC-32 fields lie, from the first byte of ``head``."""
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """A DST file one process writes whole, front to back: bytes known from the plan, and regions.
+
+    Laid out only when the engine reaches it (``layout``), so a process writing a
+    thousand target ranks' files holds one file's layout at a time, not all of them.
+    """
+
+    file: str
+    """Relative to DST's staging path (the job's regions and records are placed by it alone)."""
+    data: int
+    """The bytes of its regions: what filling it takes of the read buffer."""
+    layout: Callable[[], tuple[Iterable[bytes | Region | Blob], Sequence[Record]]]
+    """The file from its first byte to its last (literal bytes, regions and blobs, in
+    order), and the other zip records in it (by offset), whose CRC-32 is taken over the
+    bytes as they are written."""
 
 
 def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, int] | None:
@@ -71,6 +107,35 @@ def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, 
         return None
     size, offset = Shard.local_shard_size_and_offset(shape[0], world_size, rank)
     return (int(offset), int(offset) + int(size))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A tensor's ``Shard(0)`` rows over M ranks: ranks [0, empty_from) hold rows, the others none."""
+
+    rows: int
+    world_size: int
+
+    @cached_property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Return each rank's (first row, row count), as torch's ``Shard(0)`` gives them."""
+        out = []
+        for rank in range(self.world_size):
+            first, stop = dim0_rows((self.rows,), self.world_size, rank)  # type: ignore[misc]
+            out.append((first, stop - first))
+        return tuple(out)
+
+    @cached_property
+    def empty_from(self) -> int:
+        """Return the first rank that holds no row (``world_size`` when every rank holds some).
+
+        Every rank after it holds none either (``Shard(0)`` gives the rows in order).
+        """
+        counts = [n for _, n in self.spans]
+        first = next((r for r, n in enumerate(counts) if n == 0), self.world_size)
+        if any(counts[first:]):
+            raise RuntimeError(f"internal: Shard(0) of {self.rows} rows leaves a gap")
+        return first
 
 
 def nbytes(region: Region, metas: dict[str, TensorMeta]) -> int:

@@ -45,6 +45,10 @@ def tensors_differ(
     """Return whether two same-shape tensors differ (bitwise when atol = rtol = 0) and max |x-y|."""
     if x.numel() == 0:
         return False, 0.0
+    if x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)):
+        # The same bytes are equal under any tolerance: compared as bytes, no float64 copies
+        # of either side (which made diff and --verify read at a fifth of the writer's pace).
+        return False, 0.0
     wide = torch.complex128 if x.is_complex() else torch.float64
     xd, yd = x.to(wide), y.to(wide)
     delta = (xd - yd).abs()

@@ -97,6 +97,26 @@ def test_resharding_fsdp2_at_4_writes_the_files_and_chunks_fsdp2_at_m_saves(
         assert ours[key] == expected[key], key
 
 
+def read_metadata(dcp_dir: Path):
+    """Return a DCP checkpoint's ``.metadata``, unpickled (torch's own files, trusted here)."""
+    with open(dcp_dir / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+def test_the_metadata_is_what_dcp_save_of_fsdp2_at_m_writes(resharded, fsdp2_saves, world_size):
+    # Planned once for the tree (formats/dcp/save_plan.py), not by DCP's planner per target
+    # rank: every entry, chunk, property, file offset and length must still be torch's own.
+    # Only the save's identity (its path, a random id) is the job's.
+    ours, theirs = read_metadata(resharded(world_size)), read_metadata(fsdp2_saves(world_size))
+    assert list(ours.state_dict_metadata) == list(theirs.state_dict_metadata)
+    for key, entry in theirs.state_dict_metadata.items():
+        assert ours.state_dict_metadata[key] == entry, key
+    assert ours.storage_data == theirs.storage_data
+    assert ours.planner_data == theirs.planner_data
+    assert ours.version == theirs.version
+
+
 @pytest.mark.parametrize("world_size", [3, 8])
 def test_the_resharded_checkpoint_loads_into_fsdp2_at_m_exactly(resharded, ref, world_size):
     assert_trees_equal(load_dcp_into_fsdp2(resharded(world_size), world_size), ref)

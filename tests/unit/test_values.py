@@ -16,6 +16,7 @@ from shardckpt.codecs.json_values import (
     encode_value,
 )
 from shardckpt.state.tree import TensorMeta
+from shardckpt.state.values import tensors_differ
 
 
 @pytest.mark.parametrize(
@@ -66,3 +67,15 @@ def test_tree_round_trip_keeps_int_keys_and_holes():
     back = decode_tree(encoded, lambda name: meta)
     assert back == tree
     assert isinstance(back["optim"]["param_groups"][0]["betas"], tuple)
+
+
+def test_tensors_with_the_same_bytes_are_equal_at_any_tolerance_with_no_difference():
+    x = torch.tensor([1.0, float("inf"), float("nan"), -0.0])
+    for atol, rtol in [(0.0, 0.0), (1e-3, 0.0), (0.0, 1e-3)]:
+        assert tensors_differ(x, x.clone(), atol, rtol) == (False, 0.0)
+
+
+def test_bytes_that_differ_are_still_judged_as_values():
+    zero, minus_zero = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    assert tensors_differ(zero, minus_zero, 0.0, 0.0) == (True, 0.0)
+    assert tensors_differ(zero, minus_zero, 1e-6, 0.0) == (False, 0.0)

@@ -1,29 +1,22 @@
-"""Writing ``dcp`` for M target ranks from any number of processes, with DCP's own protocol.
+"""Writing ``dcp`` for M target ranks from any number of processes, as ``dcp.save`` at M would.
 
-``dcp.save`` writes one file per process of the launch. To write M files from N
-processes, each process runs DCP's per-rank steps once per target rank it acts for
-(``shardckpt.formats.ranks.target_ranks``), and the object collectives DCP would run among M ranks run
-among the N real ones instead. Call order, as in torch's ``_save_state_dict``:
-  1) (each target rank) ``planner.set_up_planner`` -> ``create_local_plan`` ->
-     ``storage_writer.prepare_local_plan``; the plans are gathered to real rank 0.
-  2) (coordinator, target rank 0) ``planner.create_global_plan`` (dedup of tensors
-     every rank holds, metadata, validation) -> ``storage_writer.prepare_global_plan``
-     (file ``__r_0.distcp`` for target rank r); the plans are broadcast back.
-  3) (each target rank) ``planner.finish_plan``; instead of ``write_data``, its data file
-     is laid out as ``FileSystemWriter`` writes it (pickled values, then ``torch.save``
-     of each tensor item) with placeholders for the tensor bytes, which the engine
-     fills from the source afterwards (``shardckpt/engine/fill.py``); the write results,
-     known from the layout, are gathered to real rank 0.
-  4) (coordinator, after the engine filled every region) ``storage_writer.finish
-     (metadata, results)`` writes ``.metadata``.
-No process holds more than the engine's batch of tensor data at any time.
-Every step runs under ``Runtime.agreed``, so a failure anywhere stops every process; a
-failed write (a full disk) is one line naming the file, exit 4.
+``dcp.save`` writes one data file per rank. To write M files from N processes without
+M ranks, the save is planned once for the tree (``save_plan``: DCP's per-rank planning,
+dedup and global plan, as they come out for FSDP2's state dicts at M; no placeholder
+DTensor per target rank, nothing gathered), then:
+  1) (every process) ``frame``: the plan, derived from the tree alone; a file job per
+     target rank it acts for (``__r_0.distcp``, as ``FileSystemWriter`` lays it out:
+     the pickled values, then ``torch.save`` of each tensor item), which the engine
+     writes front to back with the source's bytes (``shardckpt/engine/jobs.py``);
+  2) (coordinator, once every file is written) ``finish``: ``.metadata``, the bytes
+     ``FileSystemWriter.finish`` writes, streamed (``metadata_file``).
+No process holds more than the engine's batch of tensor data, nor a target rank's plan
+as objects. Every step runs under ``Runtime.agreed``, so a failure anywhere stops every
+process; a failed write (a full disk) is one line naming the file, exit 4.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import pickle
@@ -33,25 +26,33 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from shardckpt.codecs.zip_skeleton import pwrite_all, tensor_blob, write_blob
+from shardckpt.codecs.pickle_stream import NotStreamable, dump, materialized
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, writing
-from shardckpt.core.torch_internals import dcp_storage_info, dcp_v2_3_paths
+from shardckpt.core.torch_internals import dcp_v2_3_paths, dcp_version
 from shardckpt.formats.base import Frame, Writer
-from shardckpt.formats.ranks.rank_file import Fills, dtensor_placeholders
-from shardckpt.formats.ranks.target_ranks import create, merge_frames, virtual_mesh
-from shardckpt.formats.torch_save.file import storage_of
-from shardckpt.state.regions import Region
-from shardckpt.state.tree import walk
+from shardckpt.formats.dcp.metadata_file import FileLayout, data_file, metadata
+from shardckpt.formats.dcp.save_plan import (
+    SHARD,
+    VALUE,
+    WHOLE,
+    DcpSavePlan,
+    Entry,
+    Split,
+    storage_cost,
+)
+from shardckpt.state.regions import Blob, FileJob, Record, Region, row_elements
+from shardckpt.state.tree import TensorMeta, map_leaves, walk
 
+METADATA_FILE = ".metadata"
 _METADATA_TMP = ".metadata.tmp"  # what FileSystemWriter.finish writes, then renames
 
 
@@ -189,18 +190,14 @@ class _Writer(FileSystemWriter):
         return StorageMeta(checkpoint_id=None, save_id=self.save_id)
 
 
-def _in_target_order(per_rank: list[dict[int, object]], world_size: int) -> list:
-    """Return the values of the per-process ``{target rank: value}`` dicts ordered by target rank."""
-    merged = {r: v for part in per_rank for r, v in part.items()}
-    return [merged[r] for r in range(world_size)]
-
-
 class DcpWriter(Writer):
-    """``dcp`` at M target ranks: DCP's planning, then each target rank's data file laid out and filled.
+    """``dcp`` at M target ranks: DCP's save planning done once for the tree, each target rank's data file laid out and filled.
 
-    The state dicts DCP plans hold placeholders, so no tensor data exists until the
-    engine fills the regions. ``.metadata`` is written by DCP's own ``finish`` from the
-    write results, which are known from the layout alone.
+    The plan is DCP's own for FSDP2's state dicts at M (``save_plan``): every process
+    derives it from the tree alone, so nothing is gathered; each process writes the data
+    files of the target ranks it acts for as file jobs (front to back, no placeholder
+    written first), and the coordinator writes ``.metadata`` as ``finish`` would
+    (``metadata_file``), streamed.
     """
 
     # DCP's loader reads .metadata on every rank.
@@ -211,56 +208,73 @@ class DcpWriter(Writer):
         self._storage = _Writer(root)
         described = repr((plan.world_size, [(p, m.shape, str(m.dtype)) for p, m in plan.tensors]))
         self._storage.save_id = str(uuid.uuid5(uuid.NAMESPACE_OID, described))
-        self._finish: tuple | None = None
+        self._layout: FileLayout | None = None
+        self._mappings: dict = {}
 
     def frame(self, runtime: Runtime) -> Frame:
-        plan = self.plan
+        runtime.agreed(self._plan)
         targets = self.targets(runtime)
-        planners = {r: _SavePlanner(self.stored_bytes) for r in targets}
-        fills: dict[int, Fills] = {r: {} for r in targets}
 
-        def local_plans() -> dict[int, SavePlan]:
-            self._storage.set_up_storage_writer(
-                runtime.coordinator, rank=runtime.rank, use_collectives=True
-            )
-            plans = {}
-            for r in targets:
-                planner = planners[r]
-                planner.set_up_planner(
-                    dtensor_placeholders(plan, r, virtual_mesh(plan.world_size, r), fills[r]),
-                    storage_meta=self._storage.storage_meta(),
-                    is_coordinator=r == 0,
+        def lay_out() -> Frame:
+            with writing(self.root):
+                self.root.mkdir(parents=True, exist_ok=True)
+            return Frame(files=[self._job(r) for r in targets])
+
+        return runtime.agreed(lay_out)
+
+    def _plan(self) -> None:
+        """Plan the save as DCP would at M (the same on every process): entries, dedup, value bytes."""
+        planner = _SavePlanner(self.stored_bytes)
+        tree, leaf_of = _placeholders(self.plan.tree)
+        planner.set_up_planner(tree, storage_meta=self._storage.storage_meta(), is_coordinator=True)
+        entries = []
+        splits: dict[int, Split] = {}
+        for fqn, obj in planner.state_dict.items():
+            meta = leaf_of.get(id(obj))
+            fqn = sys.intern(fqn)
+            if meta is None:
+                entries.append(Entry(fqn, VALUE, value=obj))
+            elif meta.key in self.plan.whole:
+                entries.append(Entry(fqn, WHOLE, meta, cost=storage_cost(meta)))
+            else:
+                rows = meta.shape[0]
+                split = splits.setdefault(rows, Split(rows, self.plan.world_size))
+                entries.append(Entry(fqn, SHARD, meta, split=split, cost=storage_cost(meta)))
+        values: dict[int, bytes] = {}
+
+        def value_bytes(index: int) -> bytes:
+            if index not in values:
+                item = WriteItem(
+                    index=MetadataIndex(entries[index].fqn), type=WriteItemType.BYTE_IO
                 )
-                plans[r] = self._storage.prepare_local_plan(planner.create_local_plan())
-            return plans
+                values[index] = bytes(planner.resolve_data(item).getbuffer())
+            return values[index]
 
-        gathered = runtime.gather(runtime.agreed(local_plans))
+        self._layout = FileLayout(DcpSavePlan(entries, self.plan.world_size), value_bytes)
+        self._mappings = planner.mappings
 
-        def global_plan():
-            if not runtime.coordinator:
-                return None
-            plans, metadata = planners[0].create_global_plan(
-                _in_target_order(gathered, plan.world_size)
-            )
-            return self._storage.prepare_global_plan(plans), metadata
+    def _job(self, rank: int) -> FileJob:
+        """Return target rank ``rank``'s data file as a file job: values, then ``torch.save`` blobs of its chunks."""
+        layout = self._layout
+        assert layout is not None
+        name = data_file(rank)
+        entries = layout.save.entries
 
-        central = runtime.agreed(global_plan)
-        final = runtime.broadcast(central[0] if central is not None else None)
+        def segments() -> tuple[list, list[Record]]:
+            out: list = []
+            for index, offset, first, count, blob in layout.items(rank):
+                if blob is None:
+                    out.append(layout.value_bytes(index))
+                    continue
+                meta = entries[index].meta
+                assert meta is not None
+                row = row_elements(meta) if meta.shape else 1
+                start = blob.data.start + offset
+                region = Region(meta.key, first * row, (first + count) * row, name, start)
+                out.append(Blob(blob.head, region, blob.tail, blob.data.crc_at))
+            return out, []
 
-        def lay_out() -> tuple[Frame, dict[int, list[WriteResult]]]:
-            frames, results = [], {}
-            for r in targets:
-                frame, results[r] = _lay_out_file(
-                    self.root, planners[r], planners[r].finish_plan(final[r]), fills[r]
-                )
-                frames.append(frame)
-            return merge_frames(frames), results
-
-        frame, results = runtime.agreed(lay_out)
-        everyone = runtime.gather(results)
-        if runtime.coordinator:
-            self._finish = (central[1], _in_target_order(everyone, plan.world_size))
-        return frame
+        return FileJob(name, layout.data_bytes(rank), segments)
 
     def stored_bytes(self, key: str, value: object) -> bytes | None:
         """Return the bytes value ``key`` is stored as, where they are not DCP's ``torch.save`` of ``value``.
@@ -271,75 +285,36 @@ class DcpWriter(Writer):
         return None
 
     def finish(self) -> None:
-        metadata, results = self._finish
-        # Results reach the coordinator pickled from other processes; its own are pickled
-        # the same way, so that .metadata's bytes (pickle shares repeated objects) do not
-        # depend on how many processes wrote.
-        self._storage.finish(*_one_object_per_name(metadata, results))
+        """Write ``.metadata`` (coordinator): as ``FileSystemWriter.finish``, streamed."""
+        assert self._layout is not None
+        described = metadata(
+            self._layout, self._mappings, self._storage.storage_meta(), dcp_version()
+        )
+        tmp, final = self.root / _METADATA_TMP, self.root / METADATA_FILE
+        fs = self._storage.fs
+        with fs.create_stream(tmp, "wb") as stream:
+            try:
+                dump(described, stream, protocol=pickle.DEFAULT_PROTOCOL)
+            except NotStreamable:
+                stream.seek(0)
+                stream.truncate()
+                pickle.dump(materialized(described), stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        if fs.exists(final):
+            fs.rm_file(final)
+        fs.rename(tmp, final)
 
 
-def _one_object_per_name(metadata, results: list) -> tuple:
-    """Return ``metadata`` and ``results`` with each key and path name one ``str`` object throughout.
+def _placeholders(tree: dict) -> tuple[dict, dict[int, TensorMeta]]:
+    """Return ``tree`` with each tensor a tiny placeholder DCP's flattening treats as a tensor, and each's meta."""
+    leaf_of: dict[int, TensorMeta] = {}
 
-    A path of one key (a tree whose leaves sit at the top: Megatron's, Hugging Face's)
-    is DCP's flat key itself, the same object, in what this process planned and wrote,
-    and an equal copy in what other processes sent; pickle writes a shared object once,
-    so without this ``.metadata``'s bytes would depend on how many processes wrote.
-    """
-    name = sys.intern
-    metadata.state_dict_metadata = {name(k): v for k, v in metadata.state_dict_metadata.items()}
-    if metadata.planner_data:
-        metadata.planner_data = {
-            name(k): tuple(name(p) if type(p) is str else p for p in path)
-            for k, path in metadata.planner_data.items()
-        }
-    results = [
-        [
-            dataclasses.replace(r, index=dataclasses.replace(r.index, fqn=name(r.index.fqn)))
-            for r in rs
-        ]
-        for rs in pickle.loads(pickle.dumps(results))
-    ]
-    return metadata, results
+    def place(_path, leaf):
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        placeholder = torch.empty(0)
+        leaf_of[id(placeholder)] = leaf
+        return placeholder
 
-
-def _lay_out_file(
-    root: Path, planner: _SavePlanner, plan: SavePlan, fills: Fills
-) -> tuple[Frame, list[WriteResult]]:
-    """Write one target rank's data file without tensor bytes; return its regions and write results.
-
-    As DCP's ``FileSystemWriter`` lays it out (``__{r}_0.distcp``): the pickled plain
-    values, then each tensor item as ``torch.save`` of that tensor alone.
-    """
-    name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-    storage_info = dcp_storage_info()
-    frame, results = Frame(), []
-    fd = create(root / name)
-    try:
-        offset = 0
-        values = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-        for item in values:
-            data = planner.resolve_data(item).getbuffer()
-            with writing(root / name):
-                pwrite_all(fd, data, offset)
-            results.append(
-                WriteResult(item.index, len(data), storage_info(name, offset, len(data)))
-            )
-            offset += len(data)
-        for item in tensors:
-            placeholder = planner.lookup_object(item.index)
-            chunk = item.tensor_data.chunk
-            blob = tensor_blob(tuple(chunk.sizes), placeholder.dtype)
-            with writing(root / name):
-                record = write_blob(fd, offset, blob, name)
-            for key, start, stop, _ in fills[storage_of(placeholder)]:
-                frame.regions.append(Region(key, start, stop, name, record.start, record))
-            frame.records.append(record)
-            results.append(
-                WriteResult(item.index, blob.size, storage_info(name, offset, blob.size))
-            )
-            offset += blob.size
-    finally:
-        os.close(fd)
-    return frame, results
+    return map_leaves(tree, place), leaf_of

@@ -85,6 +85,7 @@ def merge_frames(frames) -> Frame:
         out.regions += frame.regions
         out.records += frame.records
         out.pieces += frame.pieces
+        out.files += frame.files
     return out
 
 

@@ -208,7 +208,9 @@ def _under(folder: str, frame: Frame) -> Frame:
         for r in frame.regions
     ]
     pieces = [replace(p, file=moved(p.file)) for p in frame.pieces]
-    return Frame(regions, list(records.values()), pieces)
+    # A file job's regions and records are placed by the job's file alone.
+    files = [replace(j, file=moved(j.file)) for j in frame.files]
+    return Frame(regions, list(records.values()), pieces, files)
 
 
 class PartsWriter(Writer):

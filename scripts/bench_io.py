@@ -1,0 +1,121 @@
+"""The I/O axis of the benchmark: a full export, --verify and diff against cp and cmp.
+
+    python scripts/bench_io.py [--size-gb 1.0] [--pairs 3] [--workdir .bench] [--keep]
+
+On the FSDP2 DCP source of ``bench.py`` (built once in WORKDIR, about SIZE_GB, model +
+AdamW), each round runs, one after the other so that each pair sees the same machine:
+``cp -r SRC COPY && sync``; ``shardckpt convert SRC out.safetensors --to full`` (and
+``sync``); the same with ``--verify``; ``cmp`` of every file of SRC with COPY's; and
+``shardckpt diff SRC COPY``. The table gives each command's median wall time over the
+rounds and the ratios the issue's targets are stated in: the export against ``cp -r &&
+sync``, ``--verify`` against the export without it, ``diff`` against ``cmp``. The source
+is in the page cache (it was just read), as in ``bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench
+
+COMMANDS = ("cp -r && sync", "export", "export --verify", "cmp", "diff")
+
+
+def timed(argv: list[str], shell: bool = False) -> float:
+    """Return the wall seconds ``argv`` took; raise if it failed."""
+    start = time.perf_counter()
+    done = subprocess.run(argv, shell=shell, capture_output=True, text=True, env=bench_env())
+    took = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv}: exit {done.returncode}: {done.stderr.strip()[-500:]}")
+    return took
+
+
+def bench_env() -> dict[str, str]:
+    """Return the environment the commands run in: this checkout's shardckpt, one thread."""
+    path = os.pathsep.join([str(bench.ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def cmp_all(a: Path, b: Path) -> list[str]:
+    """Return the shell command comparing every file of ``a`` with the one of that name in ``b``."""
+    names = sorted(p.name for p in a.iterdir())
+    return [" && ".join(f"cmp '{a / n}' '{b / n}'" for n in names)]
+
+
+def one_round(src: Path, workdir: Path) -> dict[str, float]:
+    """Return each command's wall seconds in one round."""
+    copy, out = workdir / "io-copy", workdir / "io-out.safetensors"
+    shardckpt = [sys.executable, "-m", "shardckpt"]
+    export = [*shardckpt, "convert", str(src), str(out), "--to", "full", "--format"]
+    export += ["safetensors", "--overwrite", "--quiet"]
+    times = {}
+    shutil.rmtree(copy, ignore_errors=True)
+    times["cp -r && sync"] = timed([f"cp -r '{src}' '{copy}' && sync"], shell=True)
+    times["export"] = timed(export) + timed(["sync"])
+    times["export --verify"] = timed([*export, "--verify"]) + timed(["sync"])
+    times["cmp"] = timed(cmp_all(src, copy), shell=True)
+    times["diff"] = timed([*shardckpt, "diff", str(src), str(copy), "--quiet"])
+    shutil.rmtree(copy, ignore_errors=True)
+    out.unlink(missing_ok=True)
+    return times
+
+
+def table(medians: dict[str, float], src_bytes: int, rounds: int) -> str:
+    """Return the medians and the target ratios as markdown."""
+    lines = [
+        f"source {src_bytes / 1e9:.2f} GB, median of {rounds} rounds",
+        "",
+        "| command | wall s | ratio | target |",
+        "|---|---:|---:|---|",
+    ]
+    ratios = {
+        "export": ("cp -r && sync", "≤ 1.5× cp -r && sync"),
+        "export --verify": ("export", "≤ 2× export"),
+        "diff": ("cmp", "≤ 2× cmp"),
+    }
+    for name in COMMANDS:
+        base, target = ratios.get(name, (None, ""))
+        ratio = f"{medians[name] / medians[base]:.2f}× {base}" if base else ""
+        lines.append(f"| {name} | {medians[name]:.2f} | {ratio} | {target} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Run the rounds; print the table (or JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--pairs", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--workdir", type=Path, default=bench.ROOT / ".bench")
+    parser.add_argument("--keep", action="store_true", help="keep the source for the next run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    workdir = args.workdir.resolve()
+    src = bench.ensure_source(workdir, args.size_gb)
+    src_bytes = bench.tree_bytes(src)
+    rounds = []
+    try:
+        for i in range(args.pairs):
+            rounds.append(one_round(src, workdir))
+            bench.log(f"round {i + 1}: {json.dumps(rounds[-1])}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(src, ignore_errors=True)
+    medians = {name: statistics.median(r[name] for r in rounds) for name in COMMANDS}
+    if args.json:
+        print(json.dumps({"rounds": rounds, "median": medians}, indent=2))
+    else:
+        print(table(medians, src_bytes, len(rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

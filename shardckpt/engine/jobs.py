@@ -1,0 +1,273 @@
+"""File jobs: per-rank files each written whole, front to back, by the process that frames them.
+
+A job (``state.regions.FileJob``) is laid out only when the queue reaches it. Each step
+takes the segments of one or more jobs until their regions reach the read buffer (a job
+bigger than the buffer goes over several steps, a region bigger than it cut at row
+boundaries); the step's regions are read at once (``rows.read_regions``), and each job's
+bytes are put together in order and written with as few ``pwrite`` calls as the buffer
+allows. Every zip record's CRC-32 is taken over the bytes as they are written and put
+into its fields before those are written (or, for a field already written, right after):
+no checksum is left to patch at the end, and nothing passes between ranks.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from isal import isal_zlib
+
+from shardckpt.codecs.zip_skeleton import pwrite_all
+from shardckpt.core.files import writing
+from shardckpt.engine.dst_files import DstFiles
+from shardckpt.state.regions import Blob, FileJob, Record, Region, nbytes, row_elements
+from shardckpt.state.tree import TensorMeta
+
+# A step holds at most this many regions, so that a process writing many small files
+# (a thousand target ranks' worth) holds a bounded number of them at a time.
+STEP_REGIONS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    """The bytes before a blob whose data goes in parts (larger than the buffer)."""
+
+    blob: Blob
+
+
+@dataclass(frozen=True, slots=True)
+class _Close:
+    """The bytes after such a blob: its CRC-32 is the parts' running one."""
+
+    blob: Blob
+
+
+Segment = bytes | Region | Blob | _Open | _Close
+
+
+def _put_blob(buffer: bytearray, blob: Blob, data, crc: int) -> None:
+    """Append ``blob``'s bytes to ``buffer``, its data ``data`` and its CRC-32 fields ``crc``."""
+    start = len(buffer)
+    buffer += blob.head
+    buffer += data
+    buffer += blob.tail
+    packed = struct.pack("<I", crc)
+    for at in blob.crc_at:
+        buffer[start + at : start + at + 4] = packed
+
+
+class JobWriter:
+    """One file job being written: where its layout stands, its output buffer, its checksums."""
+
+    def __init__(self, job: FileJob, files: DstFiles, limit: int):
+        self.job = job
+        self.files = files
+        self.limit = limit
+        segments, records = job.layout()
+        self._segments = iter(segments)
+        self._records: deque[Record] = deque(records)
+        self._pending: deque[Segment] = deque()
+        self._fd = files.create(job.file)
+        self._buffer = bytearray()
+        self._base = 0  # the file offset of the buffer's first byte
+        self._crc = 0  # of the current record's bytes written so far
+        self._crc_at = 0  # how far into the file the current record's CRC has reached
+        self._patches: dict[int, bytes] = {}  # CRC fields not written yet, by offset
+        self._running: int | None = None  # the CRC-32 of a blob whose data goes in parts
+        self._blob_at = 0  # where that blob starts in the file
+        self.written = 0
+        self.done = False
+
+    def _next(self) -> Segment | None:
+        if self._pending:
+            return self._pending.popleft()
+        return next(self._segments, None)
+
+    def take(
+        self, room: int, count: int, metas: Mapping[str, TensorMeta], must: bool
+    ) -> tuple[list[Segment], int]:
+        """Return this job's next segments whose regions hold at most ``room`` bytes and ``count`` regions.
+
+        A region that does not fit is cut at a row boundary of its tensor (a read is of
+        whole rows); with ``must`` (nothing taken yet this step), one row at least goes.
+        A blob goes whole (its checksum is taken as it is written), or waits.
+        """
+        out: list[Segment] = []
+        taken = 0
+        while True:
+            segment = self._next()
+            if segment is None:
+                self.done = True
+                return out, taken
+            if type(segment) in (bytes, _Open, _Close):
+                out.append(segment)
+                continue
+            if len(out) >= count and taken:
+                self._pending.appendleft(segment)
+                return out, taken
+            region = segment.region if type(segment) is Blob else segment
+            size = nbytes(region, metas)
+            if taken + size <= room or type(segment) is Blob and must and not taken:
+                out.append(segment)
+                taken += size
+                continue
+            if type(segment) is Blob:
+                if size <= self.limit and taken:
+                    self._pending.appendleft(segment)  # whole, next step
+                    return out, taken
+                # Larger than the buffer: its data goes in parts, the checksum running on.
+                self._pending.extendleft([_Close(segment), segment.region, _Open(segment)])
+                continue
+            meta = metas[segment.key]
+            row = row_elements(meta) or 1
+            cut = (segment.start + (room - taken) // meta.dtype.itemsize) // row * row
+            if cut <= segment.start and must and not taken:
+                cut = (segment.start // row + 1) * row
+            if cut <= segment.start or not meta.shape:
+                if must and not taken:
+                    out.append(segment)  # a 0-dim tensor cannot be cut
+                    taken += size
+                    continue
+                self._pending.appendleft(segment)
+                return out, taken
+            head, tail = _cut(segment, meta, min(cut, segment.stop))
+            out.append(head)
+            taken += nbytes(head, metas)
+            if tail is not None:
+                self._pending.appendleft(tail)
+            return out, taken
+
+    def write(self, segments: Sequence[Segment], lookup: Callable[[Region], memoryview]) -> None:
+        """Write ``segments`` at the end of what this job wrote, with the source bytes ``lookup`` gives."""
+        buffer = self._buffer
+        for segment in segments:
+            kind = type(segment)
+            if kind is bytes:
+                buffer += segment
+            elif kind is Blob:
+                region = segment.region
+                data = lookup(region) if region.stop > region.start else b""
+                _put_blob(buffer, segment, data, isal_zlib.crc32(data))
+            elif kind is _Open:
+                self._running, self._blob_at = 0, self._base + len(buffer)
+                buffer += segment.blob.head
+            elif kind is _Close:
+                buffer += segment.blob.tail
+                # Its fields may lie in what is written already (a local header): patched after.
+                packed = struct.pack("<I", self._running)
+                for at in segment.blob.crc_at:
+                    self._patches[self._blob_at + at] = packed
+                self._running = None
+            elif segment.stop > segment.start:
+                data = lookup(segment)
+                buffer += data
+                if self._running is not None:
+                    self._running = isal_zlib.crc32(data, self._running)
+            if len(buffer) >= self.limit:
+                self._flush()
+                buffer = self._buffer
+            if len(self._buffer) >= self.limit:
+                self._flush()
+        if self.done:
+            self._flush()
+            self._finish()
+
+    def _flush(self) -> None:
+        """Write the buffer out, with the CRC-32 of every record it completes put in place."""
+        buffer, base = self._buffer, self._base
+        end = base + len(buffer)
+        while self._records and self._records[0].start < end:
+            record = self._records[0]
+            stop = record.start + record.length
+            lo, hi = max(record.start, self._crc_at), min(stop, end)
+            if hi > lo:
+                self._crc = isal_zlib.crc32(memoryview(buffer)[lo - base : hi - base], self._crc)
+            self._crc_at = hi
+            if hi < stop:
+                break
+            packed = struct.pack("<I", self._crc)
+            for at in record.crc_at:
+                self._patches[at] = packed
+            self._records.popleft()
+            self._crc, self._crc_at = 0, 0
+        late = []
+        for at in [a for a in self._patches if a < end]:
+            packed = self._patches.pop(at)
+            if at >= base:
+                buffer[at - base : at - base + 4] = packed
+            else:
+                late.append((at, packed))
+        path = self.files.path(self.job.file)
+        with writing(path):
+            pwrite_all(self._fd, memoryview(buffer), base)
+            for at, packed in late:
+                pwrite_all(self._fd, memoryview(packed), at)
+        self.written += len(buffer)
+        self._base = end
+        self._buffer = bytearray()
+
+    def _finish(self) -> None:
+        if self._records or self._patches:
+            raise RuntimeError(
+                f"internal: file job {self.job.file!r} ended before {len(self._records)} of its "
+                "records (or their checksums) were written"
+            )
+        self.files.done(self.job.file)
+
+
+def regions_of(segments: Sequence[Segment]) -> Iterator[Region]:
+    """Yield the regions ``segments`` read: each region's, and each blob's."""
+    for segment in segments:
+        kind = type(segment)
+        if kind is Region:
+            yield segment  # type: ignore[misc]
+        elif kind is Blob:
+            yield segment.region  # type: ignore[union-attr]
+
+
+def _cut(region: Region, meta: TensorMeta, at: int) -> tuple[Region, Region | None]:
+    """Return ``region`` cut before element ``at``: its head and its tail (None when empty)."""
+    head = Region(region.key, region.start, at, region.file, region.offset, region.record)
+    if at >= region.stop:
+        return head, None
+    offset = region.offset + (at - region.start) * meta.dtype.itemsize
+    return head, Region(region.key, at, region.stop, region.file, offset, region.record)
+
+
+class JobQueue:
+    """This process's file jobs, handed out a step at a time."""
+
+    def __init__(self, jobs: Sequence[FileJob], files: DstFiles, limit: int):
+        self._jobs: Iterator[FileJob] = iter(jobs)
+        self._current: JobWriter | None = None
+        self.files = files
+        self.limit = limit
+        self.data = sum(j.data for j in jobs)
+
+    @property
+    def empty(self) -> bool:
+        """Return whether every job was handed out whole."""
+        if self._current is None:
+            job = next(self._jobs, None)
+            if job is None:
+                return True
+            self._current = JobWriter(job, self.files, self.limit)
+        return False
+
+    def step(self, metas: Mapping[str, TensorMeta]) -> list[tuple[JobWriter, list[Segment]]]:
+        """Return the next step's work: jobs and their segments, whose regions hold at most the buffer."""
+        out: list[tuple[JobWriter, list[Segment]]] = []
+        room, count = self.limit, STEP_REGIONS
+        while not self.empty:
+            writer = self._current
+            assert writer is not None
+            segments, taken = writer.take(room, count, metas, must=room == self.limit)
+            out.append((writer, segments))
+            room -= taken
+            count -= sum(1 for _ in regions_of(segments))
+            if not writer.done:
+                break  # the buffer is full: the job goes on next step
+            self._current = None
+        return out
