@@ -298,7 +298,7 @@ def test_a_dst_suffix_that_contradicts_the_format_is_a_usage_error(capsys, small
 
 
 def test_a_failed_verify_leaves_no_dst_and_says_where(capsys, small, monkeypatch):
-    from shardckpt.engine import fill as engine
+    from shardckpt.engine import rows as engine
 
     real = engine.contiguous_bytes
 

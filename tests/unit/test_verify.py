@@ -129,8 +129,8 @@ def test_convert_verify_finds_a_byte_the_disk_changed_after_the_fill(
 ):
     real = fill.run
 
-    def fill_then_flip(reader, plan, writer, runtime, progress):
-        real(reader, plan, writer, runtime, progress)
+    def fill_then_flip(reader, plan, writer, *rest):
+        real(reader, plan, writer, *rest)
         damage.flip_in_torch_file(writer.root, "model.w")
 
     monkeypatch.setattr(fill, "run", fill_then_flip)

@@ -114,8 +114,9 @@ class DcpSavePlan:
             return [self.owner.get(index, 0)]
         assert entry.split is not None
         ranks = list(range(entry.split.empty_from))
-        if index in self.owner:
-            ranks.append(self.owner[index])
+        if index in self.owner or not ranks:
+            # The one empty chunk every rank holds, kept by its owner (rank 0 alone at M = 1).
+            ranks.append(self.owner.get(index, 0))
         return ranks
 
     def metadata_order(self) -> list[int]:
