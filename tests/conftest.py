@@ -1,8 +1,13 @@
-"""Session fixtures shared by every test tier."""
+"""Session fixtures shared by every test tier, and the quick tier's marking."""
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,14 @@ if _TESTS_DIR not in sys.path:
 
 from reference import Fsdp2Checkpoint, make_fsdp2_dcp  # noqa: E402
 
+TESTS = Path(_TESTS_DIR)
+# The quick tier is tests/unit less what starts a process; tests/dist (gloo ranks) and
+# tests/e2e (torchrun, the CLI as a process) never are.
+QUICK_DIR = TESTS / "unit"
+# Session fixtures that run gloo ranks: a test using one is not quick, whether or not an
+# earlier test of the session already made it.
+LAUNCHING_FIXTURES = frozenset({"fsdp2_ckpt", "demo_ckpt"})
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers this suite uses."""
@@ -22,6 +35,94 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: takes tens of seconds (runs examples or README lines end to end)"
     )
+    config.addinivalue_line(
+        "markers",
+        "launches: starts a process (a subprocess, a mount, torchrun, gloo ranks): never quick",
+    )
+    config.addinivalue_line(
+        "markers",
+        "quick: set by tests/conftest.py on every test of tests/unit that starts no process "
+        "(no `launches` marker, no fixture that runs ranks); `bash scripts/test.sh -m quick`",
+    )
+
+
+def _quick_only(config: pytest.Config) -> bool:
+    """Return whether ``-m`` asks for quick tests alone (``quick``, ``quick and ...``)."""
+    expr = " ".join((config.option.markexpr or "").split())
+    return expr == "quick" or expr.startswith("quick and ")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Skip importing tests/dist and tests/e2e (lightning, transformers...) for ``-m quick``."""
+    if _quick_only(config) and collection_path in (TESTS / "dist", TESTS / "e2e"):
+        return True
+    return None
+
+
+def _is_quick(item: pytest.Item) -> bool:
+    """Return whether ``item`` runs in this process alone (see the ``quick`` marker)."""
+    return (
+        item.path.is_relative_to(QUICK_DIR)
+        and item.get_closest_marker("launches") is None
+        and item.get_closest_marker("slow") is None
+        and not LAUNCHING_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every quick test ``quick``."""
+    for item in items:
+        if _is_quick(item):
+            item.add_marker(pytest.mark.quick)
+
+
+class StartedAProcess(AssertionError):
+    """A test marked quick started a process: it needs the ``launches`` marker."""
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise StartedAProcess(
+            f"a quick test started a process ({what}): mark the test "
+            "@pytest.mark.launches (tests/conftest.py says why)"
+        )
+
+    return refuse
+
+
+@contextmanager
+def _no_process(item: pytest.Item) -> Iterator[None]:
+    """Make starting a process raise while a quick test (or a fixture it sets up) runs."""
+    if item.get_closest_marker("quick") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", _refuse("subprocess"))
+        patch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("multiprocessing"))
+        # Not os.system: the pickles of tests/unit/test_malicious.py run it to show that
+        # --trust-pickle runs their code, a shell that only touches a file.
+        for name in ("fork", "posix_spawn"):
+            patch.setattr(os, name, _refuse(f"os.{name}"))
+        yield
+
+
+# Setup too: a module or session fixture is made while the first test that uses it sets up.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with _no_process(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _no_process(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    with _no_process(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
