@@ -16,6 +16,15 @@ if [[ "${CI:-}" == "true" ]]; then
     set -- --color=no "$@"
 fi
 
+# Two pytest-xdist workers, each taking whole test files (module fixtures such as the
+# streaming test's 1.25 GiB source are made once): most tests wait on a subprocess or
+# on gloo ranks for much of their time, so two workers about halve the suite on 2
+# cores. SHARDCKPT_TEST_WORKERS=0 runs every test in this one process (pdb, -s).
+workers="${SHARDCKPT_TEST_WORKERS:-2}"
+if [[ "$workers" != "0" ]]; then
+    set -- -n "$workers" --dist loadfile "$@"
+fi
+
 rc=0
 "$py" -m pytest -q "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 # Spawned ranks unpickle their functions by module name (``reference._load_on_rank``),
 # so tests/ must be importable whatever pytest's import mode; children inherit sys.path.
@@ -125,16 +127,43 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> Path:
+    """Return directory ``name`` after ``make(it)`` filled it, once per run of the suite.
+
+    Under pytest-xdist each worker is a session of its own: the first to get here makes
+    the directory beside every worker's temporary root, the others wait for it and
+    reuse it, so a session fixture is made once, not once per worker.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        root = tmp_path_factory.mktemp(name)
+        make(root)
+        return root
+    root = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{root}.lock"):
+        if not (root / ".made").exists():
+            shutil.rmtree(root, ignore_errors=True)  # a worker that died halfway
+            root.mkdir()
+            make(root)
+            (root / ".made").touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def fsdp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Fsdp2Checkpoint:
     """Return a DCP checkpoint saved by FSDP2 at world size 4 and its full reference."""
-    root = tmp_path_factory.mktemp("fsdp2_ckpt")
-    return make_fsdp2_dcp(root / "dcp", root / "ref.pt", world_size=4, steps=2)
+
+    def make(root: Path) -> None:
+        make_fsdp2_dcp(root / "dcp", root / "ref.pt", world_size=4, steps=2)
+
+    root = made_once(tmp_path_factory, "fsdp2_ckpt", make)
+    return Fsdp2Checkpoint(root / "dcp", root / "ref.pt", 4)
 
 
 @pytest.fixture(scope="session")
 def demo_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Return the demo's checkpoint as ``bash scripts/demo.sh`` makes it: FSDP2, 2 ranks, 3 steps."""
-    root = tmp_path_factory.mktemp("demo")
-    make_fsdp2_dcp(root / "ckpt-dcp", root / "ref.pt", world_size=2, steps=3)
-    return root / "ckpt-dcp"
+
+    def make(root: Path) -> None:
+        make_fsdp2_dcp(root / "ckpt-dcp", root / "ref.pt", world_size=2, steps=3)
+
+    return made_once(tmp_path_factory, "demo", make) / "ckpt-dcp"
