@@ -17,10 +17,15 @@ if [[ "${CI:-}" == "true" ]]; then
 fi
 
 # Two pytest-xdist workers, each taking whole test files (module fixtures such as the
-# streaming test's 1.25 GiB source are made once): most tests wait on a subprocess or
-# on gloo ranks for much of their time, so two workers about halve the suite on 2
-# cores. SHARDCKPT_TEST_WORKERS=0 runs every test in this one process (pdb, -s).
-workers="${SHARDCKPT_TEST_WORKERS:-2}"
+# streaming test's 1.25 GiB source are made once): run in one process, most tests
+# wait on a subprocess or on gloo ranks with a core idle. The quick tier (`-m quick`)
+# runs in one process: its tests start none, and a second worker's imports cost more
+# than it saves. SHARDCKPT_TEST_WORKERS=N sets the number (0: this process; pdb, -s).
+workers=2
+if [[ " $* " == *" -m quick "* || " $* " == *" -m quick and "* ]]; then
+    workers=0
+fi
+workers="${SHARDCKPT_TEST_WORKERS:-$workers}"
 if [[ "$workers" != "0" ]]; then
     set -- -n "$workers" --dist loadfile "$@"
 fi
