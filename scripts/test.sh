@@ -27,7 +27,9 @@ if [[ " $* " == *" -m quick "* || " $* " == *" -m quick and "* ]]; then
 fi
 workers="${SHARDCKPT_TEST_WORKERS:-$workers}"
 if [[ "$workers" != "0" ]]; then
-    set -- -n "$workers" --dist loadfile "$@"
+    # Files in the order tests/conftest.py gives them (slowest tier first), not xdist's
+    # default of the files with the most tests first, which hands out e2e's last.
+    set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
 
 rc=0

@@ -71,11 +71,29 @@ def _is_quick(item: pytest.Item) -> bool:
     )
 
 
+# The tiers from slowest file to fastest: tests/e2e's files take 30-90 s each, tests/unit's
+# a few seconds at most.
+TIER_ORDER = (TESTS / "e2e", TESTS / "dist", TESTS / "unit")
+
+
+def _tier(item: pytest.Item) -> int:
+    """Return the position of ``item``'s tier in ``TIER_ORDER`` (after them all if none)."""
+    return next(
+        (i for i, tier in enumerate(TIER_ORDER) if item.path.is_relative_to(tier)),
+        len(TIER_ORDER),
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every quick test ``quick``."""
+    """Mark every quick test ``quick``; under pytest-xdist, put the slowest tiers first."""
     for item in items:
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        # Workers are handed whole files in this order (scripts/test.sh passes
+        # --no-loadscope-reorder): long files first and short ones last let two workers
+        # finish together, where a 90 s file handed out last keeps one busy alone.
+        items.sort(key=_tier)
 
 
 class StartedAProcess(AssertionError):
