@@ -16,6 +16,22 @@ if [[ "${CI:-}" == "true" ]]; then
     set -- --color=no "$@"
 fi
 
+# Two pytest-xdist workers, each taking whole test files (module fixtures such as the
+# streaming test's 1.25 GiB source are made once): run in one process, most tests
+# wait on a subprocess or on gloo ranks with a core idle. The quick tier (`-m quick`)
+# runs in one process: its tests start none, and a second worker's imports cost more
+# than it saves. SHARDCKPT_TEST_WORKERS=N sets the number (0: this process; pdb, -s).
+workers=2
+if [[ " $* " == *" -m quick "* || " $* " == *" -m quick and "* ]]; then
+    workers=0
+fi
+workers="${SHARDCKPT_TEST_WORKERS:-$workers}"
+if [[ "$workers" != "0" ]]; then
+    # Files in the order tests/conftest.py gives them (slowest tier first), not xdist's
+    # default of the files with the most tests first, which hands out e2e's last.
+    set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+fi
+
 rc=0
 "$py" -m pytest -q "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then

@@ -64,6 +64,7 @@ def claim_world_size(ckpt, world_size: int, *, list_items: bool = True) -> None:
     (ckpt / "metadata.pkl").write_bytes(pickle.dumps(meta))
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("list_items", [True, False], ids=["listed", "found-by-name"])
 def test_a_world_size_of_10_to_the_12_in_metadata_pkl_is_refused_against_the_files(
     torch_checkpointing, list_items
@@ -130,6 +131,7 @@ def small(tmp_path):
     return tmp_path / "small.pt"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("to", ["sharded", "local"])
 def test_a_world_size_past_the_most_is_refused_before_src_is_read(small, to):
     out = small.parent / "out"

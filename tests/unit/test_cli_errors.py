@@ -312,6 +312,7 @@ def _hf_dir(path):
     return path / "model-00001-of-00001.safetensors"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "hf"])
 def test_an_unreadable_source_says_permission_denied(fmt):
     from conditions import public_dir, run_unprivileged
@@ -338,6 +339,7 @@ def test_an_unreadable_source_says_permission_denied(fmt):
         )
 
 
+@pytest.mark.launches
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "hf"])
 def test_a_full_disk_while_writing_a_full_output_is_one_line_and_leaves_nothing(

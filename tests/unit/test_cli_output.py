@@ -81,6 +81,7 @@ def test_progress_bar_is_off_without_a_terminal_and_in_ci(monkeypatch):
     assert Progress(enabled=True).enabled is True
 
 
+@pytest.mark.launches
 def test_on_a_terminal_every_phase_of_a_convert_shows_a_bar_in_binary_units(tmp_path):
     """Write, flush and --verify each get a bar; sizes and rates are both KiB/MiB (a real pty)."""
     if shutil.which("script") is None:

@@ -169,6 +169,7 @@ def big(tmp_path) -> Path:
 FULL = "No space left on device while writing: free some space, or write DST on another filesystem"
 
 
+@pytest.mark.launches
 def test_a_full_disk_while_writing_a_data_file_names_it(capsys, big, small_fs):
     fs = small_fs(256 * 1024)  # rank 0's half fits, rank 1's does not
     code = run(["convert", str(big), str(fs / "out"), "--to", "sharded", "--world-size", "2"])
@@ -180,6 +181,7 @@ def test_a_full_disk_while_writing_a_data_file_names_it(capsys, big, small_fs):
     assert list(fs.iterdir()) == []
 
 
+@pytest.mark.launches
 def test_a_full_disk_while_writing_the_metadata_names_it(capsys, big, small_fs, tmp_path):
     api.convert(api.ConvertRequest(src=big, dst=tmp_path / "sized", to="sharded", world_size=1))
     data = (tmp_path / "sized" / "__0_0.distcp").stat().st_size

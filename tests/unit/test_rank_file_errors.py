@@ -49,6 +49,7 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("fmt", ["fsdp2-ranks", "fsdp1-sharded"])
 def test_a_full_disk_while_writing_a_rank_file_is_one_line(optim_only, small_fs, capsys, fmt):
     dst = small_fs / "out"
@@ -68,6 +69,7 @@ def test_a_full_disk_while_writing_a_rank_file_is_one_line(optim_only, small_fs,
 BIG_VALUE = "x" * 256 * 1024
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "fmt, to, first",
     [
@@ -129,6 +131,7 @@ def _inspect_unreadable(dirs: list[str]) -> list[list]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.launches
 def test_an_unreadable_rank_file_is_named_as_permission_denied(optim_only, tmp_path):
     dirs = []
     for fmt in ("fsdp2-ranks", "fsdp1-sharded"):

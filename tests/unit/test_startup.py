@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ASK = textwrap.dedent(
     """
     import contextlib, io, sys
@@ -25,11 +27,13 @@ ASK = textwrap.dedent(
 )
 
 
+@pytest.mark.launches
 def test_help_and_version_import_no_torch():
     done = subprocess.run([sys.executable, "-c", ASK], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[0, 0, 0, 0, 0] [] True"
 
 
+@pytest.mark.launches
 def test_a_command_imports_torch_when_it_runs(tmp_path):
     ask = ASK.replace('["--version"], ', f'["inspect", "{tmp_path}"], ')
     done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)

@@ -417,6 +417,7 @@ _GONE = [
 ]
 
 
+@pytest.mark.launches
 def test_shardckpt_starts_and_converts_safetensors_without_torchs_private_modules(tmp_path):
     src = tmp_path / "src.safetensors"
     save_file(_state(), src)
