@@ -6,7 +6,8 @@
 #   SHARDCKPT_TORCH_SPEC   torch requirement installed when the venv has no torch
 #                          (default: torch==2.13.0, the CPU wheel on the local index)
 #   SHARDCKPT_EXTRAS       pyproject extras installed with the package (default: test;
-#                          scripts/test.sh asks for test,trainers)
+#                          scripts/test.sh asks for test,trainers); extras already
+#                          installed in the venv are kept, never reinstalled
 #
 # torch is installed first and pinned, on purpose: pyproject.toml asks for a range,
 # and pip resolving that range on a machine without torch would pull gigabytes of
