@@ -84,8 +84,8 @@ done
 if [[ "$want" == "$have" && -z "$missing" ]] && editable_ok; then
     exit 0
 fi
-if [[ "$want" == "$have" && -n "$have_extras" ]]; then
-    # Keep what is there: installing a subset would not remove the rest anyway.
+if [[ -n "$have_extras" ]]; then
+    # Keep what is there (pip would not remove it anyway), at pyproject's current pins.
     extras="$(printf '%s\n' ${extras//,/ } ${have_extras//,/ } | awk '!seen[$0]++' | paste -sd, -)"
 fi
 
