@@ -6,7 +6,8 @@
 #   SHARDCKPT_TORCH_SPEC   torch requirement installed when the venv has no torch
 #                          (default: torch==2.13.0, the CPU wheel on the local index)
 #   SHARDCKPT_EXTRAS       pyproject extras installed with the package (default: test;
-#                          scripts/test.sh asks for test,trainers)
+#                          scripts/test.sh asks for test,trainers); extras already
+#                          installed in the venv are kept, never reinstalled
 #
 # torch is installed first and pinned, on purpose: pyproject.toml asks for a range,
 # and pip resolving that range on a machine without torch would pull gigabytes of
@@ -68,11 +69,24 @@ sys.exit(0 if os.path.join(os.path.realpath(sys.argv[1]), "shardckpt") in dirs e
 ' "$root") >/dev/null 2>&1
 }
 
-# Reinstall only when pyproject.toml or the torch underneath changed, or when the
-# editable install does not point here.
-want="$(cat pyproject.toml <(echo "torch $torch_version extras $extras") | sha256sum | cut -d' ' -f1)"
-if [[ "$want" == "$(cat "$stamp" 2>/dev/null || true)" ]] && editable_ok; then
+# Reinstall only when pyproject.toml or the torch underneath changed, when the
+# editable install does not point here, or when an extra asked for is not installed.
+# The stamp's first line hashes pyproject.toml and torch, its second lists the extras
+# installed: a venv that has more extras than asked for is left as it is, so switching
+# between scripts/demo.sh (test) and scripts/test.sh (test,trainers) installs nothing.
+want="$(cat pyproject.toml <(echo "torch $torch_version") | sha256sum | cut -d' ' -f1)"
+have="$(sed -n 1p "$stamp" 2>/dev/null || true)"
+have_extras="$(sed -n 2p "$stamp" 2>/dev/null || true)"
+missing=""
+for extra in ${extras//,/ }; do
+    [[ ",$have_extras," == *",$extra,"* ]] || missing+="$extra "
+done
+if [[ "$want" == "$have" && -z "$missing" ]] && editable_ok; then
     exit 0
+fi
+if [[ -n "$have_extras" ]]; then
+    # Keep what is there (pip would not remove it anyway), at pyproject's current pins.
+    extras="$(printf '%s\n' ${extras//,/ } ${have_extras//,/ } | awk '!seen[$0]++' | paste -sd, -)"
 fi
 
 log "installing shardckpt (editable) with the extras: $extras"
@@ -89,5 +103,5 @@ fi
     log "torch $torch_version is installed but does not import (error above)"
     exit 1
 }
-printf '%s\n' "$want" >"$stamp"
+printf '%s\n%s\n' "$want" "$extras" >"$stamp"
 log "ready: $venv (torch $torch_version)"

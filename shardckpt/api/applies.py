@@ -177,7 +177,7 @@ _JSON_NOT_QUIET = Rule(
     "--json",
     lambda c: c.json_out,
     lambda c: not c.quiet,
-    "has nothing to print in under --quiet, which prints nothing",
+    "has nothing to print under --quiet, which prints nothing",
     "drop one of them",
 )
 DIFF_RULES: tuple[Rule, ...] = (_JSON_NOT_QUIET,)

@@ -55,8 +55,8 @@ def convert(
         choice(
             "--to",
             LAYOUTS,
-            "Layout of DST: full (every tensor whole), sharded (DCP: any world size loads it) "
-            "or local (per-rank files of one world size).",
+            "Layout of DST: full (every tensor whole), sharded (metadata plus a file per rank: "
+            "any world size loads it) or local (per-rank files of one world size).",
         ),
     ],
     fmt: Annotated[

@@ -40,7 +40,7 @@ def test_quiet_with_json_is_a_usage_error(capsys, ckpts):
     assert (code, out, err.strip()) == (
         2,
         "",
-        "shardckpt: error: --json has nothing to print in under --quiet, which prints nothing: "
+        "shardckpt: error: --json has nothing to print under --quiet, which prints nothing: "
         "drop one of them",
     )
 

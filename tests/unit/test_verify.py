@@ -119,7 +119,7 @@ def test_verify_refuses_json_under_quiet(ckpt, capsys):
     code, _, err = cli(capsys, "verify", ckpt, "--json", "-q")
     assert code == 2
     assert err == [
-        "shardckpt: error: --json has nothing to print in under --quiet, which prints nothing: "
+        "shardckpt: error: --json has nothing to print under --quiet, which prints nothing: "
         "drop one of them"
     ]
 
