@@ -68,15 +68,21 @@ def test_a_slow_plan_on_a_terminal_says_so(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(progress_module, "STATUS_AFTER_S", 0.05)
     monkeypatch.setattr(progress_module.sys.stderr, "isatty", lambda: True, raising=False)
     make_plan = conversion.make_plan
+    said = []
 
     def slow_plan(*args, **kwargs):
-        time.sleep(1.0)  # what thousands of target ranks cost
+        # What thousands of target ranks cost: long enough for the status line to be said,
+        # however late a loaded machine runs its timer.
+        deadline = time.monotonic() + 30
+        while not any("planning DST" in e for e in said) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            said.append(capsys.readouterr().err)
         return make_plan(*args, **kwargs)
 
     monkeypatch.setattr(conversion, "make_plan", slow_plan)
     argv = ["convert", tmp_path / "w.pt", tmp_path / "dcp", "--to", "sharded", "--world-size", "8"]
     assert run([str(a) for a in argv]) == 0
-    lines = status_lines(capsys.readouterr().err)
+    lines = status_lines("".join(said) + capsys.readouterr().err)
     assert lines[-1] == "shardckpt: planning DST for 8 target ranks..."
     assert lines[:-1] in ([], ["shardckpt: reading SRC's metadata..."])
 

@@ -27,6 +27,11 @@ from shardckpt.formats.ranks.target_ranks import TargetRanksWriter, job_mesh, sh
 from shardckpt.state.regions import Split, dim0_rows
 from shardckpt.state.tree import TensorMeta, map_leaves
 
+# A template holds its whole file in memory and is compared byte by byte with a second
+# rendering: worth it for many small files (M = 1,024 of a few KB each), not for a few
+# large ones, which are laid out as sparse skeletons in DST, one per rank, as before.
+TEMPLATE_BYTES = 8 << 20
+
 
 class Fsdp2RanksWriter(TargetRanksWriter):
     """``rank_{r}.pt`` of DTensors, for each target rank r a process acts for.
@@ -36,8 +41,22 @@ class Fsdp2RanksWriter(TargetRanksWriter):
     """
 
     def frame(self, runtime) -> Frame:
+        if self._largest_file() > TEMPLATE_BYTES:
+            return super().frame(runtime)  # each rank's sparse skeleton, laid out in DST
         targets = self.targets(runtime)
         return runtime.agreed(lambda: Frame(files=self._jobs(targets)))
+
+    def _largest_file(self) -> int:
+        """Return the tensor bytes of the largest target rank's file (rank 0 holds the most rows)."""
+        plan = self.plan
+        total = 0
+        for _, meta in plan.tensors:
+            size = meta.numel * meta.dtype.itemsize
+            if meta.key not in plan.whole and meta.shape and meta.shape[0]:
+                first, stop = dim0_rows(meta.shape, plan.world_size, 0)
+                size = size // meta.shape[0] * (stop - first)
+            total += size
+        return total
 
     def _jobs(self, targets: list[int]):
         plan = self.plan
