@@ -16,6 +16,7 @@ from shardckpt.cli import diff as diff_command
 from shardckpt.cli import inspect as inspect_command
 from shardckpt.cli import verify as verify_command
 from shardckpt.cli.options import HELP_OPTIONS, RawArgsCommand, Version
+from shardckpt.core.costs import start_command
 from shardckpt.core.errors import (
     EXIT_USAGE,
     BadInputError,
@@ -85,8 +86,13 @@ def _record_for_torchrun(error: ShardckptError) -> None:
         json.dump(record, f)
 
 
-def run(argv: list[str] | None = None) -> int:
-    """Run the CLI on ``argv`` and return the exit code (for tests and ``main``)."""
+def run(argv: list[str] | None = None, whole_process: bool = False) -> int:
+    """Run the CLI on ``argv`` and return the exit code (for tests and ``main``).
+
+    ``whole_process``: the process is this command (``main``), so its time counts from the
+    process's start; otherwise from this call.
+    """
+    start_command(in_process=not whole_process)
     try:
         with interruptible():
             code = app(args=argv, prog_name="shardckpt", standalone_mode=False)
@@ -172,9 +178,9 @@ def _unexpected(exc: Exception) -> ShardckptError:
 def main() -> None:
     """Console-script entry point; under torchrun, its ``@record`` names a crashing rank's traceback."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        sys.exit(run())
+        sys.exit(run(whole_process=True))
     # Only torchrun sets the error file, and its launch has imported torch already:
     # --help and --version standalone never wait for torch.
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(run)())
+    sys.exit(record(run)(whole_process=True))

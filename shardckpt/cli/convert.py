@@ -191,7 +191,7 @@ def convert(
     library.load()
     from shardckpt import api
     from shardckpt.cli import render
-    from shardckpt.core.costs import process_seconds
+    from shardckpt.core.costs import command_seconds
     from shardckpt.core.dist import launch
     from shardckpt.core.progress import Progress
 
@@ -232,8 +232,9 @@ def convert(
             enabled=runtime.coordinator and not quiet and not json_out, desc="convert"
         )
         result = api.convert(request, runtime, progress)
-    # The command's wall time, from the process's start: what a user waited for.
-    wall = process_seconds()
+    # The command's wall time (the shardckpt command's from the process's start): what a
+    # user waited for.
+    wall = command_seconds()
     if json_out:
         emit(json.dumps(render.convert_json(result, wall)))
     elif not quiet or dry_run:

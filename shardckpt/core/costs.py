@@ -39,6 +39,19 @@ def process_seconds() -> float:
 
 # Where /proc cannot say, a command's wall time starts when shardckpt is first imported.
 _IMPORTED = time.perf_counter()
+_COMMAND_STARTED: list[float | None] = [None]
+
+
+def start_command(in_process: bool) -> None:
+    """Mark a command's start: now for one run inside a longer process (tests, a caller's
+    ``cli.run``), else the process's own start (the ``shardckpt`` command)."""
+    _COMMAND_STARTED[0] = time.perf_counter() if in_process else None
+
+
+def command_seconds() -> float:
+    """Return the wall seconds of the command running (``start_command``)."""
+    started = _COMMAND_STARTED[0]
+    return process_seconds() if started is None else time.perf_counter() - started
 
 
 @dataclass

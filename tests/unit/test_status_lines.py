@@ -67,6 +67,7 @@ def test_a_slow_plan_on_a_terminal_says_so(capsys, monkeypatch, tmp_path):
     torch.save({"w": torch.ones(8, 3)}, tmp_path / "w.pt")
     monkeypatch.setattr(progress_module, "STATUS_AFTER_S", 0.05)
     monkeypatch.setattr(progress_module.sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.delenv("CI", raising=False)  # CI keeps its logs free of terminal lines
     make_plan = conversion.make_plan
     said = []
 
