@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import pickle
 import pickletools
@@ -299,10 +300,18 @@ def refusal_reason(exc: BaseException) -> str:
 
 @contextmanager
 def quiet_protocol_warning() -> Iterator[None]:
-    """Silence torch's warning that a pickle is not protocol 2: the load's error, if any, says more."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Detected pickle protocol")
-        yield
+    """Silence what torch says while a file loads: that a pickle is not protocol 2 (the
+    load's error, if any, says more), and (torch 2.15) that a DeviceMesh was unpickled
+    before its process groups exist, which every per-rank file read outside its job is."""
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            yield
+    finally:
+        mesh_log.setLevel(level)
 
 
 def first_line(exc: BaseException) -> str:
