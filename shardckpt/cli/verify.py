@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from shardckpt.cli import library
 from shardckpt.cli.help import examples
 from shardckpt.cli.options import DeviceOpt, JsonOut, Quiet, SrcFormat, TrustPickle, Version, emit
 from shardckpt.core.errors import BadInputError
@@ -36,6 +37,7 @@ def verify(
     version: Version = False,
 ) -> int:
     """Read every byte of a checkpoint once and check it against the checksums written with it."""
+    library.load()
     from shardckpt import api
     from shardckpt.api import applies
     from shardckpt.cli import render

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,26 @@ def test_a_command_imports_torch_when_it_runs(tmp_path):
     done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
     codes, rest = done.stdout.split("]", 1)
     assert codes == "[3, 0, 0, 0, 0" and "'torch'" in rest
+
+
+def test_every_command_imports_the_library_through_library_load():
+    # torch's import must run with signals held (cli/library.load): a Ctrl-C inside it
+    # otherwise aborts in a pybind11 callback instead of ending with 130 and one line.
+    import ast
+
+    from shardckpt import cli
+
+    unguarded = []
+    for path in sorted(Path(cli.__file__).parent.glob("*.py")):
+        for func in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(func, ast.FunctionDef):
+                continue
+            loaded = False
+            nodes = [n for n in ast.walk(func) if hasattr(n, "lineno")]
+            for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "library.load":
+                    loaded = True
+                if isinstance(node, ast.ImportFrom) and node.module == "shardckpt" and not loaded:
+                    if any(alias.name == "api" for alias in node.names):
+                        unguarded.append(f"{path.name}:{func.name}")
+    assert unguarded == []
