@@ -52,6 +52,20 @@ _BINGET, _LONG_BINGET, _MEMOIZE = b"h", b"j", b"\x94"
 _STACK_GLOBAL, _REDUCE, _NEWOBJ, _BUILD, _FRAME = b"\x93", b"R", b"\x81", b"b", b"\x95"
 
 
+_UNICODE_OPS = (_SHORT_BINUNICODE, _BINUNICODE, _BINUNICODE8)
+_BYTES_OPS = (_SHORT_BINBYTES, _BINBYTES, _BINBYTES8)
+
+
+def _sized(opcodes: tuple[bytes, bytes, bytes], size: int) -> bytes:
+    """Return the opcode and length pickle writes before ``size`` bytes: a 1-, 4- or 8-byte length."""
+    short, four, eight = opcodes
+    if size < 256:
+        return short + bytes([size])
+    if size <= 0xFFFFFFFF:
+        return four + struct.pack("<I", size)
+    return eight + struct.pack("<Q", size)
+
+
 class NotStreamable(Exception):
     """The graph holds an object this module does not write as the C pickler would."""
 
@@ -319,25 +333,11 @@ class _Writer:
 
     def _save_str(self, obj: str) -> None:
         data = obj.encode("utf-8", "surrogatepass")
-        size = len(data)
-        if size < 256:
-            header = _SHORT_BINUNICODE + bytes([size])
-        elif size <= 0xFFFFFFFF:
-            header = _BINUNICODE + struct.pack("<I", size)
-        else:
-            header = _BINUNICODE8 + struct.pack("<Q", size)
-        self.write_payload(header, data)
+        self.write_payload(_sized(_UNICODE_OPS, len(data)), data)
         self.memo_put(obj, keep=True)
 
     def _save_bytes(self, obj: bytes) -> None:
-        size = len(obj)
-        if size < 256:
-            header = _SHORT_BINBYTES + bytes([size])
-        elif size <= 0xFFFFFFFF:
-            header = _BINBYTES + struct.pack("<I", size)
-        else:
-            header = _BINBYTES8 + struct.pack("<Q", size)
-        self.write_payload(header, obj)
+        self.write_payload(_sized(_BYTES_OPS, len(obj)), obj)
         self.memo_put(obj, keep=True)
 
     def _save_tuple(self, obj: tuple) -> None:
