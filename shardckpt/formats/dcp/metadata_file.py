@@ -81,14 +81,6 @@ class FileLayout:
         self._owned: dict[int, list[int]] = {}
         for index, rank in sorted(save.owner.items()):
             self._owned.setdefault(rank, []).append(index)
-        if save.world_size == 1:
-            # Rank 0 alone holds everything: the whole entries, and a split tensor of no
-            # rows (its one empty chunk), which no rank's share of rows covers.
-            self._owned[0] = [
-                i
-                for i, e in enumerate(entries)
-                if e.kind != SHARD or e.split.empty_from == 0  # type: ignore[union-attr]
-            ]
         # Bytes of one row of every split tensor, by split: what a rank's file holds of them.
         self._row_bytes: dict[Split, int] = {}
         for index in self._shards:

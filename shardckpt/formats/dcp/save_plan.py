@@ -89,7 +89,7 @@ class DcpSavePlan:
         self.entries = list(entries)
         self.world_size = world_size
         self.owner = _dedup(self.entries, world_size)
-        """For each entry several ranks hold (by index): the rank that stores it."""
+        """For each entry that is no rank's own chunk (by index): the rank that stores it."""
 
     def items(self, rank: int) -> Iterator[int]:
         """Yield the indices of the entries ``rank``'s deduplicated plan keeps, in order."""
@@ -114,9 +114,8 @@ class DcpSavePlan:
             return [self.owner.get(index, 0)]
         assert entry.split is not None
         ranks = list(range(entry.split.empty_from))
-        if index in self.owner or not ranks:
-            # The one empty chunk every rank holds, kept by its owner (rank 0 alone at M = 1).
-            ranks.append(self.owner.get(index, 0))
+        if index in self.owner:
+            ranks.append(self.owner[index])
         return ranks
 
     def metadata_order(self) -> list[int]:
@@ -125,7 +124,7 @@ class DcpSavePlan:
 
 
 def _dedup(entries: Sequence[Entry], world_size: int) -> dict[int, int]:
-    """Return, for each entry more than one rank holds, the rank ``dedup_save_plans`` stores it on.
+    """Return, for each entry that is no rank's own chunk, the rank ``dedup_save_plans`` stores it on.
 
     As ``dedup_save_plans`` does it: entries in the order they first appear (rank 0's
     entries in order, then each later rank's that no earlier rank held), each given to
@@ -134,8 +133,6 @@ def _dedup(entries: Sequence[Entry], world_size: int) -> dict[int, int]:
     an entry one rank holds alone counts for that rank.
     """
     owner: dict[int, int] = {}
-    if world_size == 1:
-        return owner
     size = [0] * world_size
     everyone = _rank_set(0, world_size)
     # Shared entries first seen at rank r > 0: the empty chunks of tensors split over r ranks.
