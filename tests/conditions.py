@@ -10,7 +10,6 @@ import contextlib
 import functools
 import itertools
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 
 @contextmanager
@@ -54,6 +54,16 @@ def public_dir() -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
+@functools.cache
+def _runs_shardckpt(prefix: tuple[str, ...]) -> bool:
+    """Return whether ``prefix python -c 'import shardckpt'`` works (asked once a session)."""
+    probe = [*prefix, sys.executable, "-c", "import shardckpt"]
+    with tempfile.TemporaryDirectory() as cwd:
+        os.chmod(cwd, 0o755)
+        env = dict(os.environ, HOME=cwd)
+        return subprocess.run(probe, capture_output=True, cwd=cwd, env=env).returncode == 0
+
+
 def run_unprivileged(argv: list, cwd: Path) -> subprocess.CompletedProcess:
     """Run ``python -m shardckpt ARGV`` as a user that file permissions apply to.
 
@@ -68,8 +78,7 @@ def run_unprivileged(argv: list, cwd: Path) -> subprocess.CompletedProcess:
             )
         prefix = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     env = dict(os.environ, HOME=str(cwd))  # nothing of root's home is the child's to write
-    probe = [*prefix, sys.executable, "-c", "import shardckpt"]
-    if subprocess.run(probe, capture_output=True, cwd=cwd, env=env).returncode != 0:
+    if not _runs_shardckpt(tuple(prefix)):
         pytest.skip("an unprivileged user cannot run this checkout's python")
     cmd = [*prefix, sys.executable, "-m", "shardckpt", *map(str, argv)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
@@ -167,26 +176,6 @@ def _read(path: Path) -> str:
         return ""
 
 
-@functools.cache
-def import_address_space() -> int:
-    """Return the address space a process holds once the library has imported torch.
-
-    It depends on the build: about 650 MiB for the CPU wheel, several GiB for a CUDA one,
-    whose libraries are mapped even where no GPU is. A cap meant to leave a budget for
-    the work is this floor plus the budget.
-    """
-    probe = (
-        "from shardckpt.cli import library; library.load(); "
-        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmPeak')))"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, env=env,
-        timeout=120,
-    )  # fmt: skip
-    return int(out.stdout.split()[-1]) << 10
-
-
 def run_capped(argv: list, budget_bytes: int, timeout: float = 120) -> tuple[int, str, float]:
     """Run ``python -m shardckpt ARGV`` with ``budget_bytes`` of address space past torch's import.
 
@@ -195,22 +184,13 @@ def run_capped(argv: list, budget_bytes: int, timeout: float = 120) -> tuple[int
     in its own process instead of taking the machine with it, and one that would run
     for hours is killed at ``timeout`` (exit code -9).
     """
-    memory_bytes = import_address_space() + budget_bytes
-
-    def capped() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-
-    cmd = [sys.executable, "-m", "shardckpt", *map(str, argv)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # no thread pool reserving address space
+    # Forked warm (tests/warm_cli.py): the cap is what the process maps once torch and
+    # shardckpt are imported (~650 MiB with the CPU wheel, GiBs with a CUDA build) plus
+    # the budget. OMP_NUM_THREADS=1: no thread pool reserving address space.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-        preexec_fn=capped,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-    lines = err.strip().splitlines()
-    return proc.returncode, lines[-1] if lines else "", time.monotonic() - start
+    done = warm_cli.run(
+        argv, env=env, timeout=timeout, setup=(warm_cli.cap_address_space, budget_bytes)
+    )
+    lines = done.stderr.strip().splitlines()
+    return done.returncode, lines[-1] if lines else "", time.monotonic() - start

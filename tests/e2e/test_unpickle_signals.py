@@ -17,13 +17,13 @@ import pickle
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -90,10 +90,9 @@ def _closed_after_reading(path: Path):
     return wait
 
 
-def _start(*argv) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "shardckpt", *map(str, argv)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def _start(*argv) -> warm_cli.WarmProcess:
+    """Start ``python -m shardckpt ARGV`` in its own process, forked warm (``warm_cli``)."""
+    return warm_cli.start(argv, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def _seconds_to_end(proc: subprocess.Popen) -> tuple[float, int, str]:
@@ -109,11 +108,17 @@ def _seconds_to_end(proc: subprocess.Popen) -> tuple[float, int, str]:
 def test_sigterm_while_a_large_pickle_is_read_ends_the_run_in_seconds(request, tmp_path, source):
     src = request.getfixturevalue(source)
     read = src / ".metadata" if source == "large_dcp" else src
-    watch = _closed_after_reading(read)
     dst = tmp_path / "out.pt"
-    proc = _start("convert", src, dst, "--to", "full")
-    watch(proc)
-    seconds, code, err = _seconds_to_end(proc)
+    # large_dcp has no data files: a run not signalled in time ends with exit 3 on its
+    # own. On a loaded machine this process can be scheduled too late to send SIGTERM
+    # while the other still unpickles; such a try shows nothing and is made again.
+    for _ in range(3):
+        watch = _closed_after_reading(read)
+        proc = _start("convert", src, dst, "--to", "full")
+        watch(proc)
+        seconds, code, err = _seconds_to_end(proc)
+        if not (code == 3 and "missing data file" in err):
+            break
     assert (code, err.splitlines()) == (143, ["shardckpt: interrupted by SIGTERM"])
     assert seconds < 5
     assert list(tmp_path.iterdir()) == []

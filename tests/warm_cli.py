@@ -1,0 +1,181 @@
+"""Run ``python -m shardckpt ARGV`` in a process forked from a warm interpreter.
+
+A fresh ``python -m shardckpt`` spends ~2.5 s of CPU importing torch before it does
+anything; a test of what a running command does (a signal in the middle of a
+conversion, two runs racing for one DST, a memory cap, a user the files refuse) needs
+a process of its own, not a fresh interpreter. These processes fork from the fork
+server that ``harness`` ranks fork from, which imported torch and shardckpt once (as
+DataLoader workers fork after ``import torch``), then run the CLI's own entry point,
+``shardckpt.__main__.main``, with the argv, environment, working directory and
+stdout/stderr asked for, and end with its exit code, atexit handlers run.
+
+What a fresh interpreter does before ``main`` (start-up and the signals that arrive
+while torch is imported) is tested on real ``python -m shardckpt`` processes:
+tests/unit/test_startup.py and tests/e2e/test_interruptions.py's Ctrl-C tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import harness
+
+
+def _statm_bytes() -> int:
+    """Return this process's address space in bytes (VmSize)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cap_address_space(budget_bytes: int) -> None:
+    """Set RLIMIT_AS to what this process maps now plus ``budget_bytes`` (a ``setup``)."""
+    import resource
+
+    limit = _statm_bytes() + budget_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def drop_to_nobody() -> None:
+    """Become ``nobody``:``nogroup`` with no other groups (a ``setup``; needs root)."""
+    import grp
+    import pwd
+
+    os.setgroups([])
+    os.setgid(grp.getgrnam("nogroup").gr_gid)
+    os.setuid(pwd.getpwnam("nobody").pw_uid)
+
+
+def _child(argv, env, cwd, out_path, err_path, setup) -> None:
+    """Run the CLI as ``python -m shardckpt ARGV`` would once started; never return."""
+    code: int = 1
+    try:
+        for fd, path in ((1, out_path), (2, err_path)):
+            target = os.open(path, os.O_WRONLY | os.O_APPEND)
+            os.dup2(target, fd)
+            os.close(target)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:0] = [p for p in added if p not in sys.path]
+        # The fork server ignores SIGINT; a started interpreter has Python's handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if setup is not None:
+            setup[0](*setup[1:])
+        sys.argv = [str(Path(sys.modules["shardckpt"].__file__).with_name("__main__.py")), *argv]
+        from shardckpt.__main__ import main
+
+        try:
+            main()
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+                code = 1
+    except BaseException:  # what the interpreter would print for an uncaught exception
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+class WarmProcess:
+    """A started command: the subset of ``subprocess.Popen`` the tests use (text output)."""
+
+    def __init__(
+        self,
+        argv: list,
+        env: dict[str, str] | None = None,
+        cwd: Path | str | None = None,
+        setup: tuple[Callable, ...] | None = None,
+    ) -> None:
+        self.args = ["python", "-m", "shardckpt", *map(str, argv)]
+        self._dir = tempfile.mkdtemp(prefix="shardckpt-warm-")
+        self._out, self._err = (os.path.join(self._dir, n) for n in ("out", "err"))
+        for path in (self._out, self._err):
+            open(path, "w").close()
+        env = dict(os.environ if env is None else env)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        ctx = harness.fork_server()
+        self._proc = ctx.Process(
+            target=_child,
+            args=(self.args[3:], env, str(cwd or os.getcwd()), self._out, self._err, setup),
+            daemon=True,
+        )
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Return the exit code (negative: the signal) or None while it runs."""
+        if self.returncode is None and self._proc.exitcode is not None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Return the exit code once it ends; raise ``subprocess.TimeoutExpired`` after ``timeout``."""
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the process unless it has ended."""
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """Send SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Return (stdout, stderr) once it ends."""
+        self.wait(timeout)
+        outputs = tuple(Path(p).read_text() for p in (self._out, self._err))
+        for path in (self._out, self._err):
+            os.unlink(path)
+        os.rmdir(self._dir)
+        return outputs
+
+
+def start(
+    argv: list,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    setup: tuple[Callable, ...] | None = None,
+) -> WarmProcess:
+    """Start ``python -m shardckpt ARGV`` forked warm; ``setup`` = (function, *args) runs first in it."""
+    return WarmProcess(argv, env, cwd, setup)
+
+
+def run(
+    argv: list,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    timeout: float = 120,
+    setup: tuple[Callable, ...] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``python -m shardckpt ARGV`` forked warm; return it finished (killed at ``timeout``)."""
+    proc = start(argv, env, cwd, setup)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
