@@ -1,8 +1,9 @@
 """Run documented command lines as a user pastes them, most of them in this process.
 
 A plain ``shardckpt …`` line runs in-process (``cli.run``): a few seconds of Python and
-torch start-up saved per line. A line that needs a shell or a launch (``torchrun``,
-``&&``, a pipe) runs in bash with the user's PATH (``user_shell.user_env``).
+torch start-up saved per line; so does ``shardckpt … && echo WORD``, with the echo done
+as bash would. A line that needs a shell or a launch (``torchrun``, a pipe, any other
+``&&``) runs in bash with the user's PATH (``user_shell.user_env``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ def workspace(tmp_path: Path, demo: Path) -> Path:
     return tmp_path
 
 
+# ``CMD && echo WORD``: bash runs the echo when CMD exits 0 and its exit code is then 0.
+_AND_ECHO = re.compile(r"^(?P<command>[^|&;<>]+?) && echo (?P<word>\w+)$")
+
+
 def run_line(line: str, cwd: Path, env: dict[str, str], capfd) -> tuple[int, str]:
     """Run one command line as a user would; return its exit code and output."""
+    and_echo = _AND_ECHO.match(line)
+    if and_echo and and_echo["command"].startswith("shardckpt "):
+        # As bash would run it, without a second interpreter's start-up for the echo.
+        code, output = run_line(and_echo["command"], cwd, env, capfd)
+        return code, output + (f"{and_echo['word']}\n" if code == 0 else "")
     words = shlex.split(line, comments=True)
     assignments = {}
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
