@@ -10,6 +10,7 @@ import typer
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
 from shardckpt.cli.options import (
+    BufferSize,
     CleanFqns,
     DeviceOpt,
     Filters,
@@ -19,6 +20,7 @@ from shardckpt.cli.options import (
     emit,
     emit_notes,
     only_option,
+    parse_size,
 )
 from shardckpt.core.errors import EXIT_DIFFERENT
 
@@ -93,6 +95,7 @@ def diff(
         str | None, typer.Option("--nest-b", metavar="KEY", help="As --nest-a, for B.")
     ] = None,
     clean_fqns: CleanFqns = True,
+    buffer_size: BufferSize = "256MiB",
     json_out: JsonOut = False,
     quiet: Annotated[
         bool,
@@ -130,6 +133,7 @@ def diff(
             unnest_b=unnest_b,
             nest_b=nest_b,
             trust_pickle=trust_pickle,
+            buffer_bytes=parse_size(buffer_size, "--buffer-size"),
         )
         progress = Progress(enabled=runtime.coordinator and not quiet and not json_out, desc="diff")
         result = api.diff(request, runtime, progress)
