@@ -30,6 +30,7 @@ EPILOG = examples(
     "shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6",
     "shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2",
     "shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same",
+    "shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --buffer-size 64MiB -q",
     intro="Examples (they run as written after `bash scripts/demo.sh` and `shardckpt "
     "convert --help`'s):",
 )
