@@ -1,15 +1,20 @@
 """The I/O axis of the benchmark: a full export, --verify and diff against cp and cmp.
 
     python scripts/bench_io.py [--size-gb 1.0] [--pairs 3] [--workdir .bench] [--keep]
+                               [--diff-only] [--against CHECKOUT]
 
 On the FSDP2 DCP source of ``bench.py`` (built once in WORKDIR, about SIZE_GB, model +
 AdamW), each round runs, one after the other so that each pair sees the same machine:
 ``cp -r SRC COPY && sync``; ``shardckpt convert SRC out.safetensors --to full`` (and
-``sync``); the same with ``--verify``; ``cmp`` of every file of SRC with COPY's; and
-``shardckpt diff SRC COPY``. The table gives each command's median wall time over the
-rounds and the ratios the issue's targets are stated in: the export against ``cp -r &&
-sync``, ``--verify`` against the export without it, ``diff`` against ``cmp``. The source
-is in the page cache (it was just read), as in ``bench.py``.
+``sync``); the same with ``--verify``; ``cmp`` of every file of SRC with COPY's;
+``shardckpt diff SRC COPY``; and the import of torch and DCP that every diff starts
+with (``diff``'s floor: no read can start before it). The table gives each command's
+median wall time over the rounds and the ratios the issue's targets are stated in: the
+export against ``cp -r && sync``, ``--verify`` against the export without it, ``diff``
+(and its floor) against ``cmp``. The source is in the page cache (it was just read), as
+in ``bench.py``. ``--diff-only`` times only ``cmp``, ``diff`` and the import (COPY made
+once, untimed); ``--against CHECKOUT`` adds that checkout's ``diff`` to each round
+(before and after a change, on the same machine at the same moment).
 """
 
 from __future__ import annotations
@@ -26,22 +31,24 @@ from pathlib import Path
 
 import bench
 
-COMMANDS = ("cp -r && sync", "export", "export --verify", "cmp", "diff")
+IMPORTS = "import torch.distributed.checkpoint"
+"""What every ``diff`` of a DCP source imports before its first read."""
 
 
-def timed(argv: list[str], shell: bool = False) -> float:
-    """Return the wall seconds ``argv`` took; raise if it failed."""
+def timed(argv: list[str], shell: bool = False, root: Path = bench.ROOT) -> float:
+    """Return the wall seconds ``argv`` took, run with the shardckpt of checkout ``root``; raise if it failed."""
     start = time.perf_counter()
-    done = subprocess.run(argv, shell=shell, capture_output=True, text=True, env=bench_env())
+    env = bench_env(root)
+    done = subprocess.run(argv, shell=shell, capture_output=True, text=True, env=env, cwd=root)
     took = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{argv}: exit {done.returncode}: {done.stderr.strip()[-500:]}")
     return took
 
 
-def bench_env() -> dict[str, str]:
-    """Return the environment the commands run in: this checkout's shardckpt, one thread."""
-    path = os.pathsep.join([str(bench.ROOT), os.environ.get("PYTHONPATH", "")])
+def bench_env(root: Path = bench.ROOT) -> dict[str, str]:
+    """Return the environment the commands run in: checkout ``root``'s shardckpt, one thread."""
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
@@ -51,21 +58,32 @@ def cmp_all(a: Path, b: Path) -> list[str]:
     return [" && ".join(f"cmp '{a / n}' '{b / n}'" for n in names)]
 
 
-def one_round(src: Path, workdir: Path) -> dict[str, float]:
+def one_round(
+    src: Path, workdir: Path, diff_only: bool = False, against: Path | None = None
+) -> dict[str, float]:
     """Return each command's wall seconds in one round."""
     copy, out = workdir / "io-copy", workdir / "io-out.safetensors"
     shardckpt = [sys.executable, "-m", "shardckpt"]
     export = [*shardckpt, "convert", str(src), str(out), "--to", "full", "--format"]
     export += ["safetensors", "--overwrite", "--quiet"]
     times = {}
-    shutil.rmtree(copy, ignore_errors=True)
-    times["cp -r && sync"] = timed([f"cp -r '{src}' '{copy}' && sync"], shell=True)
-    times["export"] = timed(export) + timed(["sync"])
-    times["export --verify"] = timed([*export, "--verify"]) + timed(["sync"])
+    if diff_only:
+        if not copy.exists():
+            shutil.copytree(src, copy)
+    else:
+        shutil.rmtree(copy, ignore_errors=True)
+        times["cp -r && sync"] = timed([f"cp -r '{src}' '{copy}' && sync"], shell=True)
+        times["export"] = timed(export) + timed(["sync"])
+        times["export --verify"] = timed([*export, "--verify"]) + timed(["sync"])
+    diff = [*shardckpt, "diff", str(src), str(copy), "--quiet"]
     times["cmp"] = timed(cmp_all(src, copy), shell=True)
-    times["diff"] = timed([*shardckpt, "diff", str(src), str(copy), "--quiet"])
-    shutil.rmtree(copy, ignore_errors=True)
-    out.unlink(missing_ok=True)
+    times["diff"] = timed(diff)
+    if against is not None:
+        times[f"diff at {against}"] = timed(diff, root=against)
+    times["import torch + dcp"] = timed([sys.executable, "-c", IMPORTS])
+    if not diff_only:
+        shutil.rmtree(copy, ignore_errors=True)
+        out.unlink(missing_ok=True)
     return times
 
 
@@ -81,9 +99,10 @@ def table(medians: dict[str, float], src_bytes: int, rounds: int) -> str:
         "export": ("cp -r && sync", "≤ 1.5× cp -r && sync"),
         "export --verify": ("export", "≤ 2× export"),
         "diff": ("cmp", "≤ 2× cmp"),
+        "import torch + dcp": ("cmp", "diff's floor"),
     }
-    for name in COMMANDS:
-        base, target = ratios.get(name, (None, ""))
+    for name in medians:
+        base, target = ratios.get(name, ("cmp" if name.startswith("diff") else None, ""))
         ratio = f"{medians[name] / medians[base]:.2f}× {base}" if base else ""
         lines.append(f"| {name} | {medians[name]:.2f} | {ratio} | {target} |")
     return "\n".join(lines)
@@ -97,6 +116,8 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=bench.ROOT / ".bench")
     parser.add_argument("--keep", action="store_true", help="keep the source for the next run")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--diff-only", action="store_true", help="time cmp, diff and the import")
+    parser.add_argument("--against", type=Path, help="another checkout whose diff to time too")
     args = parser.parse_args()
     workdir = args.workdir.resolve()
     src = bench.ensure_source(workdir, args.size_gb)
@@ -104,12 +125,13 @@ def main() -> int:
     rounds = []
     try:
         for i in range(args.pairs):
-            rounds.append(one_round(src, workdir))
+            rounds.append(one_round(src, workdir, args.diff_only, args.against))
             bench.log(f"round {i + 1}: {json.dumps(rounds[-1])}")
     finally:
+        shutil.rmtree(workdir / "io-copy", ignore_errors=True)
         if not args.keep:
             shutil.rmtree(src, ignore_errors=True)
-    medians = {name: statistics.median(r[name] for r in rounds) for name in COMMANDS}
+    medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     if args.json:
         print(json.dumps({"rounds": rounds, "median": medians}, indent=2))
     else:

@@ -42,12 +42,10 @@ def convert_own(srcs: list[str], dst: str, to: str, kwargs: dict) -> dict:
     return convert(srcs[dist.get_rank()], dst, to, kwargs)
 
 
-def diff(a: str, b: str) -> list:
-    """Run ``api.diff`` on this rank; return the differing paths."""
-    return [
-        (d.path, d.reason)
-        for d in api.diff(api.DiffRequest(a=a, b=b), runtime=world_runtime()).differences
-    ]
+def diff(a: str, b: str, options: dict | None = None) -> list:
+    """Run ``api.diff`` on this rank (``options``: more of ``DiffRequest``); return the differing paths."""
+    request = api.DiffRequest(a=a, b=b, **(options or {}))
+    return [(d.path, d.reason) for d in api.diff(request, runtime=world_runtime()).differences]
 
 
 def convert_expecting_failure(srcs: list[str], dst: str, to: str) -> tuple[str, int, str]:

@@ -96,6 +96,7 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
                 cast=request.cast,
                 progress=progress,
                 same=_same_digests(ra, rb) if request.atol == request.rtol == 0 else None,
+                buffer_bytes=request.buffer_bytes,
             )
         finally:
             progress.close()

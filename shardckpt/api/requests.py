@@ -120,8 +120,7 @@ class ConvertRequest:
                 f"--world-size must be at least 1, not {self.world_size}",
                 hint="pass the number of ranks that will load the output",
             )
-        if self.buffer_bytes <= 0:
-            raise UsageError("--buffer-size must be positive")
+        _check_buffer(self.buffer_bytes)
         if self.max_shard_size is not None and self.max_shard_size <= 0:
             raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
 
@@ -165,15 +164,18 @@ class DiffRequest:
     """As ``nest_a``, for B."""
     trust_pickle: bool = False
     """Load pickles that may run code (only for files you trust)."""
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    """The most tensor bytes one process holds at a time, both sides' batches together."""
 
     def __post_init__(self) -> None:
         _frozen(self)
 
     def check(self) -> None:
-        """Raise a usage error for a tolerance that is not a finite number >= 0 (pure)."""
+        """Raise a usage error for a tolerance that is not a finite number >= 0, or no buffer (pure)."""
         for name, tol in (("--atol", self.atol), ("--rtol", self.rtol)):
             if not (tol >= 0 and math.isfinite(tol)):
                 raise UsageError(f"{name} must be a finite number >= 0, not {tol}")
+        _check_buffer(self.buffer_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,3 +188,9 @@ class VerifyRequest:
     """The source's format; None detects it."""
     trust_pickle: bool = False
     """Load pickles that may run code (only for files you trust)."""
+
+
+def _check_buffer(buffer_bytes: int) -> None:
+    """Raise a usage error for a ``--buffer-size`` that is not positive."""
+    if buffer_bytes <= 0:
+        raise UsageError("--buffer-size must be positive")

@@ -55,7 +55,15 @@ def verify_output(
         with source_option("--format"):
             written, tree = runtime.agreed(written_reader)
         progress.begin(sum(m.nbytes for _, m in tensor_leaves(expected)), "verify")
-        check = compare(reader, expected, written, tree, runtime, progress=progress)
+        check = compare(
+            reader,
+            expected,
+            written,
+            tree,
+            runtime,
+            progress=progress,
+            buffer_bytes=plan.buffer_bytes,
+        )
         damaged = judged(runtime, within(destination.tmp))
     except ShardckptError as exc:
         if isinstance(exc, RemoteRankError):

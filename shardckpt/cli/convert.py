@@ -10,6 +10,7 @@ import typer
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
 from shardckpt.cli.options import (
+    BufferSize,
     CleanFqns,
     DeviceOpt,
     Filters,
@@ -171,12 +172,7 @@ def convert(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what would be written; write nothing.")
     ] = False,
-    buffer_size: Annotated[
-        str,
-        typer.Option(
-            "--buffer-size", metavar="SIZE", help="Most tensor bytes a process holds at a time."
-        ),
-    ] = "256MiB",
+    buffer_size: BufferSize = "256MiB",
     src_local: Annotated[
         bool,
         typer.Option("--src-local", help="Under torchrun: SRC is on each node's own disk."),

@@ -10,6 +10,7 @@ import typer
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
 from shardckpt.cli.options import (
+    BufferSize,
     CleanFqns,
     DeviceOpt,
     Filters,
@@ -19,6 +20,7 @@ from shardckpt.cli.options import (
     emit,
     emit_notes,
     only_option,
+    parse_size,
 )
 from shardckpt.core.errors import EXIT_DIFFERENT
 
@@ -28,6 +30,7 @@ EPILOG = examples(
     "shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6",
     "shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2",
     "shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same",
+    "shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --buffer-size 64MiB -q",
     intro="Examples (they run as written after `bash scripts/demo.sh` and `shardckpt "
     "convert --help`'s):",
 )
@@ -93,6 +96,7 @@ def diff(
         str | None, typer.Option("--nest-b", metavar="KEY", help="As --nest-a, for B.")
     ] = None,
     clean_fqns: CleanFqns = True,
+    buffer_size: BufferSize = "256MiB",
     json_out: JsonOut = False,
     quiet: Annotated[
         bool,
@@ -130,6 +134,7 @@ def diff(
             unnest_b=unnest_b,
             nest_b=nest_b,
             trust_pickle=trust_pickle,
+            buffer_bytes=parse_size(buffer_size, "--buffer-size"),
         )
         progress = Progress(enabled=runtime.coordinator and not quiet and not json_out, desc="diff")
         result = api.diff(request, runtime, progress)

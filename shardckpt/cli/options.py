@@ -86,6 +86,12 @@ Filters = Annotated[
     ),
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+BufferSize = Annotated[
+    str,
+    typer.Option(
+        "--buffer-size", metavar="SIZE", help="Most tensor bytes a process holds at a time."
+    ),
+]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
 TrustPickle = Annotated[
     bool,

@@ -8,13 +8,18 @@ holds either checkpoint whole.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
 
+from shardckpt.engine.exchange import SharedReader
+from shardckpt.engine.side_by_side import pieces, side_by_side
 from shardckpt.formats.base import Reader
 from shardckpt.plan.plan import SKIP, batches, rows_to_read
+from shardckpt.state.choices import DEFAULT_BUFFER_BYTES
 from shardckpt.state.tree import Path, TensorMeta, containers, walk
 from shardckpt.state.values import tensors_differ, values_equal
 
@@ -66,6 +71,7 @@ def compare(
     cast: bool = False,
     progress=lambda n: None,
     same: Callable[[TensorMeta, TensorMeta], bool] | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
 ) -> DiffResult:
     """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``).
 
@@ -73,6 +79,7 @@ def compare(
     two (an fp32 checkpoint against its bf16 export), and the change is counted once per
     pair of dtypes in ``DiffResult.casts``, not reported per tensor. ``same`` says which
     pairs of tensors are equal without reading them (their sources' digests agree).
+    The two sides' batches together hold at most ``buffer_bytes`` of tensor data.
     """
     leaves_a, leaves_b = dict(walk(tree_a)), dict(walk(tree_b))
     result = DiffResult(compared=len(set(leaves_a) | set(leaves_b)))
@@ -107,14 +114,14 @@ def compare(
                     progress(leaves_a[path].nbytes)
                     continue
                 pairs.append((path, leaves_a[path], leaves_b[path]))
-    for group in batches([ma for _, ma, _ in pairs]):
-        keys = {m.key for m in group}
-        chunk = [(p, ma, mb) for p, ma, mb in pairs if ma.key in keys]
-        worst = _compare_rows(a, b, chunk, runtime, atol, rtol, wider_of)
-        for (path, _, _), (bad, diff) in zip(chunk, worst):
-            if bad:
-                result.differences.append(Difference(path, "values differ", diff))
-        progress(sum(m.nbytes for m in group))
+    rules = _Rules(atol, rtol, wider_of, buffer_bytes)
+    # A reader whose reads are collectives needs every rank in the same rounds.
+    collective = isinstance(a, SharedReader) or isinstance(b, SharedReader)
+    read = _compare_in_rounds if collective else _compare_side_by_side
+    worst = read(a, b, pairs, runtime, rules, progress)
+    for (path, _, _), (bad, diff) in zip(pairs, worst):
+        if bad:
+            result.differences.append(Difference(path, "values differ", diff))
     order: dict[Path, int] = {}
     for p in [*(p for p, _ in containers(tree_a)), *leaves_a, *leaves_b]:
         order.setdefault(p, len(order))
@@ -145,15 +152,88 @@ def _leaf_difference(x: object, y: object) -> str:
     return "" if values_equal(x, y) else f"value {x!r} vs {y!r}"
 
 
+Pair = tuple[Path, TensorMeta, TensorMeta]
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """How the pairs' data are compared: tolerances, the dtype of each cast pair, the buffer."""
+
+    atol: float
+    rtol: float
+    wider_of: dict[Path, torch.dtype]
+    buffer_bytes: int
+
+    def differ(self, path: Path, x: torch.Tensor, y: torch.Tensor) -> tuple[bool, float]:
+        """Return whether the data ``x`` and ``y`` at ``path`` differ, and their largest difference."""
+        wider = self.wider_of.get(path)
+        if wider is not None:
+            x, y = x.to(wider), y.to(wider)
+        return tensors_differ(x.cpu(), y.cpu(), self.atol, self.rtol)
+
+
+def _compare_side_by_side(
+    a: Reader, b: Reader, pairs: list[Pair], runtime, rules: _Rules, progress
+) -> list[tuple[bool, float]]:
+    """Return (differs, max |a-b|) per pair, each rank comparing its rows, both sides read at once."""
+    wanted = [
+        rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
+        for _, ma, _ in pairs
+    ]
+    mine = [i for i, r in enumerate(wanted) if r != SKIP]
+    flags = torch.zeros(len(pairs), dtype=torch.float64)
+    diffs = torch.zeros(len(pairs), dtype=torch.float64)
+
+    def run() -> None:
+        # A quarter of the buffer a batch: each side holds the batch compared and the one read.
+        limit = max(1, rules.buffer_bytes // 4)
+        batches = pieces([(*pairs[i][1:], wanted[i]) for i in mine], limit)
+        left = Counter(p.pair for batch in batches for p in batch)
+        progress(sum(pairs[i][1].nbytes for n, i in enumerate(mine) if not left[n]))
+        with closing(side_by_side(a, b, batches, runtime)) as stream:
+            for batch, xs, ys in stream:
+                for piece, x, y in zip(batch, xs, ys):
+                    i = mine[piece.pair]
+                    bad, diff = rules.differ(pairs[i][0], x, y)
+                    flags[i] = max(float(flags[i]), 1.0 if bad else 0.0)
+                    diffs[i] = max(float(diffs[i]), diff)
+                    left[piece.pair] -= 1
+                    if not left[piece.pair]:
+                        progress(piece.meta_a.nbytes)
+
+    # One agreement for the whole comparison: ranks read different numbers of batches.
+    runtime.agreed(run)
+    return _over_ranks(runtime, flags, diffs)
+
+
+def _compare_in_rounds(
+    a: Reader, b: Reader, pairs: list[Pair], runtime, rules: _Rules, progress
+) -> list[tuple[bool, float]]:
+    """Return (differs, max |a-b|) per pair, read a batch of both sides at a time, as every rank does."""
+    worst: list[tuple[bool, float]] = []
+    for group in batches([ma for _, ma, _ in pairs], max(1, rules.buffer_bytes // 2)):
+        chunk = pairs[len(worst) : len(worst) + len(group)]
+        worst += _compare_rows(a, b, chunk, runtime, rules)
+        progress(sum(m.nbytes for m in group))
+    return worst
+
+
+def _over_ranks(runtime, flags: torch.Tensor, diffs: torch.Tensor) -> list[tuple[bool, float]]:
+    """Return each pair's (differs, max |a-b|), the largest over the ranks."""
+    runtime.max_over_ranks(flags)
+    runtime.max_over_ranks(diffs)
+    return [(bool(f), float(d)) for f, d in zip(flags.tolist(), diffs.tolist())]
+
+
 def _compare_rows(
-    a: Reader, b: Reader, chunk, runtime, atol: float, rtol: float, wider_of: dict
+    a: Reader, b: Reader, chunk: list[Pair], runtime, rules: _Rules
 ) -> list[tuple[bool, float]]:
     """Return (differs, max |a-b|) per tensor, each rank comparing its rows, reduced over ranks."""
     wanted = [
         rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
         for _, ma, _ in chunk
     ]
-    mine = [(ma, mb, r, wider_of.get(p)) for (p, ma, mb), r in zip(chunk, wanted) if r != SKIP]
+    mine = [(ma, mb, r, p) for (p, ma, mb), r in zip(chunk, wanted) if r != SKIP]
 
     def read_both():
         # Called on every rank even with nothing to read: a reader whose reads are
@@ -165,16 +245,12 @@ def _compare_rows(
     xs, ys = runtime.agreed(read_both)
     flags = torch.zeros(len(chunk), dtype=torch.float64)
     diffs = torch.zeros(len(chunk), dtype=torch.float64)
-    it = iter(zip(xs, ys, (wider for *_, wider in mine)))
+    it = iter(zip(xs, ys, (path for *_, path in mine)))
     for i, r in enumerate(wanted):
         if r == SKIP:
             continue
-        x, y, wider = next(it)
-        if wider is not None:
-            x, y = x.to(wider), y.to(wider)
-        bad, diff = tensors_differ(x.cpu(), y.cpu(), atol, rtol)
+        x, y, path = next(it)
+        bad, diff = rules.differ(path, x, y)
         flags[i] = 1.0 if bad else 0.0
         diffs[i] = diff
-    runtime.max_over_ranks(flags)
-    runtime.max_over_ranks(diffs)
-    return [(bool(f), float(d)) for f, d in zip(flags.tolist(), diffs.tolist())]
+    return _over_ranks(runtime, flags, diffs)

@@ -26,7 +26,7 @@ import torch
 
 from shardckpt.codecs.tensor_bytes import contiguous_bytes
 from shardckpt.core.sight import Sight
-from shardckpt.formats.base import Index, Reader, Rows, read_grouped
+from shardckpt.formats.base import Index, Reader, Rows, read_grouped, rows_shape
 from shardckpt.state.regions import row_elements
 from shardckpt.state.tree import TensorMeta
 
@@ -119,7 +119,7 @@ class SharedReader(Reader):
         mine = [(m.key, r) for m, r in requests]
         asks = runtime.all_gather(mine)
         pieces = assign(asks, self.metas, self.inner.files_for, self.sight, self.limit)
-        out = [torch.empty(_shape(m, r), dtype=m.dtype) for m, r in requests]
+        out = [torch.empty(rows_shape(m, r), dtype=m.dtype) for m, r in requests]
         targets = [contiguous_bytes(t) for t in out]
         for when in range(max((p.round for p in pieces), default=-1) + 1):
             here = [p for p in pieces if p.round == when]
@@ -158,10 +158,6 @@ class SharedReader(Reader):
         requests = [(self.metas[p.key], p.rows) for p in pieces]
         tensors = read_grouped(self.inner, requests, self.sight.runtime)
         return {p: contiguous_bytes(t) for p, t in zip(pieces, tensors)}
-
-
-def _shape(meta: TensorMeta, rows: Rows) -> tuple[int, ...]:
-    return meta.shape if rows is None else (rows[1] - rows[0],) + meta.shape[1:]
 
 
 __all__ = ["Piece", "SharedReader", "assign"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -103,12 +104,15 @@ class Ledger:
         # Memory-mapped storages by address, each with its span's key; the storage is
         # kept, so its address cannot be given to another mapping while the ledger lives.
         self._mapped: dict[int, tuple[Key, torch.UntypedStorage]] = {}
+        # ``diff`` reads its two sides in two threads, and both may read one file.
+        self._lock = threading.Lock()
 
     def expect(self, written: Written, names: Iterable[str] = ()) -> None:
         """Add a span whose bytes may be read, and the tensors it holds."""
-        self._written.setdefault(written.key, written)
-        known = self._names.setdefault(written.key, [])
-        known += [n for n in names if n not in known]
+        with self._lock:
+            self._written.setdefault(written.key, written)
+            known = self._names.setdefault(written.key, [])
+            known += [n for n in names if n not in known]
 
     def written(self, key: Key) -> Written | None:
         """Return the span at ``key``, None if none is expected there."""
@@ -147,9 +151,14 @@ class Ledger:
         written = self._written.get((file, start))
         if written is None:
             return
+        with self._lock:
+            self._note(written, offset, data, crc)
+
+    def _note(self, written: Written, offset: int, data, crc: int | None) -> None:
+        """Add the spans of ``data`` not read before to ``written``'s, with their CRC-32 (lock held)."""
         view = memoryview(data).cast("B")
         stop = min(offset + len(view), written.length)
-        spans = self._spans.setdefault((file, start), [])
+        spans = self._spans.setdefault(written.key, [])
         at = max(offset, 0)
         gaps = list(_gaps(spans, at, stop))
         if crc is not None and gaps == [(offset, offset + len(view))]:

@@ -63,7 +63,7 @@ from shardckpt.core.files import has_file, os_error, os_error_in
 from shardckpt.core.sight import Sight
 from shardckpt.core.signals import Interrupted
 from shardckpt.core.words import shown
-from shardckpt.formats.base import Index, Reader, Rows, StoredItem
+from shardckpt.formats.base import Index, Reader, Rows, StoredItem, rows_shape
 from shardckpt.formats.dcp import METADATA_FILE
 from shardckpt.formats.dcp.check import check_metadata
 from shardckpt.formats.dcp.rows import StoredRows
@@ -523,12 +523,21 @@ class DcpReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
+        outs = [torch.empty(rows_shape(m, r), dtype=m.dtype) for m, r in zip(metas, rows)]
+        return self.read_into(metas, rows, outs, runtime)
+
+    def read_into(
+        self,
+        metas: Sequence[TensorMeta],
+        rows: Sequence[Rows],
+        outs: Sequence[torch.Tensor],
+        runtime,
+    ) -> list[torch.Tensor]:
         self._check()
         targets: dict[str, torch.Tensor] = {}
         row_starts: dict[str, int] = {}
-        for meta, r in zip(metas, rows):
-            shape = meta.shape if r is None else (r[1] - r[0],) + meta.shape[1:]
-            targets[meta.key] = torch.empty(shape, dtype=meta.dtype)
+        for meta, r, out in zip(metas, rows, outs):
+            targets[meta.key] = out
             if r is not None and r != (0, meta.shape[0]):
                 row_starts[meta.key] = r[0]
         # An empty target has nothing to read (an empty shard, a zero-size tensor); a
