@@ -35,6 +35,7 @@ from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
 from shardckpt.engine.jobs import JobQueue, regions_of
 from shardckpt.engine.rows import read_regions
+from shardckpt.engine.stored_copy import copy_runs
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.state.regions import (
     Piece,
@@ -146,28 +147,40 @@ def _fill(
 ) -> tuple[list[Piece], int]:
     """Read the rows of a step's regions and jobs, write each region at its offset and each job in order.
 
-    Returns the pieces written into zip records of files several processes share, and
-    the tensor bytes written (what the progress bar counts).
+    A region whose bytes lie in SRC as they are (``Reader.stored_runs``) is copied from
+    there (``stored_copy``); the others are read through the reader. Returns the pieces
+    written into zip records of files several processes share, and the tensor bytes
+    written (what the progress bar counts).
     """
     batch = [r for r in batch if r.stop > r.start]
-    asked = batch + [r for _, segments in jobs for r in regions_of(segments)]
+    stored = {}
+    for region in batch:
+        runs = reader.stored_runs(metas[region.key], region.start, region.stop)
+        if runs is not None:
+            stored[region] = runs
+    asked = [r for r in batch if r not in stored]
+    asked += [r for _, segments in jobs for r in regions_of(segments)]
     lookup, read = read_regions(reader, asked, metas, runtime)
     costs.read_bytes += read
     pieces = []
     moved = 0
     for region in batch:
-        data = lookup(region)
         fd = files.fd(region.file)
-        with writing(files.path(region.file)):
-            pwrite_all(fd, data, region.offset)
-        costs.written_bytes += len(data)
-        moved += len(data)
+        length = nbytes(region, metas)
+        if region in stored:
+            crc = copy_runs(stored[region], fd, region.offset, files.path(region.file), region.key)
+            costs.read_bytes += length
+        else:
+            data = lookup(region)
+            with writing(files.path(region.file)):
+                pwrite_all(fd, data, region.offset)
+            crc = crc32(data) if region.record is not None else 0
+        costs.written_bytes += length
+        moved += length
         if region.record is not None:
             record = region.record
             pieces.append(
-                Piece(
-                    record.file, record.start, region.offset - record.start, len(data), crc32(data)
-                )
+                Piece(record.file, record.start, region.offset - record.start, length, crc)
             )
     for job, segments in jobs:
         before = job.written
