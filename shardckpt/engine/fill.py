@@ -175,6 +175,7 @@ def _fill(
             with writing(files.path(region.file)):
                 pwrite_all(fd, data, region.offset)
             crc = crc32(data) if region.record is not None else 0
+        files.written(region.file, region.offset, length)
         costs.written_bytes += length
         moved += length
         if region.record is not None:
