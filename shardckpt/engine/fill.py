@@ -23,8 +23,10 @@ see their files.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -148,47 +150,56 @@ def _fill(
     """Read the rows of a step's regions and jobs, write each region at its offset and each job in order.
 
     A region whose bytes lie in SRC as they are (``Reader.stored_runs``) is copied from
-    there (``stored_copy``); the others are read through the reader. Returns the pieces
-    written into zip records of files several processes share, and the tensor bytes
-    written (what the progress bar counts).
+    there (``stored_copy``) on a thread of its own, while this one locates the next
+    regions' chunks and reads the others through the reader: the copy is system calls
+    and CRCs that let go of the GIL, the rest is Python. Returns the pieces written into
+    zip records of files several processes share, and the tensor bytes written (what the
+    progress bar counts).
     """
     batch = [r for r in batch if r.stop > r.start]
-    stored = {}
-    for region in batch:
-        runs = reader.stored_runs(metas[region.key], region.start, region.stop)
-        if runs is not None:
-            stored[region] = runs
-    asked = [r for r in batch if r not in stored]
-    asked += [r for _, segments in jobs for r in regions_of(segments)]
-    lookup, read = read_regions(reader, asked, metas, runtime)
-    costs.read_bytes += read
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-copy") as copier:
+        copies: dict[Region, Future[int]] = {}
+        for region in batch:
+            runs = reader.stored_runs(metas[region.key], region.start, region.stop)
+            if runs is not None:
+                fd, path = files.fd(region.file), files.path(region.file)
+                # In this thread's context: the copy notes what it read in the command's ledger.
+                run = contextvars.copy_context().run
+                copies[region] = copier.submit(
+                    run, copy_runs, runs, fd, region.offset, path, region.key
+                )
+        asked = [r for r in batch if r not in copies]
+        asked += [r for _, segments in jobs for r in regions_of(segments)]
+        lookup, read = read_regions(reader, asked, metas, runtime)
+        costs.read_bytes += read
+        crcs = {r: _write_read(r, lookup, files) for r in batch if r not in copies}
+        crcs.update({r: copy.result() for r, copy in copies.items()})
     pieces = []
     moved = 0
     for region in batch:
-        fd = files.fd(region.file)
         length = nbytes(region, metas)
-        if region in stored:
-            crc = copy_runs(stored[region], fd, region.offset, files.path(region.file), region.key)
-            costs.read_bytes += length
-        else:
-            data = lookup(region)
-            with writing(files.path(region.file)):
-                pwrite_all(fd, data, region.offset)
-            crc = crc32(data) if region.record is not None else 0
         files.written(region.file, region.offset, length)
+        costs.read_bytes += length if region in copies else 0
         costs.written_bytes += length
         moved += length
         if region.record is not None:
             record = region.record
-            pieces.append(
-                Piece(record.file, record.start, region.offset - record.start, length, crc)
-            )
+            offset = region.offset - record.start
+            pieces.append(Piece(record.file, record.start, offset, length, crcs[region]))
     for job, segments in jobs:
         before = job.written
         job.write(segments, lookup)
         costs.written_bytes += job.written - before
         moved += sum(nbytes(r, metas) for r in regions_of(segments))
     return pieces, moved
+
+
+def _write_read(region: Region, lookup, files: DstFiles) -> int:
+    """Write the bytes read for ``region`` at its offset; return their CRC-32 (0 where no record needs it)."""
+    data = lookup(region)
+    with writing(files.path(region.file)):
+        pwrite_all(files.fd(region.file), data, region.offset)
+    return crc32(data) if region.record is not None else 0
 
 
 def _patch_checksums(root: Path, gathered: list[tuple[list[Record], list[Piece]]]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -103,12 +104,16 @@ class Ledger:
         # Memory-mapped storages by address, each with its span's key; the storage is
         # kept, so its address cannot be given to another mapping while the ledger lives.
         self._mapped: dict[int, tuple[Key, torch.UntypedStorage]] = {}
+        # The engine copies mapped runs on a thread of its own while this one reads other
+        # rows: a span's gaps and its insertion must be one step, or both could note a byte.
+        self._lock = threading.Lock()
 
     def expect(self, written: Written, names: Iterable[str] = ()) -> None:
         """Add a span whose bytes may be read, and the tensors it holds."""
-        self._written.setdefault(written.key, written)
-        known = self._names.setdefault(written.key, [])
-        known += [n for n in names if n not in known]
+        with self._lock:
+            self._written.setdefault(written.key, written)
+            known = self._names.setdefault(written.key, [])
+            known += [n for n in names if n not in known]
 
     def written(self, key: Key) -> Written | None:
         """Return the span at ``key``, None if none is expected there."""
@@ -144,6 +149,10 @@ class Ledger:
         CRC-32 of all of ``data``, taken by the reader while the bytes were in cache; used
         as it is when none of them was read before.
         """
+        with self._lock:
+            self._note(file, start, offset, data, crc)
+
+    def _note(self, file: str, start: int, offset: int, data, crc: int | None) -> None:
         written = self._written.get((file, start))
         if written is None:
             return
