@@ -9,6 +9,7 @@ reading of the same directory.
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 
@@ -143,3 +144,21 @@ def test_a_chunk_cut_short_is_not_mapped_and_is_read_as_truncated(tmp_path):
     assert reader.stored_runs(w, 25, 100) is None
     with pytest.raises(BadInputError, match="truncated: the data of 'model.w' ends at byte"):
         reader.read([w], [(5, 20)], None)
+
+
+def test_where_the_kernel_cannot_copy_between_the_files_the_mapped_rows_are_pwritten(
+    tmp_path, monkeypatch
+):
+    src, _ = _source(tmp_path)
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "kernel.safetensors", to="full"))
+    refused = []
+
+    def cross_device(*args):
+        refused.append(args)
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(stored_copy.os, "copy_file_range", cross_device)
+    out = tmp_path / "pwritten.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=out, to="full", buffer_bytes=64))
+    assert refused
+    assert out.read_bytes() == (tmp_path / "kernel.safetensors").read_bytes()
