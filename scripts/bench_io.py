@@ -6,12 +6,13 @@
 On the FSDP2 DCP source of ``bench.py`` (built once in WORKDIR, about SIZE_GB, model +
 AdamW), each round runs, one after the other so that each pair sees the same machine:
 ``cp -r SRC COPY && sync``; ``shardckpt convert SRC out.safetensors --to full`` (and
-``sync``); the same with ``--verify``; ``cmp`` of every file of SRC with COPY's;
-``shardckpt diff SRC COPY``; and the import of torch and DCP that every diff starts
-with (``diff``'s floor: no read can start before it). The table gives each command's
-median wall time over the rounds and the ratios the issue's targets are stated in: the
-export against ``cp -r && sync``, ``--verify`` against the export without it, ``diff``
-(and its floor) against ``cmp``. The source is in the page cache (it was just read), as
+``sync``); the same to a full ``torch.save`` file (``out.pt``); the safetensors export
+with ``--verify``; ``cmp`` of every file of SRC with COPY's; ``shardckpt diff SRC COPY``;
+and the import of torch and DCP that every diff starts with (``diff``'s floor: no read
+can start before it). The table gives each command's median wall time and CPU time
+(user + system, the command's processes) over the rounds, and the ratios the issue's
+targets are stated in: the exports against ``cp -r && sync``, ``--verify`` against the
+export without it, ``diff`` (and its floor) against ``cmp``. The source is in the page cache (it was just read), as
 in ``bench.py``. ``--diff-only`` times only ``cmp``, ``diff`` and the import (COPY made
 once, untimed); ``--against CHECKOUT`` adds that checkout's ``diff`` to each round
 (before and after a change, on the same machine at the same moment).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -35,15 +37,26 @@ IMPORTS = "import torch.distributed.checkpoint"
 """What every ``diff`` of a DCP source imports before its first read."""
 
 
-def timed(argv: list[str], shell: bool = False, root: Path = bench.ROOT) -> float:
-    """Return the wall seconds ``argv`` took, run with the shardckpt of checkout ``root``; raise if it failed."""
+def timed(argv: list[str], shell: bool = False, root: Path = bench.ROOT) -> tuple[float, float]:
+    """Return the wall and CPU seconds (user + system) ``argv`` took, run with the shardckpt
+    of checkout ``root``; raise if it failed."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     env = bench_env(root)
     done = subprocess.run(argv, shell=shell, capture_output=True, text=True, env=env, cwd=root)
     took = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise RuntimeError(f"{argv}: exit {done.returncode}: {done.stderr.strip()[-500:]}")
-    return took
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return took, cpu
+
+
+def synced(argv: list[str]) -> tuple[float, float]:
+    """Return ``timed`` of ``argv`` followed by ``sync``, both counted."""
+    wall, cpu = timed(argv)
+    sync_wall, sync_cpu = timed(["sync"])
+    return wall + sync_wall, cpu + sync_cpu
 
 
 def bench_env(root: Path = bench.ROOT) -> dict[str, str]:
@@ -60,12 +73,15 @@ def cmp_all(a: Path, b: Path) -> list[str]:
 
 def one_round(
     src: Path, workdir: Path, diff_only: bool = False, against: Path | None = None
-) -> dict[str, float]:
-    """Return each command's wall seconds in one round."""
+) -> dict[str, tuple[float, float]]:
+    """Return each command's wall and CPU seconds in one round."""
     copy, out = workdir / "io-copy", workdir / "io-out.safetensors"
+    out_pt = workdir / "io-out.pt"
     shardckpt = [sys.executable, "-m", "shardckpt"]
     export = [*shardckpt, "convert", str(src), str(out), "--to", "full", "--format"]
     export += ["safetensors", "--overwrite", "--quiet"]
+    export_pt = [*shardckpt, "convert", str(src), str(out_pt), "--to", "full", "--format"]
+    export_pt += ["torch", "--overwrite", "--quiet"]
     times = {}
     if diff_only:
         if not copy.exists():
@@ -73,8 +89,11 @@ def one_round(
     else:
         shutil.rmtree(copy, ignore_errors=True)
         times["cp -r && sync"] = timed([f"cp -r '{src}' '{copy}' && sync"], shell=True)
-        times["export"] = timed(export) + timed(["sync"])
-        times["export --verify"] = timed([*export, "--verify"]) + timed(["sync"])
+        times["export"] = synced(export)
+        out.unlink(missing_ok=True)
+        times["export .pt"] = synced(export_pt)
+        out_pt.unlink(missing_ok=True)
+        times["export --verify"] = synced([*export, "--verify"])
     diff = [*shardckpt, "diff", str(src), str(copy), "--quiet"]
     times["cmp"] = timed(cmp_all(src, copy), shell=True)
     times["diff"] = timed(diff)
@@ -87,24 +106,25 @@ def one_round(
     return times
 
 
-def table(medians: dict[str, float], src_bytes: int, rounds: int) -> str:
+def table(medians: dict[str, tuple[float, float]], src_bytes: int, rounds: int) -> str:
     """Return the medians and the target ratios as markdown."""
     lines = [
         f"source {src_bytes / 1e9:.2f} GB, median of {rounds} rounds",
         "",
-        "| command | wall s | ratio | target |",
-        "|---|---:|---:|---|",
+        "| command | wall s | CPU s | ratio | target |",
+        "|---|---:|---:|---:|---|",
     ]
     ratios = {
         "export": ("cp -r && sync", "≤ 1.5× cp -r && sync"),
+        "export .pt": ("cp -r && sync", ""),
         "export --verify": ("export", "≤ 2× export"),
         "diff": ("cmp", "≤ 2× cmp"),
         "import torch + dcp": ("cmp", "diff's floor"),
     }
-    for name in medians:
+    for name, (wall, cpu) in medians.items():
         base, target = ratios.get(name, ("cmp" if name.startswith("diff") else None, ""))
-        ratio = f"{medians[name] / medians[base]:.2f}× {base}" if base else ""
-        lines.append(f"| {name} | {medians[name]:.2f} | {ratio} | {target} |")
+        ratio = f"{wall / medians[base][0]:.2f}× {base}" if base else ""
+        lines.append(f"| {name} | {wall:.2f} | {cpu:.2f} | {ratio} | {target} |")
     return "\n".join(lines)
 
 
@@ -126,12 +146,19 @@ def main() -> int:
     try:
         for i in range(args.pairs):
             rounds.append(one_round(src, workdir, args.diff_only, args.against))
-            bench.log(f"round {i + 1}: {json.dumps(rounds[-1])}")
+            shown = {k: [round(v, 2) for v in t] for k, t in rounds[-1].items()}
+            bench.log(f"round {i + 1} (wall, CPU s): {json.dumps(shown)}")
     finally:
         shutil.rmtree(workdir / "io-copy", ignore_errors=True)
         if not args.keep:
             shutil.rmtree(src, ignore_errors=True)
-    medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+    medians = {
+        name: (
+            statistics.median(r[name][0] for r in rounds),
+            statistics.median(r[name][1] for r in rounds),
+        )
+        for name in rounds[0]
+    }
     if args.json:
         print(json.dumps({"rounds": rounds, "median": medians}, indent=2))
     else:

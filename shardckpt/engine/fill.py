@@ -23,8 +23,10 @@ see their files.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
 from shardckpt.engine.jobs import JobQueue, regions_of
 from shardckpt.engine.rows import read_regions
+from shardckpt.engine.stored_copy import copy_runs
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.state.regions import (
     Piece,
@@ -146,35 +149,57 @@ def _fill(
 ) -> tuple[list[Piece], int]:
     """Read the rows of a step's regions and jobs, write each region at its offset and each job in order.
 
-    Returns the pieces written into zip records of files several processes share, and
-    the tensor bytes written (what the progress bar counts).
+    A region whose bytes lie in SRC as they are (``Reader.stored_runs``) is copied from
+    there (``stored_copy``) on a thread of its own, while this one locates the next
+    regions' chunks and reads the others through the reader: the copy is system calls
+    and CRCs that let go of the GIL, the rest is Python. Returns the pieces written into
+    zip records of files several processes share, and the tensor bytes written (what the
+    progress bar counts).
     """
     batch = [r for r in batch if r.stop > r.start]
-    asked = batch + [r for _, segments in jobs for r in regions_of(segments)]
-    lookup, read = read_regions(reader, asked, metas, runtime)
-    costs.read_bytes += read
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-copy") as copier:
+        copies: dict[Region, Future[int]] = {}
+        for region in batch:
+            runs = reader.stored_runs(metas[region.key], region.start, region.stop)
+            if runs is not None:
+                fd, path = files.fd(region.file), files.path(region.file)
+                # In this thread's context: the copy notes what it read in the command's ledger.
+                run = contextvars.copy_context().run
+                copies[region] = copier.submit(
+                    run, copy_runs, runs, fd, region.offset, path, region.key
+                )
+        asked = [r for r in batch if r not in copies]
+        asked += [r for _, segments in jobs for r in regions_of(segments)]
+        lookup, read = read_regions(reader, asked, metas, runtime)
+        costs.read_bytes += read
+        crcs = {r: _write_read(r, lookup, files) for r in batch if r not in copies}
+        crcs.update({r: copy.result() for r, copy in copies.items()})
     pieces = []
     moved = 0
     for region in batch:
-        data = lookup(region)
-        fd = files.fd(region.file)
-        with writing(files.path(region.file)):
-            pwrite_all(fd, data, region.offset)
-        costs.written_bytes += len(data)
-        moved += len(data)
+        length = nbytes(region, metas)
+        files.written(region.file, region.offset, length)
+        costs.read_bytes += length if region in copies else 0
+        costs.written_bytes += length
+        moved += length
         if region.record is not None:
             record = region.record
-            pieces.append(
-                Piece(
-                    record.file, record.start, region.offset - record.start, len(data), crc32(data)
-                )
-            )
+            offset = region.offset - record.start
+            pieces.append(Piece(record.file, record.start, offset, length, crcs[region]))
     for job, segments in jobs:
         before = job.written
         job.write(segments, lookup)
         costs.written_bytes += job.written - before
         moved += sum(nbytes(r, metas) for r in regions_of(segments))
     return pieces, moved
+
+
+def _write_read(region: Region, lookup, files: DstFiles) -> int:
+    """Write the bytes read for ``region`` at its offset; return their CRC-32 (0 where no record needs it)."""
+    data = lookup(region)
+    with writing(files.path(region.file)):
+        pwrite_all(files.fd(region.file), data, region.offset)
+    return crc32(data) if region.record is not None else 0
 
 
 def _patch_checksums(root: Path, gathered: list[tuple[list[Record], list[Piece]]]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.placement import shared
+from shardckpt.state.checksums import Written
 from shardckpt.state.regions import FileJob, Piece, Record, Region
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves
 
@@ -53,6 +54,18 @@ class StoredItem:
     """The key it holds a chunk of (or the value of), as messages name it."""
     zip: bool
     """Whether it is a ``torch.save`` zip as stored (not transformed by an extension)."""
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """Bytes of a tensor exactly as they are to be written, where they lie in a source file."""
+
+    path: Path
+    offset: int
+    """Byte offset of the first of them in ``path``."""
+    length: int
+    written: Written | None
+    """The record (a DCP item's storage) they lie in, whose CRC-32 they are checked against."""
 
 
 @dataclass
@@ -119,6 +132,15 @@ class Reader(ABC):
         collectives (``exchange.SharedReader``) relies on that.
         """
         return read_grouped(self, requests, runtime)
+
+    def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
+        """Return where elements [start, stop) of ``meta`` lie in SRC's files, in order, as they are.
+
+        None (the default) where they must be read through ``read``: a format that
+        transforms or scatters its bytes, a cast, rows that other ranks bring. The engine
+        maps runs instead of copying them through a buffer (``engine.stored_copy``).
+        """
+        return None
 
     def files_for(self, meta: TensorMeta, rows: Rows) -> list[tuple[Rows, frozenset[str]]]:
         """Return ``rows`` of ``meta`` cut where the files holding them change, with those files.

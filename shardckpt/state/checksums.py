@@ -104,7 +104,9 @@ class Ledger:
         # Memory-mapped storages by address, each with its span's key; the storage is
         # kept, so its address cannot be given to another mapping while the ledger lives.
         self._mapped: dict[int, tuple[Key, torch.UntypedStorage]] = {}
-        # ``diff`` reads its two sides in two threads, and both may read one file.
+        # ``diff`` reads its two sides in two threads, and both may read one file; the engine
+        # copies mapped runs on a thread of its own while this one reads other rows: a
+        # span's gaps and its insertion must be one step, or both could note a byte.
         self._lock = threading.Lock()
 
     def expect(self, written: Written, names: Iterable[str] = ()) -> None:

@@ -2,20 +2,31 @@
 
 ``shardckpt.formats.dcp.rows`` reads a batch of rows with ``preadv`` from where torch's
 loader says a chunk's storage lies; a chunk it cannot place (not stored row after row)
-goes through ``dcp.load``. Both are checked against ``dcp_to_torch_save``, torch's own
+goes through ``dcp.load``. A full export copies rows stored as they are written from
+the mapped chunk instead (``engine.stored_copy``). All are checked against ``dcp_to_torch_save``, torch's own
 reading of the same directory.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import zlib
+
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from reference import assert_trees_equal
+from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardckpt import api
+from shardckpt.core.errors import BadInputError
+from shardckpt.engine import fill, stored_copy
 from shardckpt.formats.dcp import reader as dcp_format
 from shardckpt.formats.dcp.reader import DcpReader
+from shardckpt.formats.hf.digests import read_digests
+from shardckpt.state.checksums import raw_bytes
 
 
 def _source(tmp_path):
@@ -89,3 +100,65 @@ def test_a_chunk_is_located_once_however_many_batches_read_it(tmp_path, monkeypa
     )
     assert sorted(located) == sorted(set(located))
     assert "model.w" in located
+
+
+def test_rows_stored_as_written_are_copied_from_the_mapped_chunk_with_their_digest(
+    tmp_path, monkeypatch
+):
+    src, ref = _source(tmp_path)
+    copied = []
+    original = stored_copy.copy_runs
+
+    def spy(runs, fd, offset, dst, key):
+        copied.append(key)
+        return original(runs, fd, offset, dst, key)
+
+    monkeypatch.setattr(fill, "copy_runs", spy)
+    out = tmp_path / "out.safetensors"
+    # 64 bytes a batch: the runs of 'w' start and end inside its one chunk.
+    api.convert(api.ConvertRequest(src=src, dst=out, to="full", buffer_bytes=64))
+    # Every row-major tensor is copied as stored; the transposed one is read, the empty one skipped.
+    assert set(copied) == {f"model.{k}" for k in ("w", "half", "ids", "mask", "scale")}
+    assert copied.count("model.w") > 1
+    digests = read_digests(out)
+    assert digests is not None
+    with safe_open(out, "pt") as f:
+        for name in f.keys():
+            got = f.get_tensor(name)
+            want = ref["model"][name.split(".", 1)[1]]
+            assert raw_bytes(got) == raw_bytes(want.contiguous())
+            assert digests.crcs[name] == zlib.crc32(raw_bytes(want.contiguous()))
+
+
+def test_a_chunk_cut_short_is_not_mapped_and_is_read_as_truncated(tmp_path):
+    src, _ = _source(tmp_path)
+    reader = DcpReader(src)
+    metas = {m.key: m for _, m in reader.index().tensors()}
+    w = metas["model.w"]
+    # Rows 5..20 of 'w' (5 float32 columns): elements 25..100.
+    (run,) = reader.stored_runs(w, 25, 100)
+    assert run.length == 15 * 5 * 4
+    assert reader.stored_runs(metas["model.t"], 0, 24) is None
+    # Cut short after the chunk was located (a new run would refuse the file's size first).
+    os.truncate(run.path, run.offset + 10)
+    assert reader.stored_runs(w, 25, 100) is None
+    with pytest.raises(BadInputError, match="truncated: the data of 'model.w' ends at byte"):
+        reader.read([w], [(5, 20)], None)
+
+
+def test_where_the_kernel_cannot_copy_between_the_files_the_mapped_rows_are_pwritten(
+    tmp_path, monkeypatch
+):
+    src, _ = _source(tmp_path)
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "kernel.safetensors", to="full"))
+    refused = []
+
+    def cross_device(*args):
+        refused.append(args)
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(stored_copy.os, "copy_file_range", cross_device)
+    out = tmp_path / "pwritten.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=out, to="full", buffer_bytes=64))
+    assert refused
+    assert out.read_bytes() == (tmp_path / "kernel.safetensors").read_bytes()

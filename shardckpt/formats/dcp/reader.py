@@ -63,7 +63,7 @@ from shardckpt.core.files import has_file, os_error, os_error_in
 from shardckpt.core.sight import Sight
 from shardckpt.core.signals import Interrupted
 from shardckpt.core.words import shown
-from shardckpt.formats.base import Index, Reader, Rows, StoredItem, rows_shape
+from shardckpt.formats.base import Index, Reader, Rows, StoredItem, StoredRun, rows_shape
 from shardckpt.formats.dcp import METADATA_FILE
 from shardckpt.formats.dcp.check import check_metadata
 from shardckpt.formats.dcp.rows import StoredRows
@@ -404,6 +404,11 @@ class DcpReader(Reader):
             else:
                 parts.append(((lo, hi), files))
         return parts or [(rows, frozenset())]
+
+    def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
+        """Return where elements [start, stop) of ``meta`` lie in the chunks' files (``StoredRows.runs``)."""
+        self._check()
+        return self._rows.runs(meta.key, meta.dtype, meta.shape, start, stop)
 
     def index(self) -> Index:
         self._check()

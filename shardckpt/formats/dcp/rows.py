@@ -9,6 +9,10 @@ chunk's storage lies in the zip (``torch_internals.stored_offset``) and the stor
 shape, dtype and strides, without reading its data; the wanted rows are then read
 into the target with ``preadv``, and nothing else is read.
 
+Where a run of rows lies whole in chunks that span every column, ``runs`` says where,
+and the engine maps those bytes instead of reading them into a buffer
+(``engine.stored_copy``).
+
 A chunk this cannot place (an extension transformed its bytes, or the stored tensor is
 not laid out row after row, or in the other byte order, or torch's loader does not say
 where it lies) is left to DCP's loader (``DcpReader``).
@@ -35,6 +39,7 @@ from shardckpt.codecs.zip_records import FileSlice, ZipRecord, record, storage_k
 from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import os_error
 from shardckpt.core.torch_internals import stored_offset
+from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import Written, active
 
 _RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
@@ -60,6 +65,47 @@ class StoredRows:
         self.src = src
         self.metadata = metadata
         self._placed: dict[tuple[str, tuple[int, ...]], Placed | None] = {}
+
+    def runs(
+        self, key: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, stop: int
+    ) -> list[StoredRun] | None:
+        """Return where elements [start, stop) of tensor ``key`` lie, in order, one run per chunk.
+
+        None when a chunk they overlap does not span every column (its rows are not one
+        run in the file), cannot be placed, or runs past its file's end (mapping it would
+        fault; ``read_into`` reads it and says it is truncated).
+        """
+        entry = self.metadata.state_dict_metadata[key]
+        row = math.prod(shape[1:]) if shape else 1
+        size = dtype.itemsize
+        out: list[StoredRun] = []
+        at = start
+        for chunk in sorted(entry.chunks, key=lambda c: tuple(c.offsets)):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if 0 in sizes:
+                continue
+            if sizes[1:] != tuple(shape[1:]):
+                return None
+            first = offsets[0] * row if sizes else 0
+            lo, hi = max(at, first), min(stop, first + math.prod(sizes))
+            if lo >= hi:
+                continue
+            placed = self._place(key, offsets, sizes, dtype)
+            if lo != at or placed is None:
+                return None
+            offset = placed.start + (lo - first) * size
+            if offset + (hi - lo) * size > self._size(placed.file):
+                return None
+            out.append(StoredRun(self.src / placed.file, offset, (hi - lo) * size, placed.written))
+            at = hi
+        return out if at == stop else None
+
+    def _size(self, file: str) -> int:
+        # Asked each time, not remembered: a file cut short since the last run is not mapped.
+        try:
+            return os.stat(self.src / file).st_size
+        except OSError as exc:
+            raise os_error(exc, self.src / file) from None
 
     def read_into(self, key: str, target: torch.Tensor, first_row: int) -> bool:
         """Fill ``target`` (rows ``first_row``.. of tensor ``key``) from the stored chunks.
