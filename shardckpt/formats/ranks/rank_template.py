@@ -56,15 +56,15 @@ class _Hole:
     """Whether the elements are the rank's rows (else the whole tensor)."""
     at: int
     record: Record
+    row: int
+    """Elements per dim-0 row (``row_elements``), taken once: asked for every target rank."""
 
     def elements(self, rank: int, world_size: int) -> tuple[int, int]:
         """Return the elements [start, stop) of the source tensor that fill this hole on ``rank``."""
-        meta = self.meta
         if not self.split:
-            return 0, meta.numel
-        first, stop = dim0_rows(meta.shape, world_size, rank)  # type: ignore[misc]
-        row = row_elements(meta)
-        return first * row, stop * row
+            return 0, self.meta.numel
+        first, stop = dim0_rows(self.meta.shape, world_size, rank)  # type: ignore[misc]
+        return first * self.row, stop * self.row
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _template(data, rank_at, width, holes, records, ident, metas, split) -> Rank
         rank_at,
         width,
         tuple(
-            _Hole(metas[key], split(metas[key]), at, record)
+            _Hole(metas[key], split(metas[key]), at, record, row_elements(metas[key]))
             for key, at, record in sorted(holes, key=lambda h: h[1])
         ),
         tuple(sorted(records, key=lambda r: r.start)),
