@@ -47,7 +47,12 @@ def _skeleton_save(obj, stream) -> None:
         torch.save(obj, stream)
 
 
-def storages_in_order(obj) -> list[tuple[torch.UntypedStorage, bool]]:
+Storages = list[tuple[torch.UntypedStorage, bool]]
+"""A ``torch.save``'s storages in the order of its record numbers, each with whether it is a
+placeholder's."""
+
+
+def storages_in_order(obj) -> Storages:
     """Return the storages ``torch.save(obj)`` records, in the order of its record numbers.
 
     Each comes with whether it is a placeholder's (a fake tensor's), as ``torch.save``
@@ -181,15 +186,16 @@ def pickle_record(fd: int, start: int, end: int, file: str) -> Record:
 
 
 def write_skeleton(
-    fd: int, offset: int, obj, file: str
+    fd: int, offset: int, obj, file: str, storages: Storages | None = None
 ) -> tuple[dict[int, Record], list[Record], list[Piece]]:
     """Write ``torch.save(obj)`` at ``offset`` of ``fd`` with no storage bytes; return its layout.
 
     Returns ``(placeholders, records, pieces)``: the ``Record`` of each fake storage (by
     the storage's ``storage_key``), every data record, and the ``Piece``s of the real
-    storages written here.
+    storages written here. ``storages``: ``storages_in_order(obj)``, where the caller has it.
     """
-    storages = storages_in_order(obj)
+    if storages is None:
+        storages = storages_in_order(obj)
     with os.fdopen(os.dup(fd), "r+b") as stream:
         stream.seek(offset)
         _skeleton_save(obj, stream)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from math import prod
 
 from isal import isal_zlib
@@ -105,7 +105,15 @@ def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, 
     """
     if not shape:
         return None
-    size, offset = Shard.local_shard_size_and_offset(shape[0], world_size, rank)
+    return _rows(shape[0], world_size, rank)
+
+
+# torch's rule costs tens of µs a call (symbolic-shape helpers); a rank file's layout asks
+# it once per (target rank x tensor), over a few distinct row counts: millions of calls at
+# M = 1,024 for a handful of answers.
+@lru_cache(maxsize=1 << 16)
+def _rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    size, offset = Shard.local_shard_size_and_offset(rows, world_size, rank)
     return (int(offset), int(offset) + int(size))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import shutil
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardckpt import api
 from shardckpt.cli.app import run
+from shardckpt.core.background import Background
 from shardckpt.formats import open_reader
 
 # ---------------------------------------------------------------- empty mappings
@@ -194,3 +196,43 @@ def test_a_full_disk_while_writing_the_metadata_names_it(capsys, big, small_fs, 
         f"shardckpt: error: '{fs / '.out.shardckpt-partial' / '.metadata'}': {FULL}",
     )
     assert list(fs.iterdir()) == []
+
+
+# ---------------------------------------------------------------- .metadata beside the data
+
+
+@pytest.mark.launches
+def test_metadata_written_by_a_forked_process_is_the_one_finish_writes(big, tmp_path, monkeypatch):
+    from shardckpt.formats.dcp import writer
+
+    monkeypatch.setattr(writer, "BACKGROUND_ITEMS", 1 << 62)
+    api.convert(api.ConvertRequest(src=big, dst=tmp_path / "inline", to="sharded", world_size=3))
+    monkeypatch.setattr(writer, "BACKGROUND_ITEMS", 0)
+    forks = []
+    monkeypatch.setattr(writer, "Background", lambda fn: forks.append(fn) or Background(fn))
+    api.convert(api.ConvertRequest(src=big, dst=tmp_path / "forked", to="sharded", world_size=3))
+    assert len(forks) == 1
+    inline, forked = tmp_path / "inline", tmp_path / "forked"
+    assert sorted(p.name for p in forked.iterdir()) == sorted(p.name for p in inline.iterdir())
+    for path in inline.iterdir():
+        assert (forked / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("items", [0, 1 << 62], ids=["forked", "inline"])
+def test_a_failed_metadata_write_is_one_line_naming_it_forked_or_not(
+    capsys, big, tmp_path, monkeypatch, items
+):
+    from shardckpt.formats.dcp import writer
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "BACKGROUND_ITEMS", items)
+    monkeypatch.setattr(writer, "dump", full)
+    out = tmp_path / "out"
+    code = run(["convert", str(big), str(out), "--to", "sharded", "--world-size", "2"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    staged = tmp_path / ".out.shardckpt-partial" / ".metadata"
+    assert (code, line) == (4, f"shardckpt: error: '{staged}': {FULL}")
+    assert not out.exists() and not staged.parent.exists()

@@ -181,13 +181,19 @@ def metadata(
         name(k): tuple(name(p) if type(p) is str else p for p in path)
         for k, path in mappings.items()
     }
-    count = sum(len(save.chunk_ranks(i)) if e.kind != VALUE else 1 for i, e in enumerate(entries))
     return Metadata(
         state_dict_metadata=described,
         planner_data=planner_data,
-        storage_data=LazyDict(count, lambda: _storage_items(layout)),
+        storage_data=LazyDict(storage_count(save), lambda: _storage_items(layout)),
         storage_meta=storage_meta,
         version=version,
+    )
+
+
+def storage_count(save: DcpSavePlan) -> int:
+    """Return how many items ``.metadata``'s ``storage_data`` lists: every chunk and every value."""
+    return sum(
+        len(save.chunk_ranks(i)) if e.kind != VALUE else 1 for i, e in enumerate(save.entries)
     )
 
 

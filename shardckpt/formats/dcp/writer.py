@@ -34,12 +34,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from shardckpt.codecs.pickle_stream import NotStreamable, dump, materialized
+from shardckpt.core.background import Background
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, writing
 from shardckpt.core.torch_internals import dcp_v2_3_paths, dcp_version
 from shardckpt.formats.base import Frame, Writer
-from shardckpt.formats.dcp.metadata_file import FileLayout, data_file, metadata
+from shardckpt.formats.dcp.metadata_file import FileLayout, data_file, metadata, storage_count
 from shardckpt.formats.dcp.save_plan import (
     SHARD,
     VALUE,
@@ -54,6 +55,10 @@ from shardckpt.state.tree import TensorMeta, map_leaves, walk
 
 METADATA_FILE = ".metadata"
 _METADATA_TMP = ".metadata.tmp"  # what FileSystemWriter.finish writes, then renames
+# From this many storage items (chunks and values; about 12 µs each to stream on the
+# 2-core box, so about a second) ``.metadata`` is written by a forked process beside the
+# data files; below, by the coordinator in ``finish``, where a fork costs more than it saves.
+BACKGROUND_ITEMS = 100_000
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -210,6 +215,7 @@ class DcpWriter(Writer):
         self._storage.save_id = str(uuid.uuid5(uuid.NAMESPACE_OID, described))
         self._layout: FileLayout | None = None
         self._mappings: dict = {}
+        self._metadata: Background | None = None
 
     def frame(self, runtime: Runtime) -> Frame:
         runtime.agreed(self._plan)
@@ -218,9 +224,17 @@ class DcpWriter(Writer):
         def lay_out() -> Frame:
             with writing(self.root):
                 self.root.mkdir(parents=True, exist_ok=True)
+            if runtime.coordinator and self._worth_a_process():
+                # .metadata needs the plan alone: a second core writes it while the data goes.
+                self._metadata = Background(self._write_metadata)
             return Frame(files=[self._job(r) for r in targets])
 
         return runtime.agreed(lay_out)
+
+    def _worth_a_process(self) -> bool:
+        """Return whether ``.metadata`` is large enough to write in a process of its own."""
+        assert self._layout is not None
+        return storage_count(self._layout.save) >= BACKGROUND_ITEMS
 
     def _plan(self) -> None:
         """Plan the save as DCP would at M (the same on every process): entries, dedup, value bytes."""
@@ -285,12 +299,24 @@ class DcpWriter(Writer):
         return None
 
     def finish(self) -> None:
-        """Write ``.metadata`` (coordinator): as ``FileSystemWriter.finish``, streamed."""
+        """Put ``.metadata`` in place (coordinator), once its writer (``frame``'s background) ended."""
+        if self._metadata is None:
+            self._write_metadata()
+        else:
+            self._metadata.wait()
+        fs = self._storage.fs
+        final = self.root / METADATA_FILE
+        if fs.exists(final):
+            fs.rm_file(final)
+        fs.rename(self.root / _METADATA_TMP, final)
+
+    def _write_metadata(self) -> None:
+        """Write ``.metadata``'s bytes as ``FileSystemWriter.finish`` does, streamed, to its temporary name."""
         assert self._layout is not None
         described = metadata(
             self._layout, self._mappings, self._storage.storage_meta(), dcp_version()
         )
-        tmp, final = self.root / _METADATA_TMP, self.root / METADATA_FILE
+        tmp = self.root / _METADATA_TMP
         fs = self._storage.fs
         with fs.create_stream(tmp, "wb") as stream:
             try:
@@ -301,9 +327,6 @@ class DcpWriter(Writer):
                 pickle.dump(materialized(described), stream)
             stream.flush()
             os.fsync(stream.fileno())
-        if fs.exists(final):
-            fs.rm_file(final)
-        fs.rename(tmp, final)
 
 
 def _placeholders(tree: dict) -> tuple[dict, dict[int, TensorMeta]]:

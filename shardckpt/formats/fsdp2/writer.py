@@ -11,6 +11,8 @@ file gets DTensors on a mesh that uses its own world process group.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from shardckpt.codecs.zip_skeleton import fake_mode
 from shardckpt.core.torch_internals import set_mesh_rank
 from shardckpt.formats.base import Frame
@@ -46,15 +48,20 @@ class Fsdp2RanksWriter(TargetRanksWriter):
         targets = self.targets(runtime)
         return runtime.agreed(lambda: Frame(files=self._jobs(targets)))
 
+    @cached_property
+    def _splits(self) -> dict[int, Split]:
+        """Return the ``Shard(0)`` split of each row count a split tensor has, at the plan's M."""
+        plan = self.plan
+        rows = {m.shape[0] for _, m in plan.tensors if self._split(m) and m.shape}
+        return {n: Split(n, plan.world_size) for n in sorted(rows)}
+
     def _largest_file(self) -> int:
         """Return the tensor bytes of the largest target rank's file (rank 0 holds the most rows)."""
-        plan = self.plan
         total = 0
-        for _, meta in plan.tensors:
+        for _, meta in self.plan.tensors:
             size = meta.numel * meta.dtype.itemsize
-            if meta.key not in plan.whole and meta.shape and meta.shape[0]:
-                first, stop = dim0_rows(meta.shape, plan.world_size, 0)
-                size = size // meta.shape[0] * (stop - first)
+            if self._split(meta) and meta.shape and meta.shape[0]:
+                size = size // meta.shape[0] * self._splits[meta.shape[0]].spans[0][1]
             total += size
         return total
 
@@ -62,10 +69,7 @@ class Fsdp2RanksWriter(TargetRanksWriter):
         plan = self.plan
         self._mesh = None
         self._made: dict[tuple, tuple] = {}
-        splits = sorted(
-            {m.shape[0] for _, m in plan.tensors if m.key not in plan.whole and m.shape}
-        )
-        tables = [Split(rows, plan.world_size) for rows in splits]
+        tables = list(self._splits.values())
         kinds: dict[tuple, RankTemplate | None] = {}
         jobs = []
         for rank in targets:

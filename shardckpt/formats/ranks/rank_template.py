@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from isal import isal_zlib
 
 from shardckpt.codecs.zip_skeleton import (
     SerializationId,
+    Storages,
     named_record,
     pickle_record,
     serialization_id,
+    storages_in_order,
     write_skeleton,
 )
 from shardckpt.formats.ranks.rank_file import Fills
@@ -56,15 +58,15 @@ class _Hole:
     """Whether the elements are the rank's rows (else the whole tensor)."""
     at: int
     record: Record
+    row: int
+    """Elements per dim-0 row (``row_elements``), taken once: asked for every target rank."""
 
     def elements(self, rank: int, world_size: int) -> tuple[int, int]:
         """Return the elements [start, stop) of the source tensor that fill this hole on ``rank``."""
-        meta = self.meta
         if not self.split:
-            return 0, meta.numel
-        first, stop = dim0_rows(meta.shape, world_size, rank)  # type: ignore[misc]
-        row = row_elements(meta)
-        return first * row, stop * row
+            return 0, self.meta.numel
+        first, stop = dim0_rows(self.meta.shape, world_size, rank)  # type: ignore[misc]
+        return first * self.row, stop * self.row
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class RankTemplate:
 
 def own_file(render: Render, rank: int, metas, split: Callable[[TensorMeta], bool]) -> RankTemplate:
     """Return ``rank``'s own file as a template of one rank (nothing to write in)."""
-    data, holes, records, ident = _rendered(render, rank, rank)
+    data, holes, records, ident, _ = _rendered(render, rank, rank)
     return _template(data, (), 1, holes, records, ident, metas, split)
 
 
@@ -131,7 +133,7 @@ def _template(data, rank_at, width, holes, records, ident, metas, split) -> Rank
         rank_at,
         width,
         tuple(
-            _Hole(metas[key], split(metas[key]), at, record)
+            _Hole(metas[key], split(metas[key]), at, record, row_elements(metas[key]))
             for key, at, record in sorted(holes, key=lambda h: h[1])
         ),
         tuple(sorted(records, key=lambda r: r.start)),
@@ -157,8 +159,9 @@ def rank_template(
     """
     if width not in _PROBES or _PROBES[width][1] >= world_size:
         return None  # too few ranks to tell: each renders its own
-    first, second = (_rendered(render, rows_rank, probe) for probe in _PROBES[width])
-    (data, holes, records, ident), (other, _, _, other_ident) = first, second
+    data, holes, records, ident, storages = _rendered(render, rows_rank, _PROBES[width][0])
+    # The second rendering holds the same storages in the same order: only its bytes are needed.
+    other, other_ident = _rendered_bytes(render, rows_rank, _PROBES[width][1], storages)
     if len(data) != len(other) or len({key for key, _, _ in holes}) != len(holes):
         return None
     if (ident is None) != (other_ident is None) or ident and ident.at != other_ident.at:
@@ -168,7 +171,7 @@ def rank_template(
     derived = {at + k for r in records for at in r.crc_at for k in range(4)}
     if ident is not None:
         derived |= set(range(ident.at, ident.at + 20))
-    rank_at = tuple(i for i, (a, b) in enumerate(zip(data, other)) if a != b and i not in derived)
+    rank_at = tuple(i for i in _differing(data, other) if i not in derived)
     probes = [p.to_bytes(width, "little") for p in _PROBES[width]]
     if not rank_at:
         return None
@@ -180,16 +183,37 @@ def rank_template(
     return _template(data, rank_at, width, holes, records, ident, metas, split)
 
 
-def _rendered(
-    render: Render, rows_rank: int, mesh_rank: int
-) -> tuple[bytes, list[tuple[str, int, Record]], list[Record], SerializationId | None]:
-    """Return one rendering's ``torch.save`` skeleton, its fills, its records (``data.pkl`` first,
-    the serialization id's last) and how its serialization id is made."""
-    fills: Fills = {}
-    state_dict = render(rows_rank, mesh_rank, fills)
+def _differing(data: bytes, other: bytes, block: int = 4096) -> Iterator[int]:
+    """Yield the positions where ``data`` and ``other`` (of one length) differ, block by block."""
+    for start in range(0, len(data), block):
+        if data[start : start + block] != other[start : start + block]:
+            stop = min(start + block, len(data))
+            yield from (i for i in range(start, stop) if data[i] != other[i])
+
+
+def _rendered_bytes(
+    render: Render, rows_rank: int, mesh_rank: int, storages: Storages
+) -> tuple[bytes, SerializationId | None]:
+    """Return one rendering's ``torch.save`` skeleton and how its serialization id is made."""
+    state_dict = render(rows_rank, mesh_rank, {})
     with tempfile.TemporaryFile() as f:
         fd = f.fileno()
-        placeholders, records, _ = write_skeleton(fd, 0, state_dict, "")
+        write_skeleton(fd, 0, state_dict, "", storages)
+        size = os.fstat(fd).st_size
+        return os.pread(fd, size, 0), serialization_id(fd, 0, size)
+
+
+def _rendered(
+    render: Render, rows_rank: int, mesh_rank: int
+) -> tuple[bytes, list[tuple[str, int, Record]], list[Record], SerializationId | None, Storages]:
+    """Return one rendering's ``torch.save`` skeleton, its fills, its records (``data.pkl`` first,
+    the serialization id's last), how its serialization id is made and its storages in order."""
+    fills: Fills = {}
+    state_dict = render(rows_rank, mesh_rank, fills)
+    storages = storages_in_order(state_dict)
+    with tempfile.TemporaryFile() as f:
+        fd = f.fileno()
+        placeholders, records, _ = write_skeleton(fd, 0, state_dict, "", storages)
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0)
         pickle = pickle_record(fd, 0, size, "")
@@ -203,4 +227,4 @@ def _rendered(
                 record = placeholders[storage]
                 holes.append((key, record.start + at, record))
     extra = [named] if named is not None else []
-    return data, holes, [pickle, *records, *extra], ident
+    return data, holes, [pickle, *records, *extra], ident, storages
