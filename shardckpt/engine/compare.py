@@ -176,10 +176,7 @@ def _compare_side_by_side(
     a: Reader, b: Reader, pairs: list[Pair], runtime, rules: _Rules, progress
 ) -> list[tuple[bool, float]]:
     """Return (differs, max |a-b|) per pair, each rank comparing its rows, both sides read at once."""
-    wanted = [
-        rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
-        for _, ma, _ in pairs
-    ]
+    wanted = _rows_of_this_rank(pairs, runtime)
     mine = [i for i, r in enumerate(wanted) if r != SKIP]
     flags = torch.zeros(len(pairs), dtype=torch.float64)
     diffs = torch.zeros(len(pairs), dtype=torch.float64)
@@ -218,6 +215,14 @@ def _compare_in_rounds(
     return worst
 
 
+def _rows_of_this_rank(pairs: list[Pair], runtime) -> list:
+    """Return the rows of each pair's A side this rank compares (``SKIP``: none)."""
+    return [
+        rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
+        for _, ma, _ in pairs
+    ]
+
+
 def _over_ranks(runtime, flags: torch.Tensor, diffs: torch.Tensor) -> list[tuple[bool, float]]:
     """Return each pair's (differs, max |a-b|), the largest over the ranks."""
     runtime.max_over_ranks(flags)
@@ -229,10 +234,7 @@ def _compare_rows(
     a: Reader, b: Reader, chunk: list[Pair], runtime, rules: _Rules
 ) -> list[tuple[bool, float]]:
     """Return (differs, max |a-b|) per tensor, each rank comparing its rows, reduced over ranks."""
-    wanted = [
-        rows_to_read(ma, runtime.world_size, runtime.rank, whole_on_coordinator=True)
-        for _, ma, _ in chunk
-    ]
+    wanted = _rows_of_this_rank(chunk, runtime)
     mine = [(ma, mb, r, p) for (p, ma, mb), r in zip(chunk, wanted) if r != SKIP]
 
     def read_both():
