@@ -26,6 +26,11 @@ if [[ " $* " == *" -m quick "* || " $* " == *" -m quick and "* ]]; then
     workers=0
 fi
 workers="${SHARDCKPT_TEST_WORKERS:-$workers}"
+# One intra-op thread per process: the suite runs two workers, gloo ranks and torchrun
+# launches side by side on a few cores, where torch's default of a thread per core
+# only makes them contend (about 10 s of the suite's 6 minutes on 2 cores). A test
+# that wants another count sets it for its own processes.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [[ "$workers" != "0" ]]; then
     # Files in the order tests/conftest.py gives them (slowest tier first), not xdist's
     # default of the files with the most tests first, which hands out e2e's last.
