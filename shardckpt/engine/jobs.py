@@ -109,7 +109,8 @@ class JobWriter:
                 return out, taken
             region = segment.region if type(segment) is Blob else segment
             size = nbytes(region, metas)
-            if taken + size <= room or type(segment) is Blob and must and not taken:
+            fits = taken + size <= room
+            if fits or type(segment) is Blob and must and not taken and size <= self.limit:
                 out.append(segment)
                 taken += size
                 continue
