@@ -2,8 +2,11 @@
 
 A plain ``shardckpt …`` line runs in-process (``cli.run``): a few seconds of Python and
 torch start-up saved per line; so does ``shardckpt … && echo WORD``, with the echo done
-as bash would. A line that needs a shell or a launch (``torchrun``, a pipe, any other
-``&&``) runs in bash with the user's PATH (``user_shell.user_env``).
+as bash would. A plain ``torchrun …`` line (or ``python -m torch.distributed.run …``)
+runs torchrun's agent forked warm (``warm_cli.run_torchrun``), with the user's
+environment; the ranks it starts are fresh interpreters, as for any user. A line that
+needs a shell (a pipe, any other ``&&``, a variable set before a launch) runs in bash
+with the user's PATH (``user_shell.user_env``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_cli
 from user_shell import REPO, user_env
 
 from shardckpt.cli.app import run
@@ -30,12 +34,14 @@ def workspace(tmp_path: Path, demo: Path) -> Path:
 
 # ``CMD && echo WORD``: bash runs the echo when CMD exits 0 and its exit code is then 0.
 _AND_ECHO = re.compile(r"^(?P<command>[^|&;<>]+?) && echo (?P<word>\w+)$")
+# How a line starts torchrun: the script on PATH, or the module.
+_TORCHRUN = (["torchrun"], ["python", "-m", "torch.distributed.run"])
 
 
 def run_line(line: str, cwd: Path, env: dict[str, str], capfd) -> tuple[int, str]:
     """Run one command line as a user would; return its exit code and output."""
     and_echo = _AND_ECHO.match(line)
-    if and_echo and and_echo["command"].startswith("shardckpt "):
+    if and_echo and and_echo["command"].startswith(("shardckpt ", "torchrun ")):
         # As bash would run it, without a second interpreter's start-up for the echo.
         code, output = run_line(and_echo["command"], cwd, env, capfd)
         return code, output + (f"{and_echo['word']}\n" if code == 0 else "")
@@ -44,7 +50,12 @@ def run_line(line: str, cwd: Path, env: dict[str, str], capfd) -> tuple[int, str
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         name, _, value = words.pop(0).partition("=")
         assignments[name] = value
-    in_process = words[0] == "shardckpt" and not re.search(r"[|&;<>]", line)
+    plain = not re.search(r"[|&;<>]", line)
+    launcher = next((w for w in _TORCHRUN if words[: len(w)] == w), None)
+    if plain and launcher and not assignments:
+        done = warm_cli.run_torchrun(words[len(launcher) :], env=env, cwd=cwd, timeout=120)
+        return done.returncode, done.stdout + done.stderr
+    in_process = words[0] == "shardckpt" and plain
     if not in_process:
         done = subprocess.run(
             ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=120

@@ -85,6 +85,7 @@ _PRELOAD = [
     "torch.distributed.checkpoint.state_dict",
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
+    "torch.distributed.run",  # torchrun's agent (tests/warm_cli.py)
     # What ``python -m shardckpt`` imports before it runs a command (tests/warm_cli.py).
     "shardckpt.api",
     "shardckpt.cli.app",

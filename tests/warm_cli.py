@@ -1,4 +1,4 @@
-"""Run ``python -m shardckpt ARGV`` in a process forked from a warm interpreter.
+"""Run ``python -m shardckpt ARGV``, or torchrun's agent, in a process forked from a warm interpreter.
 
 A fresh ``python -m shardckpt`` spends ~2.5 s of CPU importing torch before it does
 anything; a test of what a running command does (a signal in the middle of a
@@ -12,6 +12,12 @@ stdout/stderr asked for, and end with its exit code, atexit handlers run.
 What a fresh interpreter does before ``main`` (start-up and the signals that arrive
 while torch is imported) is tested on real ``python -m shardckpt`` processes:
 tests/unit/test_startup.py and tests/e2e/test_interruptions.py's Ctrl-C tests.
+
+``torchrun`` (``start_torchrun``, ``run_torchrun``) forks torchrun's agent the same way:
+its own entry point, ``torch.distributed.run.main``, with the arguments given. Only the
+agent's import of torch is saved (~1.4 s of CPU a launch); the ranks it starts are what
+torchrun starts for any user, fresh interpreters (``python -u -m shardckpt ...``, or
+the program after ``--no-python``), with the agent's environment.
 """
 
 from __future__ import annotations
@@ -53,8 +59,35 @@ def drop_to_nobody() -> None:
     os.setuid(pwd.getpwnam("nobody").pw_uid)
 
 
-def _child(argv, env, cwd, out_path, err_path, setup) -> None:
-    """Run the CLI as ``python -m shardckpt ARGV`` would once started; never return."""
+def _shardckpt(argv: list[str]) -> None:
+    """Run ``python -m shardckpt ARGV``'s entry point."""
+    sys.argv = [str(Path(sys.modules["shardckpt"].__file__).with_name("__main__.py")), *argv]
+    from shardckpt.__main__ import main
+
+    main()
+
+
+def _torchrun(argv: list[str]) -> None:
+    """Run ``torchrun ARGV``'s entry point (the console script calls ``sys.exit(main())``)."""
+    sys.argv = ["torchrun", *argv]
+    from torch.distributed.run import main
+
+    sys.exit(main())
+
+
+_PROGRAMS = {"shardckpt": _shardckpt, "torchrun": _torchrun}
+
+
+def _print_uncaught(exc: BaseException) -> None:
+    """Print ``exc`` as the interpreter prints an uncaught exception, without this module's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+
+
+def _child(program, argv, env, cwd, out_path, err_path, setup) -> None:
+    """Run ``program`` (``_PROGRAMS``) as a started interpreter would; never return."""
     code: int = 1
     try:
         for fd, path in ((1, out_path), (2, err_path)):
@@ -70,11 +103,8 @@ def _child(argv, env, cwd, out_path, err_path, setup) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if setup is not None:
             setup[0](*setup[1:])
-        sys.argv = [str(Path(sys.modules["shardckpt"].__file__).with_name("__main__.py")), *argv]
-        from shardckpt.__main__ import main
-
         try:
-            main()
+            _PROGRAMS[program](argv)
             code = 0
         except SystemExit as exit_:
             if exit_.code is None or isinstance(exit_.code, int):
@@ -82,8 +112,8 @@ def _child(argv, env, cwd, out_path, err_path, setup) -> None:
             else:
                 print(exit_.code, file=sys.stderr)
                 code = 1
-    except BaseException:  # what the interpreter would print for an uncaught exception
-        traceback.print_exc()
+    except BaseException as exc:  # what the interpreter would print for an uncaught exception
+        _print_uncaught(exc)
         code = 1
     finally:
         atexit._run_exitfuncs()
@@ -104,8 +134,12 @@ class WarmProcess:
         env: dict[str, str] | None = None,
         cwd: Path | str | None = None,
         setup: tuple[Callable, ...] | None = None,
+        program: str = "shardckpt",
     ) -> None:
-        self.args = ["python", "-m", "shardckpt", *map(str, argv)]
+        argv = [str(a) for a in argv]
+        self.args = (
+            ["python", "-m", "shardckpt", *argv] if program == "shardckpt" else [program, *argv]
+        )
         self._dir = tempfile.mkdtemp(prefix="shardckpt-warm-")
         self._out, self._err = (os.path.join(self._dir, n) for n in ("out", "err"))
         for path in (self._out, self._err):
@@ -115,7 +149,7 @@ class WarmProcess:
         ctx = harness.fork_server()
         self._proc = ctx.Process(
             target=_child,
-            args=(self.args[3:], env, str(cwd or os.getcwd()), self._out, self._err, setup),
+            args=(program, argv, env, str(cwd or os.getcwd()), self._out, self._err, setup),
             daemon=True,
         )
         self._proc.start()
@@ -164,6 +198,13 @@ def start(
     return WarmProcess(argv, env, cwd, setup)
 
 
+def start_torchrun(
+    argv: list, env: dict[str, str] | None = None, cwd: Path | str | None = None
+) -> WarmProcess:
+    """Start ``torchrun ARGV`` with its agent forked warm; its ranks start fresh."""
+    return WarmProcess(argv, env, cwd, program="torchrun")
+
+
 def run(
     argv: list,
     env: dict[str, str] | None = None,
@@ -172,7 +213,21 @@ def run(
     setup: tuple[Callable, ...] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python -m shardckpt ARGV`` forked warm; return it finished (killed at ``timeout``)."""
-    proc = start(argv, env, cwd, setup)
+    return _finished(start(argv, env, cwd, setup), timeout)
+
+
+def run_torchrun(
+    argv: list,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    timeout: float = 150,
+) -> subprocess.CompletedProcess:
+    """Run ``torchrun ARGV`` with its agent forked warm; return it finished (killed at ``timeout``)."""
+    return _finished(start_torchrun(argv, env, cwd), timeout)
+
+
+def _finished(proc: WarmProcess, timeout: float) -> subprocess.CompletedProcess:
+    """Return ``proc`` once it ends, killed after ``timeout`` seconds."""
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import ranks
 import torch
+import warm_cli
 from harness import run_ranks
 from rank_bytes import file_hashes
 
@@ -38,17 +39,10 @@ VARIANTS = {
 
 
 def _torchrun(nproc: int, *argv: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(SCRIPT),
-        *argv,
-    ]
+    # torchrun's agent forks warm (warm_cli); its ranks run the script in fresh interpreters.
+    cmd = ["--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    proc = warm_cli.run_torchrun(cmd, env=env, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

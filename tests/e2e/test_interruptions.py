@@ -2,7 +2,7 @@
 
 Standalone runs are processes forked from a warm interpreter (``warm_cli``) except where
 the interpreter's start-up is what is tested (Ctrl-C while torch is imported); runs
-under torchrun are real torchrun launches.
+under torchrun are real torchrun launches, the agent forked warm and the ranks fresh.
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ def fresh_shardckpt(*argv) -> subprocess.Popen:
     )
 
 
-def torchrun(nproc: int, *argv, env=None, through: Path | None = None) -> subprocess.Popen:
-    """Start ``torchrun --nproc-per-node NPROC -m shardckpt ARGV`` (each rank through bash script ``through``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={nproc}"]
+def torchrun(nproc: int, *argv, env=None, through: Path | None = None) -> warm_cli.WarmProcess:
+    """Start ``torchrun --nproc-per-node NPROC -m shardckpt ARGV`` (each rank through bash script ``through``).
+
+    The agent forks warm (``warm_cli``); its ranks are fresh interpreters.
+    """
+    cmd = ["--standalone", f"--nproc-per-node={nproc}"]
     if through is not None:
         cmd += ["--no-python", "bash", str(through), sys.executable]
     cmd += ["-m", "shardckpt", *map(str, argv)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return warm_cli.start_torchrun(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_cli
 from reference import assert_trees_equal, load_dcp_into_fsdp2
 
 # node.sh NODES SRC CMD...: run CMD where SRC shows NODES/node$LOCAL_RANK.
@@ -38,11 +39,12 @@ def _can_unshare() -> bool:
 def _torchrun(tmp_path: Path, nodes: Path, mounted: Path, *args: str, timeout_s: int = 60):
     """Run ``shardckpt ARGS`` under torchrun at 2, where each rank sees ``nodes/node{rank}`` at ``mounted``."""
     (tmp_path / "node.sh").write_text(NODE_SH)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = ["--standalone", "--nproc-per-node=2"]
     cmd += ["--no-python", "bash", str(tmp_path / "node.sh"), str(nodes), str(mounted)]
     cmd += [sys.executable, "-m", "shardckpt", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT=str(timeout_s))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    # torchrun's agent forks warm (warm_cli); each rank is a fresh bash and interpreter.
+    return warm_cli.run_torchrun(cmd, env=env, timeout=150)
 
 
 @pytest.mark.timeout(200)

@@ -1,4 +1,8 @@
-"""End to end: the installed CLI under a real torchrun, as users launch it."""
+"""End to end: the installed CLI under a real torchrun, as users launch it.
+
+torchrun's agent forks warm (``warm_cli.run_torchrun``: torch's own ``main``, its import
+of torch saved); the ranks it starts are fresh ``python -u -m shardckpt`` processes.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +14,15 @@ import sys
 
 import damage
 import pytest
+import warm_cli
 
 from shardckpt.cli.app import run
 
 
 def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "shardckpt",
-        *map(str, argv),
-    ]
+    cmd = ["--standalone", f"--nproc-per-node={nproc}", "-m", "shardckpt", *map(str, argv)]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDCKPT_TIMEOUT="60")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    proc = warm_cli.run_torchrun(cmd, env=env, timeout=150)
     if proc.returncode == 0:
         # torch's own warnings (glog-style "W1123 ..." lines, Python warnings) say nothing
         # to our users; a successful run prints none.
