@@ -17,6 +17,7 @@ from shardckpt.core.errors import BadInputError, UnsafePickleError, UsageError
 from shardckpt.core.files import read_head, source_stat
 from shardckpt.core.words import closest
 from shardckpt.formats import dcp, fsdp1, fsdp2, hf, torch_save, trainers
+from shardckpt.formats.dcp.read_once import metadata_read_once
 from shardckpt.formats.format import Format
 from shardckpt.formats.not_a_checkpoint import not_a_checkpoint
 from shardckpt.state.choices import LAYOUTS
@@ -152,18 +153,19 @@ def checkpoint_files(path: Path) -> tuple[str, frozenset[str]] | None:
     checkpoint whose pickle names objects (only ``--trust-pickle`` loads it) still counts:
     it is a checkpoint, made of itself. This is what ``--overwrite`` asks of DST.
     """
-    try:
-        form = format_named(detect(path))
-    except BadInputError:
-        return None
-    try:
-        reader = open_reader(path, form.name)
-        reader.index()
-    except UnsafePickleError:
-        if form.directory:
-            raise
-        return form.title, frozenset({""})
-    return form.title, reader.members()
+    with metadata_read_once():
+        try:
+            form = format_named(detect(path))
+        except BadInputError:
+            return None
+        try:
+            reader = open_reader(path, form.name)
+            reader.index()
+        except UnsafePickleError:
+            if form.directory:
+                raise
+            return form.title, frozenset({""})
+        return form.title, reader.members()
 
 
 def open_reader(
@@ -180,7 +182,14 @@ def open_reader(
     files, under ``torchrun``) makes a reader read only files its rank sees; where not
     every rank sees every file, only a format that can (``Format.src_local``) is read.
     """
-    path = Path(src)
+    with metadata_read_once():
+        return _open_reader(Path(src), fmt, trust_pickle, flat_model, sight)
+
+
+def _open_reader(
+    path: Path, fmt: str | None, trust_pickle: bool, flat_model: FlatModel | None, sight
+) -> Reader:
+    """``open_reader`` itself, where each DCP ``.metadata`` is read once."""
     if sight is None:
         form = format_named(fmt or detect(path))
     else:

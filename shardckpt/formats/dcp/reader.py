@@ -12,6 +12,7 @@ metadata classes, and non-tensor values are loaded with ``weights_only=True``.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import warnings
@@ -64,7 +65,7 @@ from shardckpt.core.sight import Sight
 from shardckpt.core.signals import Interrupted
 from shardckpt.core.words import shown
 from shardckpt.formats.base import Index, Reader, Rows, StoredItem, StoredRun, rows_shape
-from shardckpt.formats.dcp import METADATA_FILE
+from shardckpt.formats.dcp import METADATA_FILE, read_once
 from shardckpt.formats.dcp.check import check_metadata
 from shardckpt.formats.dcp.rows import StoredRows
 from shardckpt.formats.ranks.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
@@ -136,7 +137,27 @@ def read_metadata(
     """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted.
 
     ``extra``: ``(module, name)`` pairs admitted beside DCP's own (``_MetadataUnpickler``).
+    Inside ``read_once.metadata_read_once``, a file read before (the same inode, size and
+    modification time) is not read again.
     """
+    memo = read_once.memo()
+    if memo is None:
+        return _read_metadata(path, trust_pickle, extra)
+    try:
+        st = os.stat(path / METADATA_FILE)
+    except OSError:
+        return _read_metadata(path, trust_pickle, extra)  # which says what is wrong
+    vocabulary = tuple(sorted((k, id(v)) for k, v in (extra or {}).items()))
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, trust_pickle, vocabulary)
+    if key not in memo:
+        memo[key] = _read_metadata(path, trust_pickle, extra)
+    return memo[key]
+
+
+def _read_metadata(
+    path: Path, trust_pickle: bool, extra: Mapping[tuple[str, str], object] | None
+) -> Metadata:
+    """``read_metadata`` itself: read, check and unpickle ``path/.metadata``."""
     file = path / METADATA_FILE
     if not path.exists():
         raise BadInputError(
