@@ -16,10 +16,13 @@ class, a repeated key, a tied tensor): it builds fewer parts than it has bytes.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import pickletools
 import tarfile
 from array import array
+from collections import OrderedDict
 from typing import BinaryIO
 
 from shardckpt.codecs.pickle_scan import (
@@ -44,6 +47,11 @@ _BYTES_PER_PART = 64
 _CAP = 1 << 62
 """Counts stop growing here: far above any limit, and cheap to add."""
 _MAX_STREAMED = 1 << 30
+# Digests of pickles that passed ``check_pickle``, newest last: the verdict is a function
+# of the bytes alone, and a DCP save's chunks repeat a few pickles (one per shape) over
+# and over; 94,700 chunks of a 64-rank save were scanned one by one.
+_PASSED: OrderedDict[bytes, int] = OrderedDict()  # the digest, and the pickle's length
+_PASSED_KEPT = 4096
 """The longest pickle read from a stream (a legacy ``torch.save`` file's): no checkpoint's is near."""
 
 
@@ -326,11 +334,33 @@ def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
     pickle that does not decode is measured up to where it stops decoding, which is
     where an unpickler stops too; saying that it is damaged is left to the loader.
     """
+    stream = None
+    if isinstance(source, io.BytesIO) and source.tell() == 0:
+        # A record read whole (a zip's data.pkl): checked as bytes, left after its STOP.
+        stream, source = source, source.getvalue()
+        if len(source) > _MAX_STREAMED:
+            stream, source = None, stream
     if isinstance(source, (bytes, bytearray)):
-        shape, end = _scan(bytes(source))
-        length = len(source) if end < 0 else end
-    else:
-        shape, length = _scan_stream(source)
+        digest = hashlib.blake2b(source, digest_size=32).digest()
+        length = _PASSED.get(digest)
+        if length is None:
+            shape, end = _scan(bytes(source))
+            length = len(source) if end < 0 else end
+            _judge(shape, length, path)
+            _PASSED[digest] = length
+            if len(_PASSED) > _PASSED_KEPT:
+                _PASSED.popitem(last=False)
+        else:
+            _PASSED.move_to_end(digest)
+        if stream is not None:
+            stream.seek(length)
+        return
+    shape, length = _scan_stream(source)
+    _judge(shape, length, path)
+
+
+def _judge(shape: _Shape, length: int, path: str | os.PathLike) -> None:
+    """Raise one line naming ``path`` unless a pickle of ``length`` bytes that builds ``shape`` may be a checkpoint's."""
     if length < 0:
         raise BadInputError(
             f"holds a pickle longer than {_MAX_STREAMED:,} bytes, which no checkpoint's is",
