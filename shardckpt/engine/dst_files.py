@@ -91,8 +91,12 @@ class DstFiles:
         if _START_WRITEBACK is None or not length:
             return
         if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_hints, daemon=True)
-            self._flusher.start()
+            flusher = threading.Thread(target=self._flush_hints, daemon=True)
+            # Kept only once started: a signal that interrupts start() (Ctrl-C, SIGTERM)
+            # must end the run as interrupted, not in close()'s join of a thread that
+            # never started ("cannot join thread before it is started", exit 4).
+            flusher.start()
+            self._flusher = flusher
         self._writeback.put((self._fds[file], offset, length))
 
     def _flush_hints(self) -> None:

@@ -81,7 +81,7 @@ def test_a_signal_mid_run_removes_the_partial_output_and_the_lock(big, tmp_path,
     wait_for(tmp_path / ".out.safetensors.shardckpt-partial", proc)
     proc.send_signal(sig)
     code, err = finish(proc)
-    assert code == 128 + sig
+    assert code == 128 + sig, err
     assert err.splitlines() == [f"shardckpt: interrupted by {sig.name}: '{dst}' was not written"]
     assert list(tmp_path.iterdir()) == []
 

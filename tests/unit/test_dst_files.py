@@ -40,3 +40,32 @@ def test_bytes_handed_to_the_disk_early_are_in_the_file_after_sync(tmp_path):
     finally:
         files.close()
     assert (tmp_path / "out").read_bytes()[4999:5004] == b"\0abc\0"
+
+
+class _Interrupted(Exception):
+    """What the signal handler raises (``core.signals.Interrupted`` in a run)."""
+
+
+def test_a_signal_while_the_writeback_thread_starts_leaves_close_nothing_to_join(
+    tmp_path, monkeypatch
+):
+    # Seen under load: SIGTERM arrived while Thread.start() waited for the thread to run,
+    # and close() then joined a thread that never started: exit 4 instead of 143.
+    def interrupted_start(self):
+        raise _Interrupted
+
+    monkeypatch.setattr(dst_files.threading.Thread, "start", interrupted_start)
+    if dst_files._START_WRITEBACK is None:
+        pytest.skip("no sync_file_range here: no writeback thread is started")
+    (tmp_path / "out").write_bytes(b"\0" * 16)
+    files = DstFiles(tmp_path)
+    files.fd("out")
+    with pytest.raises(_Interrupted):
+        files.written("out", 0, 16)
+    files.close()  # raised RuntimeError: cannot join thread before it is started
+    monkeypatch.undo()
+    files = DstFiles(tmp_path)
+    files.fd("out")
+    files.written("out", 0, 16)  # a later run starts its thread as usual
+    files.sync()
+    files.close()
