@@ -58,6 +58,27 @@ class Placed:
     """The zip record holding the elements and the CRC-32 written for it; None where none is."""
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    """What ``torch.load`` on the meta device says of a chunk's pickle: alike for every chunk that pickles alike.
+
+    The chunks of one save repeat a few pickles (one per shape and dtype) thousands of
+    times, each zip with its own bytes and serialization id; torch's loader is asked once
+    per pickle, and where each chunk's storage lies is then its own zip's record of the
+    name torch's loader placed the first one's at.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    contiguous: bool
+    storage_offset: int
+    """In elements, from the storage's first byte."""
+    element_size: int
+    numel: int
+    record: str
+    """The name of the zip record that holds the storage."""
+
+
 class StoredRows:
     """Reads rows of DCP tensors from their chunks' bytes (``read_into``); remembers where chunks lie."""
 
@@ -65,6 +86,7 @@ class StoredRows:
         self.src = src
         self.metadata = metadata
         self._placed: dict[tuple[str, tuple[int, ...]], Placed | None] = {}
+        self._loaded: dict[tuple, _Loaded] = {}
 
     def runs(
         self, key: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, stop: int
@@ -192,16 +214,24 @@ class StoredRows:
         """
         if info.transform_descriptors:
             return None
-        return _locate(self.src, info, key, offsets, sizes, dtype)
+        return _locate(self.src, info, key, offsets, sizes, dtype, self._loaded)
 
 
 def _locate(
-    src: Path, info, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype
+    src: Path,
+    info,
+    key: str,
+    offsets: tuple,
+    sizes: tuple,
+    dtype: torch.dtype,
+    loaded: dict[tuple, _Loaded],
 ) -> Placed | None:
     """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
 
     None when it is not laid out row after row in this machine's byte order, or when
-    torch's loader does not say where its storage lies.
+    torch's loader does not say where its storage lies. ``loaded``: what torch's loader
+    said of each pickle seen before, with its byteorder and version (``_Loaded``),
+    filled here.
     """
     file, offset, length = info.relative_path, info.offset, info.length
     path = src / file
@@ -211,12 +241,25 @@ def _locate(
         try:
             check_torch_file(chunk, path)
             with zipfile.ZipFile(chunk) as zf:
-                orders = [n for n in zf.namelist() if n.rsplit("/", 1)[-1] == "byteorder"]
+                names = zf.namelist()
+                orders = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
                 order = zf.read(orders[0]).decode() if orders else "little"
                 # The storage's record, whose CRC-32 its bytes are checked against as read.
                 records = [record(fd, offset, i) for i in zf.infolist() if storage_key(i.filename)]
-            chunk.seek(0)
-            stored = torch.load(chunk, map_location="meta", weights_only=True)
+                # What torch's loader reads besides the storages: data.pkl (taken by name
+                # whatever its case: one such record alone), byteorder and the version.
+                pickles = [n for n in names if n.lower().endswith("data.pkl")]
+                versions = [zf.read(n) for n in names if n.rsplit("/", 1)[-1] == "version"]
+                seen = (zf.read(pickles[0]), order, *versions) if len(pickles) == 1 else None
+            said = loaded.get(seen) if seen is not None else None
+            if said is None or said.record not in {r.name for r in records}:
+                chunk.seek(0)
+                stored = torch.load(chunk, map_location="meta", weights_only=True)
+                said = _said(stored, records)
+                if said is not None and seen is not None:
+                    loaded[seen] = said
+            else:
+                stored = said
         except OSError as exc:
             raise os_error(exc, path) from None
         except ShardckptError:
@@ -227,10 +270,10 @@ def _locate(
                 path=path,
                 hint=_RECOPY,
             ) from None
-    if not isinstance(stored, torch.Tensor) or stored.shape != sizes or stored.dtype != dtype:
+    if said is None or said.shape != tuple(sizes) or said.dtype != dtype:
         what = (
             f"a {tuple(stored.shape)} {stored.dtype} tensor"
-            if isinstance(stored, torch.Tensor)
+            if isinstance(stored, (torch.Tensor, _Loaded))
             else type(stored).__name__
         )
         raise BadInputError(
@@ -239,17 +282,38 @@ def _locate(
             path=path,
             hint=_RECOPY,
         )
-    at = stored_offset(stored.untyped_storage())
-    if order != sys.byteorder or not stored.is_contiguous() or at is None:
+    at = next((r.start for r in records if r.name == said.record), None) if said.record else None
+    if order != sys.byteorder or not said.contiguous or at is None:
         return None
-    start = at + stored.storage_offset() * stored.element_size()
-    if start + stored.numel() * stored.element_size() > length:
+    start = at + said.storage_offset * said.element_size
+    if start + said.numel * said.element_size > length:
         raise BadInputError(
             f"the chunk at {list(offsets)} of {key!r} runs past its {length} stored bytes",
             path=path,
             hint=_RECOPY,
         )
     return Placed(file, offset + start, _written(path, offset, records, at))
+
+
+def _said(stored: object, records: list[ZipRecord]) -> _Loaded | None:
+    """Return what torch's loader said of a chunk (``_Loaded``); None when it loaded no tensor.
+
+    ``record`` is "" where torch does not say where the storage lies, or no storage
+    record of the zip starts there.
+    """
+    if not isinstance(stored, torch.Tensor):
+        return None
+    at = stored_offset(stored.untyped_storage())
+    name = next((r.name for r in records if r.start == at), "") if at is not None else ""
+    return _Loaded(
+        tuple(stored.shape),
+        stored.dtype,
+        stored.is_contiguous(),
+        stored.storage_offset(),
+        stored.element_size(),
+        stored.numel(),
+        name,
+    )
 
 
 def _written(path: Path, offset: int, records: list[ZipRecord], at: int) -> Written | None:
