@@ -47,12 +47,12 @@ _BYTES_PER_PART = 64
 _CAP = 1 << 62
 """Counts stop growing here: far above any limit, and cheap to add."""
 _MAX_STREAMED = 1 << 30
+"""The longest pickle read from a stream (a legacy ``torch.save`` file's): no checkpoint's is near."""
 # Digests of pickles that passed ``check_pickle``, newest last: the verdict is a function
 # of the bytes alone, and a DCP save's chunks repeat a few pickles (one per shape) over
 # and over; 94,700 chunks of a 64-rank save were scanned one by one.
 _PASSED: OrderedDict[bytes, int] = OrderedDict()  # the digest, and the pickle's length
 _PASSED_KEPT = 4096
-"""The longest pickle read from a stream (a legacy ``torch.save`` file's): no checkpoint's is near."""
 
 
 class _Stop(Exception):

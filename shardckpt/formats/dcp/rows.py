@@ -252,12 +252,14 @@ def _locate(
                 versions = [zf.read(n) for n in names if n.rsplit("/", 1)[-1] == "version"]
                 seen = (zf.read(pickles[0]), order, *versions) if len(pickles) == 1 else None
             said = loaded.get(seen) if seen is not None else None
-            if said is None or said.record not in {r.name for r in records}:
+            held = _named(records, said)
+            if held is None:
                 chunk.seek(0)
                 stored = torch.load(chunk, map_location="meta", weights_only=True)
                 said = _said(stored, records)
                 if said is not None and seen is not None:
                     loaded[seen] = said
+                held = _named(records, said)
             else:
                 stored = said
         except OSError as exc:
@@ -282,17 +284,16 @@ def _locate(
             path=path,
             hint=_RECOPY,
         )
-    at = next((r.start for r in records if r.name == said.record), None) if said.record else None
-    if order != sys.byteorder or not said.contiguous or at is None:
+    if order != sys.byteorder or not said.contiguous or held is None:
         return None
-    start = at + said.storage_offset * said.element_size
+    start = held.start + said.storage_offset * said.element_size
     if start + said.numel * said.element_size > length:
         raise BadInputError(
             f"the chunk at {list(offsets)} of {key!r} runs past its {length} stored bytes",
             path=path,
             hint=_RECOPY,
         )
-    return Placed(file, offset + start, _written(path, offset, records, at))
+    return Placed(file, offset + start, _written(path, offset, held))
 
 
 def _said(stored: object, records: list[ZipRecord]) -> _Loaded | None:
@@ -316,13 +317,17 @@ def _said(stored: object, records: list[ZipRecord]) -> _Loaded | None:
     )
 
 
-def _written(path: Path, offset: int, records: list[ZipRecord], at: int) -> Written | None:
-    """Return the record of a chunk's zip (at ``offset`` of ``path``) whose data starts at ``at``."""
-    for stored in records:
-        if stored.start == at:
-            where = f"record '{stored.name}' at byte {offset + stored.start}"
-            return Written(str(path), offset + stored.start, stored.length, stored.crcs, where)
-    return None
+def _named(records: list[ZipRecord], said: _Loaded | None) -> ZipRecord | None:
+    """Return the storage record ``said`` names among a chunk's ``records``; None where there is none."""
+    if said is None or not said.record:
+        return None
+    return next((r for r in records if r.name == said.record), None)
+
+
+def _written(path: Path, offset: int, stored: ZipRecord) -> Written:
+    """Return the storage record ``stored`` of a chunk's zip (at ``offset`` of ``path``) as checked bytes."""
+    where = f"record '{stored.name}' at byte {offset + stored.start}"
+    return Written(str(path), offset + stored.start, stored.length, stored.crcs, where)
 
 
 def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:
