@@ -21,6 +21,7 @@ import io
 import os
 import pickletools
 import tarfile
+import zipfile
 from array import array
 from collections import OrderedDict
 from typing import BinaryIO
@@ -32,6 +33,7 @@ from shardckpt.codecs.pickle_scan import (
     NotTorchFile,
     opened,
     torch_pickles,
+    zip_pickles,
 )
 from shardckpt.core.errors import BadInputError
 from shardckpt.state.tree import too_deep
@@ -416,11 +418,7 @@ def check_torch_file(source: str | os.PathLike | BinaryIO, path: str | os.PathLi
                 check_pickle(stream, path)
         return
     except CompressedRecord as exc:
-        raise BadInputError(
-            f"{exc}, which torch.save never writes",
-            path=path,
-            hint="save it again with torch.save, or re-zip it without compression (zip -0)",
-        ) from None
+        raise _compressed(exc, path) from None
     except DamagedZip:
         raise
     except (NotTorchFile, DamagedPickle):
@@ -435,6 +433,29 @@ def check_torch_file(source: str | os.PathLike | BinaryIO, path: str | os.PathLi
             )
         stream.seek(0)
         check_pickle(stream, path)
+
+
+def check_torch_zip(zf: zipfile.ZipFile, size: int, path: str | os.PathLike) -> list[bytes]:
+    """``check_torch_file`` for a ``torch.save`` zip already open (``zf``, of ``size`` bytes); return its ``data.pkl`` records.
+
+    The zip's directory is read once, by the caller's reader. Raises ``DamagedZip`` for a record that does not fit and ``NotTorchFile`` for a zip
+    without ``data.pkl``, which no ``torch.save`` writes either.
+    """
+    try:
+        pickles = zip_pickles(zf, size)
+    except CompressedRecord as exc:
+        raise _compressed(exc, path) from None
+    for data in pickles:
+        check_pickle(data, path)
+    return pickles
+
+
+def _compressed(exc: CompressedRecord, path: str | os.PathLike) -> BadInputError:
+    return BadInputError(
+        f"{exc}, which torch.save never writes",
+        path=path,
+        hint="save it again with torch.save, or re-zip it without compression (zip -0)",
+    )
 
 
 def _is_tar(stream: BinaryIO) -> bool:

@@ -196,13 +196,24 @@ def _data_pkls(stream: BinaryIO) -> list[bytes]:
     """Return the ``data.pkl`` records of a zip, read as stored; nothing is ever inflated."""
     try:
         with zipfile.ZipFile(stream) as zf:
-            size = stream.seek(0, os.SEEK_END)
-            for info in zf.infolist():
-                _check_stored(info, size)
-            names = [i for i in zf.infolist() if i.filename.lower().endswith("data.pkl")]
-            if not names:
-                raise NotTorchFile("a zip without data.pkl")
-            return [zf.read(info) for info in names]
+            return zip_pickles(zf, stream.seek(0, os.SEEK_END))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
+        raise DamagedZip(f"zip: {exc}") from None
+
+
+def zip_pickles(zf: zipfile.ZipFile, size: int) -> list[bytes]:
+    """Return the ``data.pkl`` records of ``zf`` (an open zip of ``size`` bytes), read as stored.
+
+    Raises ``CompressedRecord`` for a record not stored as ``torch.save`` stores each,
+    ``DamagedZip`` for one that does not fit, ``NotTorchFile`` when none is ``data.pkl``.
+    """
+    try:
+        for info in zf.infolist():
+            _check_stored(info, size)
+        names = [i for i in zf.infolist() if i.filename.lower().endswith("data.pkl")]
+        if not names:
+            raise NotTorchFile("a zip without data.pkl")
+        return [zf.read(info) for info in names]
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
         raise DamagedZip(f"zip: {exc}") from None
 

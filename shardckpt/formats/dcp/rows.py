@@ -33,9 +33,10 @@ import torch
 from isal import isal_zlib
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from shardckpt.codecs.pickle_bounds import check_torch_file
+from shardckpt.codecs.pickle_bounds import check_torch_zip
 from shardckpt.codecs.pickle_scan import first_line
-from shardckpt.codecs.zip_records import FileSlice, ZipRecord, record, storage_key
+from shardckpt.codecs.zip_layout import ZipLayout
+from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import os_error
 from shardckpt.core.torch_internals import stored_offset
@@ -87,6 +88,7 @@ class StoredRows:
         self.metadata = metadata
         self._placed: dict[tuple[str, tuple[int, ...]], Placed | None] = {}
         self._loaded: dict[tuple, _Loaded] = {}
+        self._kinds: dict[int, _Kind] = {}
 
     def runs(
         self, key: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, stop: int
@@ -214,7 +216,44 @@ class StoredRows:
         """
         if info.transform_descriptors:
             return None
-        return _locate(self.src, info, key, offsets, sizes, dtype, self._loaded)
+        return _locate(self.src, info, key, offsets, sizes, dtype, self._loaded, self._kinds)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a chunk's zip says, read by the zip reader; later chunks of its size may repeat it byte for byte."""
+
+    records: list[ZipRecord]
+    order: str
+    """Its byteorder record, "little" where it has none (as torch's loader takes it)."""
+    seen: tuple | None
+    """Its pickle, byteorder and version: the key of ``_Loaded``; None unless one ``data.pkl``."""
+    layout: ZipLayout | None
+    """Its bytes that a chunk of its kind repeats; None where no other chunk is compared with it."""
+
+
+def _read_kind(zip_file: FileSlice, length: int, path: Path) -> _Kind:
+    """Read the zip of a chunk (``length`` bytes) with the zip reader; check its pickle first."""
+    buffered = io.BufferedReader(zip_file)
+    try:
+        with zipfile.ZipFile(buffered) as zf:
+            pickles = check_torch_zip(zf, length, path)
+            names = zf.namelist()
+            orders = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
+            order = zf.read(orders[0]).decode() if orders else "little"
+            records = records_of(zip_file, zf)
+            # What torch's loader reads besides the storages: data.pkl (taken by name
+            # whatever its case: one such record alone), byteorder and the version.
+            versions = [zf.read(n) for n in names if n.rsplit("/", 1)[-1] == "version"]
+    finally:
+        buffered.detach()  # the buffer goes; zip_file stays open for the caller
+    seen = (pickles[0], order, *versions) if len(pickles) == 1 else None
+    return _Kind(records, order, seen, ZipLayout.of(zip_file, length, records, _own))
+
+
+def _own(name: str) -> bool:
+    """Return whether record ``name`` of a chunk's zip holds bytes of that chunk's own (its storage, its id)."""
+    return storage_key(name) is not None or name.endswith("/.data/serialization_id")
 
 
 def _locate(
@@ -225,36 +264,37 @@ def _locate(
     sizes: tuple,
     dtype: torch.dtype,
     loaded: dict[tuple, _Loaded],
+    kinds: dict[int, _Kind],
 ) -> Placed | None:
     """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
 
     None when it is not laid out row after row in this machine's byte order, or when
     torch's loader does not say where its storage lies. ``loaded``: what torch's loader
-    said of each pickle seen before, with its byteorder and version (``_Loaded``),
-    filled here.
+    said of each pickle seen before, with its byteorder and version (``_Loaded``);
+    ``kinds``: the last zip read whole of each size (``_Kind``); both filled here.
     """
     file, offset, length = info.relative_path, info.offset, info.length
     path = src / file
     with ExitStack() as files:
         fd = _open(path, files)
-        chunk = io.BufferedReader(FileSlice(fd, offset, offset + length))
         try:
-            check_torch_file(chunk, path)
-            with zipfile.ZipFile(chunk) as zf:
-                names = zf.namelist()
-                orders = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
-                order = zf.read(orders[0]).decode() if orders else "little"
-                # The storage's record, whose CRC-32 its bytes are checked against as read.
-                records = [record(fd, offset, i) for i in zf.infolist() if storage_key(i.filename)]
-                # What torch's loader reads besides the storages: data.pkl (taken by name
-                # whatever its case: one such record alone), byteorder and the version.
-                pickles = [n for n in names if n.lower().endswith("data.pkl")]
-                versions = [zf.read(n) for n in names if n.rsplit("/", 1)[-1] == "version"]
-                seen = (zf.read(pickles[0]), order, *versions) if len(pickles) == 1 else None
+            # Its directory, headers and pickle are read in one or two reads (HELD).
+            zip_file = FileSlice(fd, offset, offset + length, held=HELD)
+            kind = kinds.get(length)
+            records = kind.layout.repeated_by(zip_file, length) if kind is not None else None
+            if kind is None or records is None:
+                kind = _read_kind(zip_file, length, path)
+                records = kind.records
+                if kind.layout is not None:
+                    kinds[length] = kind
+            order, seen = kind.order, kind.seen
+            # The storage's record, whose CRC-32 its bytes are checked against as read.
+            records = [r for r in records if storage_key(r.name)]
             said = loaded.get(seen) if seen is not None else None
             held = _named(records, said)
             if held is None:
-                chunk.seek(0)
+                zip_file.seek(0)
+                chunk = io.BufferedReader(zip_file)
                 stored = torch.load(chunk, map_location="meta", weights_only=True)
                 said = _said(stored, records)
                 if said is not None and seen is not None:

@@ -1,0 +1,88 @@
+"""Zips laid out byte for byte as one read before, but for their own data: a DCP save's chunks.
+
+A DCP save stores every chunk as a ``torch.save`` zip, and the chunks of one shape and
+dtype are the same zip but for a few records' bytes (the storage's, the serialization
+id's) and those records' CRC-32s. A zip whose every other byte equals those of a zip
+whose directory was read has the same records in the same places: the bytes a zip
+reader parses are the same bytes. So such a zip is placed by comparing those bytes with
+the first one's (``ZipLayout.repeated_by``), not by parsing its directory again; a
+single byte that differs sends it back to the zip reader.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardckpt.codecs.zip_records import FileSlice, ZipRecord
+
+_MAX_FIXED = 64 << 10
+"""The most bytes compared per zip: past this a zip is parsed (comparing would read as much)."""
+
+
+@dataclass(frozen=True)
+class ZipLayout:
+    """The bytes of a zip that others of its kind repeat, and its records."""
+
+    size: int
+    fixed: tuple[tuple[int, bytes], ...]
+    """(where, the bytes there): every byte of the zip but its own records' data and CRC-32s."""
+    records: tuple[ZipRecord, ...]
+    """Every record, where the central directory was walked (``records_of``)."""
+    own: frozenset[str]
+    """The records whose bytes and CRC-32s are each zip's own."""
+
+    @classmethod
+    def of(
+        cls, zip_file: FileSlice, size: int, records: list[ZipRecord], own: Callable[[str], bool]
+    ) -> ZipLayout | None:
+        """Return the layout of ``zip_file`` (``size`` bytes, whose ``records`` were read).
+
+        ``own(name)``: whether record ``name``'s bytes are each zip's own. None when a
+        record's CRC-32 positions are not known, or more than ``_MAX_FIXED`` bytes would
+        be compared.
+        """
+        mine = [r for r in records if own(r.name)]
+        if any(at < 0 for r in mine for at in r.crc_at):
+            return None
+        varying = sorted(
+            [(r.start, r.start + r.length) for r in mine]
+            + [(at, at + 4) for r in mine for at in r.crc_at]
+        )
+        fixed, at = [], 0
+        for start, end in varying + [(size, size)]:
+            if start > at:
+                fixed.append((at, start))
+            at = max(at, end)
+        if sum(end - start for start, end in fixed) > _MAX_FIXED:
+            return None
+        held = tuple((start, zip_file.pread(end - start, start)) for start, end in fixed)
+        if any(len(data) != end - start for (start, data), (_, end) in zip(held, fixed)):
+            return None  # cut short: no other zip is compared with it
+        return cls(size, held, tuple(records), frozenset(r.name for r in mine))
+
+    def repeated_by(self, zip_file: FileSlice, size: int) -> list[ZipRecord] | None:
+        """Return the records of ``zip_file`` (``size`` bytes) when it repeats this layout, else None.
+
+        Its records lie where this layout's do; each one's CRC-32s are read from its own
+        bytes.
+        """
+        if size != self.size:
+            return None
+        if any(zip_file.pread(len(data), at) != data for at, data in self.fixed):
+            return None
+        out = []
+        for r in self.records:
+            if r.name in self.own:
+                crcs = tuple(_u32(zip_file.pread(4, at)) for at in r.crc_at)
+                r = ZipRecord(r.name, r.start, r.length, r.crc_at, crcs)
+            out.append(r)
+        return out
+
+
+def _u32(data: bytes) -> int:
+    return struct.unpack("<I", data)[0] if len(data) == 4 else -1
+
+
+__all__ = ["ZipLayout"]

@@ -1,0 +1,179 @@
+"""A DCP chunk's zip that repeats an earlier one's bytes is placed without its directory being parsed again.
+
+The chunks of one shape and dtype are the same ``torch.save`` zip but for the storage's
+bytes, the serialization id and their CRC-32s (``codecs/zip_layout.py``). What a
+repeated zip yields must be what Python's zip reader reads from it, and any other byte
+that differs must send it back to the zip reader. The zips are written by
+``torch.save``, and the sources by torch's own ``dcp.save``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from shardckpt.cli.app import run
+from shardckpt.codecs.zip_layout import ZipLayout
+from shardckpt.codecs.zip_records import HELD, FileSlice, records_of
+from shardckpt.formats import open_reader
+from shardckpt.formats.dcp import rows
+
+
+def saved(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def own(name: str) -> bool:
+    return "/data/" in name or name.endswith("/.data/serialization_id")
+
+
+@pytest.fixture
+def zips(tmp_path):
+    """Return a file holding two ``torch.save`` zips of alike tensors, back to back, and their (start, end)."""
+    first = saved(torch.arange(20, dtype=torch.float32).reshape(5, 4))
+    second = saved(torch.full((5, 4), 7.5))
+    assert len(first) == len(second)
+    path = tmp_path / "two.bin"
+    path.write_bytes(first + second)
+    return path, (0, len(first)), (len(first), 2 * len(first))
+
+
+def parsed(fd: int, start: int, end: int):
+    zip_file = FileSlice(fd, start, end, held=HELD)
+    with zipfile.ZipFile(io.BufferedReader(zip_file)) as zf:
+        return zip_file, records_of(zip_file, zf)
+
+
+def test_a_zip_that_repeats_the_layout_yields_what_the_zip_reader_reads_from_it(zips):
+    path, a, b = zips
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        zip_a, records_a = parsed(fd, *a)
+        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, own)
+        assert layout is not None
+        _, records_b = parsed(fd, *b)
+        got = layout.repeated_by(FileSlice(fd, *b, held=HELD), b[1] - b[0])
+    finally:
+        os.close(fd)
+    assert got == records_b
+    # The storages' CRC-32s are the second zip's own, not the first's.
+    crc = {r.name: r.crcs for r in records_a}
+    storages = [r for r in got if "/data/" in r.name]
+    assert storages and all(r.crcs != crc[r.name] for r in storages)
+
+
+def test_any_other_byte_that_differs_sends_the_zip_back_to_the_zip_reader(zips):
+    path, a, b = zips
+    data = bytearray(path.read_bytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        zip_a, records_a = parsed(fd, *a)
+        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, own)
+    finally:
+        os.close(fd)
+    varying = set()
+    for r in records_a:
+        if own(r.name):
+            varying |= set(range(r.start, r.start + r.length))
+            varying |= {at + i for at in r.crc_at for i in range(4)}
+    fixed = [i for i in range(b[1] - b[0]) if i not in varying]
+    assert len(fixed) > 500
+    flipped_path = path.with_name("flipped.bin")
+    for i in fixed:
+        data[b[0] + i] ^= 0x01
+        flipped_path.write_bytes(data)
+        data[b[0] + i] ^= 0x01
+        fd = os.open(flipped_path, os.O_RDONLY)
+        try:
+            assert layout.repeated_by(FileSlice(fd, *b, held=HELD), b[1] - b[0]) is None, i
+        finally:
+            os.close(fd)
+    # Bytes of its own (the storage's) differ freely: they are checked when read.
+    storage = next(r for r in records_a if "/data/" in r.name)
+    data[b[0] + storage.start] ^= 0x01
+    flipped_path.write_bytes(data)
+    fd = os.open(flipped_path, os.O_RDONLY)
+    try:
+        assert layout.repeated_by(FileSlice(fd, *b, held=HELD), b[1] - b[0]) is not None
+        assert layout.repeated_by(FileSlice(fd, *b, held=HELD), b[1] - b[0] - 1) is None
+    finally:
+        os.close(fd)
+
+
+def state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {f"layer{i}.w": torch.randn(6, 3, generator=gen) for i in range(10)}
+
+
+def test_chunks_of_a_kind_are_parsed_once_and_read_bit_exact(tmp_path, monkeypatch):
+    dcp.save({"model": state()}, checkpoint_id=tmp_path / "src", no_dist=True)
+    parses: list[int] = []
+    real = rows._read_kind
+
+    def spy(*args, **kwargs):
+        parses.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rows, "_read_kind", spy)
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "o.safetensors"), "--to", "full"]
+    assert run([*argv, "-q"]) == 0
+    assert len(parses) == 1  # ten chunks of one kind
+    got = load_file(tmp_path / "o.safetensors")
+    for name, value in state().items():
+        assert torch.equal(got[f"model.{name}"], value), name
+
+
+def pickle_of_chunk(src, key: str) -> tuple[str, int]:
+    """Return the file of chunk ``key`` and the byte where its data.pkl's pickle starts."""
+    reader = open_reader(src)
+    info = next(v for k, v in reader.metadata.storage_data.items() if k.fqn == key)
+    whole = (src / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    with zipfile.ZipFile(io.BytesIO(whole)) as zf:
+        entry = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+    name_length = int.from_bytes(whole[entry.header_offset + 26 : entry.header_offset + 28], "little")
+    extra = int.from_bytes(whole[entry.header_offset + 28 : entry.header_offset + 30], "little")
+    return info.relative_path, info.offset + entry.header_offset + 30 + name_length + extra
+
+
+@pytest.mark.parametrize("which", ["model.layer0.w", "model.layer7.w"])
+def test_a_flipped_byte_in_a_chunks_pickle_fails_whether_or_not_an_alike_chunk_came_first(
+    tmp_path, capsys, which
+):
+    src = tmp_path / "src"
+    dcp.save({"model": state()}, checkpoint_id=src, no_dist=True)
+    file, at = pickle_of_chunk(src, which)
+    with open(src / file, "r+b") as f:
+        f.seek(at + 3)
+        byte = f.read(1)
+        f.seek(at + 3)
+        f.write(bytes([byte[0] ^ 0x04]))
+    argv = ["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "full", "-q"]
+    assert run(argv) == 3
+    err = capsys.readouterr().err
+    assert f"cannot read the chunk at [0, 0] of '{which}'" in err
+    assert "Bad CRC-32" in err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("size", [100, 2 * HELD, 2 * HELD + 1, 5 * HELD])
+def test_a_slice_read_through_its_held_ends_reads_what_the_file_holds(tmp_path, size):
+    data = os.urandom(size + 300)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        held = FileSlice(fd, 100, 100 + size, held=HELD)
+        wants = [(0, 30), (size - 22, 22), (size - 5, 50), (HELD - 10, 20), (size // 2, 100)]
+        wants += [(size, 4), (size + 10, 4), (0, size)]
+        for at, n in wants:
+            assert held.pread(n, at) == data[100 + at : 100 + min(at + n, size)], (at, n)
+    finally:
+        os.close(fd)
