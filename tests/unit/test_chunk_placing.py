@@ -9,6 +9,9 @@ by torch's own ``dcp.save``.
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 
 from shardckpt.cli.app import run
 from shardckpt.formats import open_reader
+from shardckpt.formats.dcp import rows
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -68,3 +72,49 @@ def test_each_chunk_is_placed_by_its_own_zip(tmp_path):
         assert placed.written is not None and placed.written.start == placed.start
         starts.add((info.relative_path, placed.start))
     assert len(starts) == len(md.storage_data) == 14
+
+
+@pytest.mark.parametrize("kept", [64, 1])
+def test_each_data_file_is_opened_once_while_it_stays_among_the_kept_open(
+    tmp_path, monkeypatch, kept
+):
+    src = tmp_path / "src"
+    writer = dcp.FileSystemWriter(src, thread_count=3)
+    dcp.save({"model": state()}, storage_writer=writer, no_dist=True)
+    files = sorted(p.name for p in src.glob("*.distcp"))
+    assert len(files) == 3
+    monkeypatch.setattr(rows, "_KEPT_OPEN", kept)
+    opened: list[str] = []
+    real = os.open
+
+    def spy(path, *args, **kwargs):
+        if str(path).endswith(".distcp"):
+            opened.append(os.path.basename(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(rows.os, "open", spy)
+    reader = open_reader(src)
+    md = reader.metadata
+    # Every chunk, twice, taking turns between the files.
+    by_file: dict[str, list] = {}
+    for index, info in md.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index, info))
+    turns = [c for group in zip(*by_file.values()) for c in group]
+    switches = len(turns) * 2
+    for index, info in turns + turns:
+        meta = md.state_dict_metadata[index.fqn]
+        placed = reader._rows.locate(
+            info, index.fqn, tuple(index.offset), tuple(meta.size), meta.properties.dtype
+        )
+        assert placed is not None and placed.file == info.relative_path
+    if kept == 64:
+        assert sorted(opened) == files
+    else:
+        assert len(opened) == switches  # each turn reopens the one file kept
+    fds = list(reader._rows._files._fds.values())
+    assert len(fds) == min(kept, 3)
+    del reader
+    gc.collect()
+    for fd in fds:  # closed with the reader
+        with pytest.raises(OSError):
+            os.fstat(fd)
