@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardckpt.codecs.zip_records import FileSlice, ZipRecord
+from shardckpt.codecs.zip_records import FileSlice, ZipRecord, storage_key
 
 _MAX_FIXED = 64 << 10
 """The most bytes compared per zip: past this a zip is parsed (comparing would read as much)."""
@@ -81,8 +81,43 @@ class ZipLayout:
         return out
 
 
+class ZipLayouts:
+    """The layouts of the last zips read, a few of each size, each with what its reader made of it.
+
+    Chunks of one size need not be of one kind (a weight's and a bias's may pickle to
+    zips of the same length), and a file's chunks, in file order, take turns between
+    kinds; so several are kept per size, the last one repeated tried first.
+    """
+
+    def __init__(self, per_size: int = 8):
+        self._per_size = per_size
+        self._by_size: dict[int, list[tuple[ZipLayout, object]]] = {}
+
+    def find(self, zip_file: FileSlice, size: int) -> tuple[list[ZipRecord], object] | None:
+        """Return the records of ``zip_file`` (``size`` bytes) and what was kept with the layout it repeats; None when it repeats none."""
+        kept = self._by_size.get(size, [])
+        for n, (layout, said) in enumerate(kept):
+            records = layout.repeated_by(zip_file, size)
+            if records is not None:
+                if n:
+                    kept.insert(0, kept.pop(n))
+                return records, said
+        return None
+
+    def add(self, layout: ZipLayout, said: object = None) -> None:
+        """Keep ``layout`` (and ``said``, what its reader made of it) for the zips after."""
+        kept = self._by_size.setdefault(layout.size, [])
+        kept.insert(0, (layout, said))
+        del kept[self._per_size :]
+
+
+def chunk_own(name: str) -> bool:
+    """Return whether record ``name`` of a ``torch.save`` zip holds bytes each zip has its own: a storage, the serialization id."""
+    return storage_key(name) is not None or name.endswith("/.data/serialization_id")
+
+
 def _u32(data: bytes) -> int:
     return struct.unpack("<I", data)[0] if len(data) == 4 else -1
 
 
-__all__ = ["ZipLayout"]
+__all__ = ["ZipLayout", "ZipLayouts", "chunk_own"]

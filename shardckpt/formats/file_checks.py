@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.codecs.pickle_scan import DamagedZip
-from shardckpt.codecs.zip_records import zip_records
+from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
+from shardckpt.codecs.zip_records import HELD, FileSlice, zip_records
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, read_head, source_tree
 from shardckpt.formats.base import Index, Reader, StoredItem
@@ -104,16 +105,38 @@ def _zip_check(path: Path, size: int, ledger: Ledger) -> FileCheck:
 
 
 def _zip_spans(
-    path: Path, start: int, end: int, what: str
+    path: Path,
+    start: int,
+    end: int,
+    what: str,
+    fd: int | None = None,
+    layouts: ZipLayouts | None = None,
 ) -> tuple[tuple[Written, ...], tuple[str, ...]]:
-    """Return the records of the zip at bytes [start, end) of ``path``, or the problem of one that does not read."""
-    fd = os.open(path, os.O_RDONLY)
+    """Return the records of the zip at bytes [start, end) of ``path``, or the problem of one that does not read.
+
+    ``fd``: ``path`` open for reading, where the caller has it. ``layouts``: the last zips
+    read, which a zip that repeats one is compared with instead of being parsed
+    (``ZipLayouts``; DCP chunks of one shape), filled here.
+    """
+    own_fd = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY)
     try:
-        records = zip_records(fd, start, end, central=False)
+        zip_file = FileSlice(fd, start, end, held=HELD)
+        repeated = layouts.find(zip_file, end - start) if layouts is not None else None
+        if repeated is not None:
+            records = repeated[0]
+        else:
+            records = zip_records(fd, start, end, central=layouts is not None)
+            if layouts is not None:
+                found = ZipLayout.of(zip_file, end - start, records, chunk_own)
+                if found is not None:
+                    layouts.add(found)
     except DamagedZip as exc:
         return (), (f"{what} is not a readable torch.save zip ({exc})",)
     finally:
-        os.close(fd)
+        if own_fd:
+            os.close(fd)
     spans = tuple(
         Written(
             str(path),
@@ -134,18 +157,23 @@ def _items_check(path: Path, size: int, items: list[StoredItem]) -> FileCheck:
     names: list[tuple[str, ...]] = []
     problems: list[str] = []
     at = 0
-    for item in sorted(items, key=lambda i: (i.offset, i.length)):
-        if item.offset > at:
-            problems.append(f"bytes {at}..{item.offset} belong to no item of .metadata")
-        at = max(at, item.offset + item.length)
-        if not item.zip or not item.length:
-            continue
-        found, bad = _zip_spans(
-            path, item.offset, item.offset + item.length, f"the item of {item.key!r}"
-        )
-        spans += found
-        names += [(item.key,)] * len(found)
-        problems += bad
+    layouts = ZipLayouts()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for item in sorted(items, key=lambda i: (i.offset, i.length)):
+            if item.offset > at:
+                problems.append(f"bytes {at}..{item.offset} belong to no item of .metadata")
+            at = max(at, item.offset + item.length)
+            if not item.zip or not item.length:
+                continue
+            what = f"the item of {item.key!r}"
+            end = item.offset + item.length
+            found, bad = _zip_spans(path, item.offset, end, what, fd, layouts)
+            spans += found
+            names += [(item.key,)] * len(found)
+            problems += bad
+    finally:
+        os.close(fd)
     if at < size:
         problems.append(f"bytes {at}..{size} at its end belong to no item of .metadata")
     return FileCheck(str(path), size, tuple(spans), tuple(names), tuple(problems))

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from shardckpt.cli.app import run
-from shardckpt.codecs.zip_layout import ZipLayout
+from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, records_of
 from shardckpt.formats import open_reader
 from shardckpt.formats.dcp import rows
@@ -29,10 +29,6 @@ def saved(tensor: torch.Tensor) -> bytes:
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     return buffer.getvalue()
-
-
-def own(name: str) -> bool:
-    return "/data/" in name or name.endswith("/.data/serialization_id")
 
 
 @pytest.fixture
@@ -57,7 +53,7 @@ def test_a_zip_that_repeats_the_layout_yields_what_the_zip_reader_reads_from_it(
     fd = os.open(path, os.O_RDONLY)
     try:
         zip_a, records_a = parsed(fd, *a)
-        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, own)
+        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, chunk_own)
         assert layout is not None
         _, records_b = parsed(fd, *b)
         got = layout.repeated_by(FileSlice(fd, *b, held=HELD), b[1] - b[0])
@@ -76,12 +72,12 @@ def test_any_other_byte_that_differs_sends_the_zip_back_to_the_zip_reader(zips):
     fd = os.open(path, os.O_RDONLY)
     try:
         zip_a, records_a = parsed(fd, *a)
-        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, own)
+        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, chunk_own)
     finally:
         os.close(fd)
     varying = set()
     for r in records_a:
-        if own(r.name):
+        if chunk_own(r.name):
             varying |= set(range(r.start, r.start + r.length))
             varying |= {at + i for at in r.crc_at for i in range(4)}
     fixed = [i for i in range(b[1] - b[0]) if i not in varying]
@@ -131,25 +127,13 @@ def test_chunks_of_a_kind_are_parsed_once_and_read_bit_exact(tmp_path, monkeypat
         assert torch.equal(got[f"model.{name}"], value), name
 
 
-def pickle_of_chunk(src, key: str) -> tuple[str, int]:
-    """Return the file of chunk ``key`` and the byte where its data.pkl's pickle starts."""
-    reader = open_reader(src)
-    info = next(v for k, v in reader.metadata.storage_data.items() if k.fqn == key)
-    whole = (src / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
-    with zipfile.ZipFile(io.BytesIO(whole)) as zf:
-        entry = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
-    name_length = int.from_bytes(whole[entry.header_offset + 26 : entry.header_offset + 28], "little")
-    extra = int.from_bytes(whole[entry.header_offset + 28 : entry.header_offset + 30], "little")
-    return info.relative_path, info.offset + entry.header_offset + 30 + name_length + extra
-
-
 @pytest.mark.parametrize("which", ["model.layer0.w", "model.layer7.w"])
 def test_a_flipped_byte_in_a_chunks_pickle_fails_whether_or_not_an_alike_chunk_came_first(
     tmp_path, capsys, which
 ):
     src = tmp_path / "src"
     dcp.save({"model": state()}, checkpoint_id=src, no_dist=True)
-    file, at = pickle_of_chunk(src, which)
+    file, at, _ = record_start(src, which, "data.pkl")
     with open(src / file, "r+b") as f:
         f.seek(at + 3)
         byte = f.read(1)
@@ -177,3 +161,59 @@ def test_a_slice_read_through_its_held_ends_reads_what_the_file_holds(tmp_path, 
             assert held.pread(n, at) == data[100 + at : 100 + min(at + n, size)], (at, n)
     finally:
         os.close(fd)
+
+
+def record_start(src, key: str, suffix: str) -> tuple[str, int, str]:
+    """Return the file of chunk ``key``, where its record ending in ``suffix`` starts there, and its name."""
+    reader = open_reader(src)
+    info = next(v for k, v in reader.metadata.storage_data.items() if k.fqn == key)
+    whole = (src / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    with zipfile.ZipFile(io.BytesIO(whole)) as zf:
+        entry = next(i for i in zf.infolist() if i.filename.endswith(suffix))
+    at = entry.header_offset
+    name_length = int.from_bytes(whole[at + 26 : at + 28], "little")
+    extra = int.from_bytes(whole[at + 28 : at + 30], "little")
+    return info.relative_path, info.offset + at + 30 + name_length + extra, entry.filename
+
+
+@pytest.mark.parametrize("suffix", ["data.pkl", "/data/0"])
+@pytest.mark.parametrize("which", ["model.layer0.w", "model.layer7.w"])
+def test_verify_finds_a_flipped_byte_in_any_chunk_of_a_kind(tmp_path, capsys, which, suffix):
+    src = tmp_path / "src"
+    dcp.save({"model": state()}, checkpoint_id=src, no_dist=True)
+    file, at, name = record_start(src, which, suffix)
+    with open(src / file, "r+b") as f:
+        f.seek(at + 2)
+        byte = f.read(1)
+        f.seek(at + 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert run(["verify", str(src)]) == 3
+    err = capsys.readouterr().err
+    assert f"'{which}'" in err
+    assert f"record '{name}' at byte {at}" in err
+
+
+def test_zips_of_one_size_that_take_turns_between_two_kinds_each_repeat_their_own(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    kinds = [(4, 2), (2, 4)] * 3  # one length, two pickles, in turns as in a DCP file
+    blobs = [saved(torch.randn(shape, generator=gen)) for shape in kinds]
+    assert len({len(b) for b in blobs}) == 1 and blobs[0][:200] != blobs[1][:200]
+    path = tmp_path / "turns.bin"
+    path.write_bytes(b"".join(blobs))
+    size = len(blobs[0])
+    layouts = ZipLayouts()
+    found = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for n, shape in enumerate(kinds):
+            zip_file = FileSlice(fd, n * size, (n + 1) * size, held=HELD)
+            hit = layouts.find(zip_file, size)
+            _, records = parsed(fd, n * size, (n + 1) * size)
+            if hit is None:
+                layouts.add(ZipLayout.of(zip_file, size, records, chunk_own), shape)
+            else:
+                assert hit == (records, shape)
+            found.append(hit is not None)
+    finally:
+        os.close(fd)
+    assert found == [False, False, True, True, True, True]

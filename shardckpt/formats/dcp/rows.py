@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardckpt.codecs.pickle_bounds import check_torch_zip
 from shardckpt.codecs.pickle_scan import first_line
-from shardckpt.codecs.zip_layout import ZipLayout
+from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import os_error
@@ -90,7 +90,7 @@ class StoredRows:
         self.metadata = metadata
         self._placed: dict[tuple[str, tuple[int, ...]], Placed | None] = {}
         self._loaded: dict[tuple, _Loaded] = {}
-        self._kinds: dict[int, _Kind] = {}
+        self._kinds = ZipLayouts()
         self._files = _OpenFiles(src)
 
     def runs(
@@ -253,12 +253,7 @@ def _read_kind(zip_file: FileSlice, length: int, path: Path) -> _Kind:
     finally:
         buffered.detach()  # the buffer goes; zip_file stays open for the caller
     seen = (pickles[0], order, *versions) if len(pickles) == 1 else None
-    return _Kind(records, order, seen, ZipLayout.of(zip_file, length, records, _own))
-
-
-def _own(name: str) -> bool:
-    """Return whether record ``name`` of a chunk's zip holds bytes of that chunk's own (its storage, its id)."""
-    return storage_key(name) is not None or name.endswith("/.data/serialization_id")
+    return _Kind(records, order, seen, ZipLayout.of(zip_file, length, records, chunk_own))
 
 
 def _locate(
@@ -269,14 +264,14 @@ def _locate(
     sizes: tuple,
     dtype: torch.dtype,
     loaded: dict[tuple, _Loaded],
-    kinds: dict[int, _Kind],
+    kinds: ZipLayouts,
 ) -> Placed | None:
     """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
 
     None when it is not laid out row after row in this machine's byte order, or when
     torch's loader does not say where its storage lies. ``loaded``: what torch's loader
     said of each pickle seen before, with its byteorder and version (``_Loaded``);
-    ``kinds``: the last zip read whole of each size (``_Kind``); both filled here.
+    ``kinds``: the last zips read whole, each with its ``_Kind``; both filled here.
     """
     file, offset, length = info.relative_path, info.offset, info.length
     path = files.path(file)
@@ -284,13 +279,14 @@ def _locate(
     try:
         # Its directory, headers and pickle are read in one or two reads (HELD).
         zip_file = FileSlice(fd, offset, offset + length, held=HELD)
-        kind = kinds.get(length)
-        records = kind.layout.repeated_by(zip_file, length) if kind is not None else None
-        if kind is None or records is None:
+        repeated = kinds.find(zip_file, length)
+        if repeated is not None:
+            records, kind = repeated
+        else:
             kind = _read_kind(zip_file, length, path)
             records = kind.records
             if kind.layout is not None:
-                kinds[length] = kind
+                kinds.add(kind.layout, kind)
         order, seen = kind.order, kind.seen
         # The storage's record, whose CRC-32 its bytes are checked against as read.
         records = [r for r in records if storage_key(r.name)]
