@@ -37,7 +37,7 @@ from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
 from shardckpt.engine.jobs import JobQueue, regions_of
 from shardckpt.engine.rows import read_regions
-from shardckpt.engine.stored_copy import copy_runs
+from shardckpt.engine.stored_copy import copy_runs, worth_copying
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.state.regions import (
     Piece,
@@ -149,8 +149,8 @@ def _fill(
 ) -> tuple[list[Piece], int]:
     """Read the rows of a step's regions and jobs, write each region at its offset and each job in order.
 
-    A region whose bytes lie in SRC as they are (``Reader.stored_runs``) is copied from
-    there (``stored_copy``) on a thread of its own, while this one locates the next
+    A region whose bytes lie in SRC as they are (``Reader.stored_runs``), in runs of a
+    MiB or more on average, is copied from there (``stored_copy``) on a thread of its own, while this one locates the next
     regions' chunks and reads the others through the reader: the copy is system calls
     and CRCs that let go of the GIL, the rest is Python. Returns the pieces written into
     zip records of files several processes share, and the tensor bytes written (what the
@@ -161,7 +161,7 @@ def _fill(
         copies: dict[Region, Future[int]] = {}
         for region in batch:
             runs = reader.stored_runs(metas[region.key], region.start, region.stop)
-            if runs is not None:
+            if runs is not None and worth_copying(runs):
                 fd, path = files.fd(region.file), files.path(region.file)
                 # In this thread's context: the copy notes what it read in the command's ledger.
                 run = contextvars.copy_context().run

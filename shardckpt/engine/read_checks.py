@@ -33,10 +33,13 @@ COMPLETE_BYTES = 1 << 20
 def within(root: str | Path) -> Callable[[str], bool]:
     """Return a test of whether a file is ``root`` or lies under it."""
     top = Path(root)
+    known: dict[str, bool] = {}  # by file: a checkpoint's records lie in few files
 
     def test(file: str) -> bool:
-        path = Path(file)
-        return path == top or top in path.parents
+        if file not in known:
+            path = Path(file)
+            known[file] = path == top or top in path.parents
+        return known[file]
 
     return test
 

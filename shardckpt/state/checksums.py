@@ -160,8 +160,14 @@ class Ledger:
         """Add the spans of ``data`` not read before to ``written``'s, with their CRC-32 (lock held)."""
         view = memoryview(data).cast("B")
         stop = min(offset + len(view), written.length)
-        spans = self._spans.setdefault(written.key, [])
         at = max(offset, 0)
+        spans = self._spans.get(written.key)
+        if not spans:  # read for the first time, as most spans are: nothing to leave out
+            if at < stop:
+                whole = crc is not None and at == offset and stop == offset + len(view)
+                piece = crc if whole else isal_zlib.crc32(view[at - offset : stop - offset])
+                self._spans[written.key] = [(at, stop - at, piece)]
+            return
         gaps = list(_gaps(spans, at, stop))
         if crc is not None and gaps == [(offset, offset + len(view))]:
             _insert(spans, (offset, len(view), crc))
@@ -210,6 +216,12 @@ def _insert(spans: list[Span], span: Span) -> None:
 
 def merged(everyone: Iterable[Iterable[Seen]]) -> list[Seen]:
     """Return what every process read, one ``Seen`` per written span, in file order."""
+    everyone = [list(seen) for seen in everyone]
+    if len(everyone) == 1 and len({s.written.key for s in everyone[0]}) == len(everyone[0]):
+        # One process, each span once (standalone, and what ``completed`` returns): only
+        # the order to set. A 64-rank save's verify has 668,372 records.
+        alone = sorted(everyone[0], key=lambda s: s.written.key)
+        return [Seen(s.written, s.names, tuple(sorted(s.spans))) for s in alone]
     spans: dict[Key, list[Span]] = {}
     written: dict[Key, Written] = {}
     names: dict[Key, list[str]] = {}

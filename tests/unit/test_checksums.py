@@ -7,7 +7,7 @@ import zlib
 
 import torch
 
-from shardckpt.state.checksums import Ledger, Written, checked, checking, judge, next_gap
+from shardckpt.state.checksums import Ledger, Written, checked, checking, judge, merged, next_gap
 
 DATA = os.urandom(1000)
 CRC = zlib.crc32(DATA)
@@ -104,3 +104,19 @@ def test_the_gap_to_read_runs_from_where_the_chain_stops_to_the_next_span():
     assert next_gap([(0, 10, 0), (10, 20, 0)], 32) == (30, 32)  # padding nobody read
     assert next_gap([(0, 60, 0), (40, 60, 0)], 100) == (60, 100)  # overlap, no shared boundary
     assert next_gap([(20, 10, 0)], 30) == (0, 20)
+
+
+def test_one_process_alone_merges_as_it_would_beside_a_process_that_read_nothing():
+    ledger = Ledger()
+    for n, start in enumerate([900, 100, 500]):
+        span = Written("g" if n == 1 else "f", start, 300, (1, 1), f"record {n}")
+        ledger.expect(span, [f"w{n}", f"v{n}"])
+        ledger.note(span.file, start, 200, DATA[:100])
+        ledger.note(span.file, start, 0, DATA[:150])
+    alone = merged([ledger.seen()])
+    assert alone == merged([ledger.seen(), []])
+    assert [s.written.key for s in alone] == [("f", 500), ("f", 900), ("g", 100)]
+    assert all(
+        s.spans == ((0, 150, zlib.crc32(DATA[:150])), (200, 100, zlib.crc32(DATA[:100])))
+        for s in alone
+    )

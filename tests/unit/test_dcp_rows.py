@@ -114,6 +114,7 @@ def test_rows_stored_as_written_are_copied_from_the_mapped_chunk_with_their_dige
         return original(runs, fd, offset, dst, key)
 
     monkeypatch.setattr(fill, "copy_runs", spy)
+    monkeypatch.setattr(stored_copy, "MIN_RUN", 1)  # runs of a few bytes copied all the same
     out = tmp_path / "out.safetensors"
     # 64 bytes a batch: the runs of 'w' start and end inside its one chunk.
     api.convert(api.ConvertRequest(src=src, dst=out, to="full", buffer_bytes=64))
@@ -128,6 +129,28 @@ def test_rows_stored_as_written_are_copied_from_the_mapped_chunk_with_their_dige
             want = ref["model"][name.split(".", 1)[1]]
             assert raw_bytes(got) == raw_bytes(want.contiguous())
             assert digests.crcs[name] == zlib.crc32(raw_bytes(want.contiguous()))
+
+
+def test_runs_shorter_than_a_mib_on_average_are_read_not_mapped_and_write_the_same_bytes(
+    tmp_path, monkeypatch
+):
+    src, _ = _source(tmp_path)
+    copied = []
+    original = stored_copy.copy_runs
+
+    def spy(*args):
+        copied.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(fill, "copy_runs", spy)
+    read = tmp_path / "read.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=read, to="full"))
+    assert copied == []  # every chunk here is a few hundred bytes
+    monkeypatch.setattr(stored_copy, "MIN_RUN", 1)
+    mapped = tmp_path / "mapped.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=mapped, to="full"))
+    assert copied
+    assert read.read_bytes() == mapped.read_bytes()
 
 
 def test_a_chunk_cut_short_is_not_mapped_and_is_read_as_truncated(tmp_path):
@@ -150,6 +173,7 @@ def test_where_the_kernel_cannot_copy_between_the_files_the_mapped_rows_are_pwri
     tmp_path, monkeypatch
 ):
     src, _ = _source(tmp_path)
+    monkeypatch.setattr(stored_copy, "MIN_RUN", 1)
     api.convert(api.ConvertRequest(src=src, dst=tmp_path / "kernel.safetensors", to="full"))
     refused = []
 

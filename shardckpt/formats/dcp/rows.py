@@ -23,11 +23,12 @@ from __future__ import annotations
 import io
 import math
 import os
+import resource
 import sys
 import weakref
 import zipfile
-from collections import OrderedDict
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,7 +163,7 @@ class StoredRows:
             fds: dict[str, int] = {}
             for placed, offsets, sizes, lo, hi in parts:
                 if placed.file not in fds:
-                    fds[placed.file] = _open(self.src / placed.file, files)
+                    fds[placed.file] = files.enter_context(self._files.opened(placed.file))
                 row_bytes = math.prod(sizes[1:]) * target.element_size()
                 at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
                 dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
@@ -273,9 +274,24 @@ def _locate(
     said of each pickle seen before, with its byteorder and version (``_Loaded``);
     ``kinds``: the last zips read whole, each with its ``_Kind``; both filled here.
     """
+    path = files.path(info.relative_path)
+    with files.opened(info.relative_path) as fd:
+        return _place_chunk(fd, path, info, key, offsets, sizes, dtype, loaded, kinds)
+
+
+def _place_chunk(
+    fd: int,
+    path: Path,
+    info,
+    key: str,
+    offsets: tuple,
+    sizes: tuple,
+    dtype: torch.dtype,
+    loaded: dict[tuple, _Loaded],
+    kinds: ZipLayouts,
+) -> Placed | None:
+    """``_locate`` once the chunk's file is open (``fd``)."""
     file, offset, length = info.relative_path, info.offset, info.length
-    path = files.path(file)
-    fd = files.fd(file)
     try:
         # Its directory, headers and pickle are read in one or two reads (HELD).
         zip_file = FileSlice(fd, offset, offset + length, held=HELD)
@@ -381,16 +397,20 @@ def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int
 
 
 class _OpenFiles:
-    """SRC's data files, each opened once and kept open for the chunks after (the newest ``_KEPT_OPEN``).
+    """SRC's data files, the first ``kept_open()`` opened kept open for every chunk after, the others opened per use.
 
-    A 64-rank save has 94,700 chunks in 64 files; opening and closing a file per chunk
-    cost about a third of placing one. Used by one thread at a time, as every reader is.
+    A 64-rank save has 94,700 chunks in 64 files, and a 1,024-rank one 1.16 million in
+    1,024; opening and closing a file per chunk cost about a third of placing one. A
+    tensor's chunks lie in every file in turn, where evicting the least recently used
+    file would reopen every one; so the first files stay, and a file past the limit is
+    opened for its use alone. Kept files close with the reader.
     """
 
     def __init__(self, src: Path):
         self.src = src
         self._paths: dict[str, Path] = {}
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: dict[str, int] = {}
+        self._limit = kept_open()
         weakref.finalize(self, _close_all, self._fds)
 
     def path(self, file: str) -> Path:
@@ -399,34 +419,36 @@ class _OpenFiles:
             self._paths[file] = self.src / file
         return self._paths[file]
 
-    def fd(self, file: str) -> int:
-        """Return a descriptor of ``file`` open for reading."""
+    @contextmanager
+    def opened(self, file: str) -> Iterator[int]:
+        """Yield a descriptor of ``file`` open for reading."""
         fd = self._fds.get(file)
         if fd is not None:
-            self._fds.move_to_end(file)
-            return fd
+            yield fd
+            return
         try:
-            fd = self._fds[file] = os.open(self.path(file), os.O_RDONLY)
+            fd = os.open(self.path(file), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             raise os_error(exc, self.path(file)) from None
-        if len(self._fds) > _KEPT_OPEN:
-            os.close(self._fds.popitem(last=False)[1])
-        return fd
+        if len(self._fds) < self._limit:
+            self._fds[file] = fd
+            yield fd
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
 
-_KEPT_OPEN = 64
+def kept_open() -> int:
+    """Return how many of SRC's files a reader keeps open: a quarter of the process's limit, 64 to 4,096."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft // 4))
 
 
 def _close_all(fds: dict[str, int]) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
-
-
-def _open(path: Path, files: ExitStack) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise os_error(exc, path) from None
-    files.callback(os.close, fd)
-    return fd
