@@ -222,7 +222,10 @@ class StoredRows:
         """
         if info.transform_descriptors:
             return None
-        return _locate(self._files, info, key, offsets, sizes, dtype, self._loaded, self._kinds)
+        file = info.relative_path
+        with self._files.opened(file) as fd:
+            path = self._files.path(file)
+            return _locate(fd, path, info, key, offsets, sizes, dtype, self._loaded, self._kinds)
 
 
 @dataclass(frozen=True)
@@ -258,28 +261,6 @@ def _read_kind(zip_file: FileSlice, length: int, path: Path) -> _Kind:
 
 
 def _locate(
-    files: _OpenFiles,
-    info,
-    key: str,
-    offsets: tuple,
-    sizes: tuple,
-    dtype: torch.dtype,
-    loaded: dict[tuple, _Loaded],
-    kinds: ZipLayouts,
-) -> Placed | None:
-    """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
-
-    None when it is not laid out row after row in this machine's byte order, or when
-    torch's loader does not say where its storage lies. ``loaded``: what torch's loader
-    said of each pickle seen before, with its byteorder and version (``_Loaded``);
-    ``kinds``: the last zips read whole, each with its ``_Kind``; both filled here.
-    """
-    path = files.path(info.relative_path)
-    with files.opened(info.relative_path) as fd:
-        return _place_chunk(fd, path, info, key, offsets, sizes, dtype, loaded, kinds)
-
-
-def _place_chunk(
     fd: int,
     path: Path,
     info,
@@ -290,7 +271,14 @@ def _place_chunk(
     loaded: dict[tuple, _Loaded],
     kinds: ZipLayouts,
 ) -> Placed | None:
-    """``_locate`` once the chunk's file is open (``fd``)."""
+    """Return where the chunk that ``info`` (its ``storage_data`` entry) holds lies, row by row.
+
+    ``fd``: its file (``path``), open. None when it is not laid out row after row in this
+    machine's byte order, or when torch's loader does not say where its storage lies.
+    ``loaded``: what torch's loader said of each pickle seen before, with its byteorder
+    and version (``_Loaded``); ``kinds``: the last zips read whole, each with its
+    ``_Kind``; both filled here.
+    """
     file, offset, length = info.relative_path, info.offset, info.length
     try:
         # Its directory, headers and pickle are read in one or two reads (HELD).
