@@ -53,6 +53,7 @@ from shardckpt.codecs.pickle_scan import (
 )
 from shardckpt.codecs.zip_skeleton import FileSlice
 from shardckpt.core import torch_internals
+from shardckpt.core.collector import collector_paused
 from shardckpt.core.errors import (
     SRC_FORMAT,
     BadInputError,
@@ -178,7 +179,8 @@ def _read_metadata(
     check_pickle(raw, file)
     try:
         stream = io.BytesIO(raw)
-        md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream, extra).load()
+        with collector_paused():
+            md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream, extra).load()
     except (UnsafePickleError, UnsupportedTorchError) as exc:
         raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
