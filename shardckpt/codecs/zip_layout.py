@@ -70,12 +70,22 @@ class ZipLayout:
         """
         if size != self.size:
             return None
-        if any(zip_file.pread(len(data), at) != data for at, data in self.fixed):
+        whole = zip_file.whole()  # a small zip, read in one piece: compared in place
+        if whole is not None:
+            if len(whole) != size:
+                return None
+            for at, data in self.fixed:
+                if whole[at : at + len(data)] != data:
+                    return None
+        elif any(zip_file.pread(len(data), at) != data for at, data in self.fixed):
             return None
         out = []
         for r in self.records:
             if r.name in self.own:
-                crcs = tuple(_u32(zip_file.pread(4, at)) for at in r.crc_at)
+                if whole is not None:
+                    crcs = tuple(_u32(whole[at : at + 4]) for at in r.crc_at)
+                else:
+                    crcs = tuple(_u32(zip_file.pread(4, at)) for at in r.crc_at)
                 r = ZipRecord(r.name, r.start, r.length, r.crc_at, crcs)
             out.append(r)
         return out

@@ -37,9 +37,9 @@ class FileSlice(io.RawIOBase):
         self._fd, self._start, self._end, self._pos = fd, start, end, 0
         self._held: list[tuple[int, bytes]] = []  # (where in the slice, the bytes there)
         size = end - start
+        self._whole = held > 0 and 0 < size <= 2 * held
         if held > 0 and size > 0:
-            whole = size <= 2 * held
-            windows = [(0, size)] if whole else [(0, held), (size - held, held)]
+            windows = [(0, size)] if self._whole else [(0, held), (size - held, held)]
             self._held = [(at, self.pread(n, at)) for at, n in windows]
 
     def readable(self) -> bool:
@@ -55,6 +55,10 @@ class FileSlice(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+    def whole(self) -> bytes | None:
+        """Return every byte of the slice when it was read whole (``held``), else None; fewer where its file ends early."""
+        return self._held[0][1] if self._whole else None
 
     def pread(self, n: int, at: int) -> bytes:
         """Return ``n`` bytes from byte ``at`` of the slice; fewer where the slice or its file ends."""

@@ -31,11 +31,15 @@ def saved(tensor: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture
-def zips(tmp_path):
-    """Return a file holding two ``torch.save`` zips of alike tensors, back to back, and their (start, end)."""
-    first = saved(torch.arange(20, dtype=torch.float32).reshape(5, 4))
-    second = saved(torch.full((5, 4), 7.5))
+@pytest.fixture(params=[5, 10_000], ids=["read-whole", "two-ends-held"])
+def zips(tmp_path, request):
+    """Return a file holding two ``torch.save`` zips of alike tensors, back to back, and their (start, end).
+
+    A zip of 5 rows is read in one piece; one of 10,000 rows (160 KB) only at its two ends.
+    """
+    rows = request.param
+    first = saved(torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4))
+    second = saved(torch.full((rows, 4), 7.5))
     assert len(first) == len(second)
     path = tmp_path / "two.bin"
     path.write_bytes(first + second)
