@@ -1,14 +1,16 @@
-"""Python's cycle collector held off while a pickle of millions of objects is built.
+"""Python's cycle collector kept off the millions of objects a DCP ``.metadata`` unpickles to.
 
-Unpickling a DCP ``.metadata`` of 1.16 million chunks makes about 30 million objects,
-and the collector, counting allocations, walks every one of them again and again while
-they are made: 12.5 s to unpickle the 145 MB file of a 1,024-rank save, 6.8 s with the
-collector off. A cycle built meanwhile, if any, is found by its next run.
+Unpickling the ``.metadata`` of a 1,024-rank save (145 MB, 1.16 million chunks) makes
+about 30 million objects, and the collector, counting allocations, walks every one of
+them again and again: while they are made (12.5 s to unpickle, 6.8 s with it off), and
+in every collection after that reaches them, for as long as they live. Converting that
+save took 211 s with the collector on and 168 s with it off.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,3 +25,13 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def spared_while(owner: object) -> None:
+    """Leave every object alive now out of the collector's walks (``gc.freeze``) until ``owner`` dies.
+
+    They are still freed when nothing refers to them; only a cycle among them waits for
+    ``owner``'s death to be found.
+    """
+    gc.freeze()
+    weakref.finalize(owner, gc.unfreeze)

@@ -1,4 +1,4 @@
-"""A DCP ``.metadata`` is unpickled with Python's cycle collector held off, and the collector is left as it was."""
+"""A DCP ``.metadata`` is unpickled with Python's cycle collector held off, and kept out of its walks while it lives."""
 
 from __future__ import annotations
 
@@ -36,7 +36,13 @@ def test_metadata_is_unpickled_with_the_collector_off(tmp_path, monkeypatch):
         return real(self)
 
     monkeypatch.setattr(reader._MetadataUnpickler, "load", spy)
+    gc.unfreeze()
     md = reader.read_metadata(tmp_path, trust_pickle=False)
     assert "w" in md.state_dict_metadata
     assert seen == [False]
     assert gc.isenabled()
+    # Its objects are left out of the collector's walks while it lives, and no longer.
+    assert gc.get_freeze_count() > 0
+    del md
+    gc.collect()
+    assert gc.get_freeze_count() == 0

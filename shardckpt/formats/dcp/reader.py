@@ -53,7 +53,7 @@ from shardckpt.codecs.pickle_scan import (
 )
 from shardckpt.codecs.zip_skeleton import FileSlice
 from shardckpt.core import torch_internals
-from shardckpt.core.collector import collector_paused
+from shardckpt.core.collector import collector_paused, spared_while
 from shardckpt.core.errors import (
     SRC_FORMAT,
     BadInputError,
@@ -181,6 +181,9 @@ def _read_metadata(
         stream = io.BytesIO(raw)
         with collector_paused():
             md = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream, extra).load()
+            if isinstance(md, Metadata):
+                # Before the collector runs again: its first run would walk them all.
+                spared_while(md)
     except (UnsafePickleError, UnsupportedTorchError) as exc:
         raise type(exc)(exc.message, path=file, hint=exc.hint) from None
     except Exception as exc:
