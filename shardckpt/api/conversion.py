@@ -511,7 +511,8 @@ def write(
         progress.status(_planning(request, plan.world_size))
         try:
             fill.run(reader, plan, writer, runtime, progress, costs)
-            check_reads(runtime, request.src)
+            with costs.phase("finish"):  # SRC's checksums judged: a record each chunk
+                check_reads(runtime, request.src)
             if request.verify:
                 with costs.phase("verify"):
                     verified = verify_output(
@@ -523,7 +524,7 @@ def write(
                         placement,
                         progress,
                     )
-                check_reads(runtime, request.src)  # read again: records read whole only now
+                    check_reads(runtime, request.src)  # again: records read whole only now
         finally:
             progress.close()
         runtime.agreed(lambda: destination.commit() if placement.opener else None)

@@ -19,9 +19,9 @@ from shardckpt.state.checksums import (
     Verdict,
     Written,
     active,
-    judge,
     merged,
     next_gap,
+    verdict,
 )
 from shardckpt.state.regions import crc32
 
@@ -54,7 +54,7 @@ def judged(runtime, where: Callable[[str], bool] | None = None) -> Verdict | Non
         return None
     seen = [s for s in ledger.seen() if where is None or where(s.written.file)]
     gathered = runtime.gather(seen)
-    return runtime.broadcast(judge([completed(gathered)]) if runtime.coordinator else None)
+    return runtime.broadcast(verdict(completed(gathered)) if runtime.coordinator else None)
 
 
 def completed(gathered: list[list[Seen]]) -> list[Seen]:
@@ -67,6 +67,9 @@ def completed(gathered: list[list[Seen]]) -> list[Seen]:
     out = []
     for seen in merged(gathered):
         spans, length = list(seen.spans), seen.written.length
+        if len(spans) == 1 and spans[0][:2] == (0, length):  # read whole, in one piece
+            out.append(seen)
+            continue
         budget = max(COMPLETE_BYTES, length // 8)
         while (gap := next_gap(spans, length)) is not None and gap[1] - gap[0] <= budget:
             crc = _crc_of(seen.written, *gap)
@@ -106,6 +109,6 @@ def damage_error(
 
 def check_reads(runtime, root: str | Path) -> None:
     """Raise, on every rank, for a damaged record of a file under ``root`` that was read whole."""
-    verdict = judged(runtime, within(root))
-    if verdict is not None and verdict.damaged:
-        raise damage_error(verdict.damaged)
+    found = judged(runtime, within(root))
+    if found is not None and found.damaged:
+        raise damage_error(found.damaged)

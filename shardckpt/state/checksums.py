@@ -237,10 +237,19 @@ def merged(everyone: Iterable[Iterable[Seen]]) -> list[Seen]:
 
 def judge(everyone: Iterable[Iterable[Seen]]) -> Verdict:
     """Return the damaged spans among those read whole, from what every process read."""
+    return verdict(merged(everyone))
+
+
+def verdict(merged_seen: Iterable[Seen]) -> Verdict:
+    """``judge``, of what every process read already ``merged``: one ``Seen`` per written span."""
     damaged, whole, partial, checked = [], 0, 0, 0
-    for seen in merged(everyone):
+    for seen in merged_seen:
         written = seen.written
-        crc = _reach(seen.spans).get(written.length)
+        spans = seen.spans
+        if len(spans) == 1 and spans[0][0] == 0:  # read in one piece, as most are
+            crc = spans[0][2] if spans[0][1] == written.length else None
+        else:
+            crc = _reach(spans).get(written.length)
         if crc is None:
             partial += 1
             continue
