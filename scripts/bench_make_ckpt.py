@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 # fp32 parameter + exp_avg + exp_avg_sq
@@ -44,12 +45,17 @@ def model_shape(size_gb: float, bytes_per_param: int = BYTES_PER_PARAM) -> tuple
 
 
 def build(width: int, layers: int) -> nn.Sequential:
-    """Return an FSDP2-sharded Linear stack (one fully_shard per layer, plus the root)."""
+    """Return an FSDP2-sharded Linear stack (one fully_shard per layer, plus the root).
+
+    On a CPU mesh: fully_shard's default mesh is on CUDA wherever CUDA is, and a machine
+    with fewer GPUs than ranks then fails at its first rank without one.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
