@@ -11,11 +11,14 @@ single byte that differs sends it back to the zip reader.
 
 from __future__ import annotations
 
+import io
 import struct
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardckpt.codecs.zip_records import FileSlice, ZipRecord, storage_key
+from shardckpt.codecs.pickle_scan import DamagedZip
+from shardckpt.codecs.zip_records import FileSlice, ZipRecord, records_of, storage_key
 
 _MAX_FIXED = 64 << 10
 """The most bytes compared per zip: past this a zip is parsed (comparing would read as much)."""
@@ -35,16 +38,22 @@ class ZipLayout:
 
     @classmethod
     def of(
-        cls, zip_file: FileSlice, size: int, records: list[ZipRecord], own: Callable[[str], bool]
+        cls,
+        zip_file: FileSlice,
+        size: int,
+        zf: zipfile.ZipFile,
+        records: list[ZipRecord],
+        own: Callable[[str], bool],
     ) -> ZipLayout | None:
-        """Return the layout of ``zip_file`` (``size`` bytes, whose ``records`` were read).
+        """Return the layout of ``zip_file`` (``size`` bytes, open as ``zf``, whose ``records`` were read).
 
         ``own(name)``: whether record ``name``'s bytes are each zip's own. None when a
-        record's CRC-32 positions are not known, or more than ``_MAX_FIXED`` bytes would
-        be compared.
+        record's CRC-32 positions are not known, when its records overlap each other or
+        its directory (bytes of its own would then hide bytes the reader parses), or when
+        more than ``_MAX_FIXED`` bytes would be compared.
         """
         mine = [r for r in records if own(r.name)]
-        if any(at < 0 for r in mine for at in r.crc_at):
+        if any(at < 0 for r in mine for at in r.crc_at) or not _apart(zf, records, size):
             return None
         varying = sorted(
             [(r.start, r.start + r.length) for r in mine]
@@ -121,6 +130,32 @@ class ZipLayouts:
         del kept[self._per_size :]
 
 
+def read_layout(
+    zip_file: FileSlice, size: int, own: Callable[[str], bool]
+) -> tuple[list[ZipRecord], ZipLayout | None]:
+    """Return the records of ``zip_file`` (``size`` bytes), read by the zip reader, and its layout (``ZipLayout.of``).
+
+    Raises ``DamagedZip`` when its directory does not read.
+    """
+    try:
+        with zipfile.ZipFile(io.BufferedReader(zip_file)) as zf:
+            records = records_of(zip_file, zf)
+            return records, ZipLayout.of(zip_file, size, zf, records, own)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
+        raise DamagedZip(f"zip: {exc}") from None
+
+
+def _apart(zf: zipfile.ZipFile, records: list[ZipRecord], size: int) -> bool:
+    """Return whether each record (its header and data) and the directory lie apart, in that order, each name once."""
+    infos = zf.infolist()
+    starts = {r.name: r.start for r in records}
+    if len(starts) != len(infos) or len({i.filename for i in infos}) != len(infos):
+        return False
+    extents = sorted((i.header_offset, starts[i.filename] + i.file_size) for i in infos)
+    extents.append((zf.start_dir, size))
+    return all(end <= after for (_, end), (after, _) in zip(extents, extents[1:]))
+
+
 def chunk_own(name: str) -> bool:
     """Return whether record ``name`` of a ``torch.save`` zip holds bytes each zip has its own: a storage, the serialization id."""
     return storage_key(name) is not None or name.endswith("/.data/serialization_id")
@@ -130,4 +165,4 @@ def _u32(data: bytes) -> int:
     return struct.unpack("<I", data)[0] if len(data) == 4 else -1
 
 
-__all__ = ["ZipLayout", "ZipLayouts", "chunk_own"]
+__all__ = ["ZipLayout", "ZipLayouts", "chunk_own", "read_layout"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.codecs.pickle_scan import DamagedZip
-from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
+from shardckpt.codecs.zip_layout import ZipLayouts, chunk_own, read_layout
 from shardckpt.codecs.zip_records import HELD, FileSlice, zip_records
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, read_head, source_tree
@@ -126,12 +126,12 @@ def _zip_spans(
         repeated = layouts.find(zip_file, end - start) if layouts is not None else None
         if repeated is not None:
             records = repeated[0]
+        elif layouts is not None:
+            records, found = read_layout(zip_file, end - start, chunk_own)
+            if found is not None:
+                layouts.add(found)
         else:
-            records = zip_records(fd, start, end, central=layouts is not None)
-            if layouts is not None:
-                found = ZipLayout.of(zip_file, end - start, records, chunk_own)
-                if found is not None:
-                    layouts.add(found)
+            records = zip_records(fd, start, end, central=False)
     except DamagedZip as exc:
         return (), (f"{what} is not a readable torch.save zip ({exc})",)
     finally:

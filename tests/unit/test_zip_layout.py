@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from shardckpt.cli.app import run
-from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
-from shardckpt.codecs.zip_records import HELD, FileSlice, records_of
+from shardckpt.codecs.zip_layout import ZipLayouts, chunk_own, read_layout
+from shardckpt.codecs.zip_records import HELD, FileSlice
 from shardckpt.formats import open_reader
 from shardckpt.formats.dcp import rows
 
@@ -47,19 +47,19 @@ def zips(tmp_path, request):
 
 
 def parsed(fd: int, start: int, end: int):
+    """Return the zip at [start, end) of ``fd`` as a held slice, its records and its layout."""
     zip_file = FileSlice(fd, start, end, held=HELD)
-    with zipfile.ZipFile(io.BufferedReader(zip_file)) as zf:
-        return zip_file, records_of(zip_file, zf)
+    records, layout = read_layout(zip_file, end - start, chunk_own)
+    return zip_file, records, layout
 
 
 def test_a_zip_that_repeats_the_layout_yields_what_the_zip_reader_reads_from_it(zips):
     path, a, b = zips
     fd = os.open(path, os.O_RDONLY)
     try:
-        zip_a, records_a = parsed(fd, *a)
-        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, chunk_own)
+        _, records_a, layout = parsed(fd, *a)
         assert layout is not None
-        _, records_b = parsed(fd, *b)
+        _, records_b, _ = parsed(fd, *b)
         got = layout.repeated_by(FileSlice(fd, *b, held=HELD), b[1] - b[0])
     finally:
         os.close(fd)
@@ -75,8 +75,7 @@ def test_any_other_byte_that_differs_sends_the_zip_back_to_the_zip_reader(zips):
     data = bytearray(path.read_bytes())
     fd = os.open(path, os.O_RDONLY)
     try:
-        zip_a, records_a = parsed(fd, *a)
-        layout = ZipLayout.of(zip_a, a[1] - a[0], records_a, chunk_own)
+        _, records_a, layout = parsed(fd, *a)
     finally:
         os.close(fd)
     varying = set()
@@ -212,12 +211,42 @@ def test_zips_of_one_size_that_take_turns_between_two_kinds_each_repeat_their_ow
         for n, shape in enumerate(kinds):
             zip_file = FileSlice(fd, n * size, (n + 1) * size, held=HELD)
             hit = layouts.find(zip_file, size)
-            _, records = parsed(fd, n * size, (n + 1) * size)
+            _, records, layout = parsed(fd, n * size, (n + 1) * size)
             if hit is None:
-                layouts.add(ZipLayout.of(zip_file, size, records, chunk_own), shape)
+                layouts.add(layout, shape)
             else:
                 assert hit == (records, shape)
             found.append(hit is not None)
     finally:
         os.close(fd)
     assert found == [False, False, True, True, True, True]
+
+
+def test_a_zip_whose_record_runs_over_its_directory_gets_no_layout(tmp_path):
+    """Bytes of a storage's own would hide the directory there: such a zip is always parsed."""
+    data = bytearray(saved(torch.arange(20, dtype=torch.float32)))
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename)
+        directory = zf.start_dir
+    # Stretch the storage record over everything up to the directory's end, in its
+    # central entry (which the reader takes the size from) and its local header.
+    entry = next(
+        p
+        for p in range(directory, len(data) - 46)
+        if data[p : p + 4] == b"PK\x01\x02"
+        and int.from_bytes(data[p + 42 : p + 46], "little") == info.header_offset
+    )
+    stretched = len(data) - (info.header_offset + 30 + len(info.filename) + len(info.extra))
+    for field in (entry + 20, entry + 24):  # compressed and uncompressed sizes
+        data[field : field + 4] = stretched.to_bytes(4, "little")
+    path = tmp_path / "stretched.bin"
+    path.write_bytes(bytes(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        zip_file = FileSlice(fd, 0, len(data), held=HELD)
+        records, layout = read_layout(zip_file, len(data), chunk_own)
+    finally:
+        os.close(fd)
+    stored = next(r for r in records if "/data/" in r.name)
+    assert stored.length == stretched  # the reader took it as stretched
+    assert layout is None

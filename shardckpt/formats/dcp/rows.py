@@ -254,10 +254,11 @@ def _read_kind(zip_file: FileSlice, length: int, path: Path) -> _Kind:
             # What torch's loader reads besides the storages: data.pkl (taken by name
             # whatever its case: one such record alone), byteorder and the version.
             versions = [zf.read(n) for n in names if n.rsplit("/", 1)[-1] == "version"]
+            layout = ZipLayout.of(zip_file, length, zf, records, chunk_own)
     finally:
         buffered.detach()  # the buffer goes; zip_file stays open for the caller
     seen = (pickles[0], order, *versions) if len(pickles) == 1 else None
-    return _Kind(records, order, seen, ZipLayout.of(zip_file, length, records, chunk_own))
+    return _Kind(records, order, seen, layout)
 
 
 def _locate(
