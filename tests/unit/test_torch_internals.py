@@ -231,6 +231,8 @@ def test_writing_dtensors_without_devicemeshs_private_arguments_stops_in_one_lin
         raise AssertionError("not to be called")
 
     monkeypatch.setattr(DeviceMesh, "__init__", init)
+    # A mesh another test built in this process is kept (one per world size): not here.
+    torch_internals._mesh_of.cache_clear()
     dst = tmp_path / "out"
     # DCP's output is planned without DTensors (formats/dcp/save_plan.py); FSDP2's rank
     # files still pickle DTensors on a mesh of each target rank.
