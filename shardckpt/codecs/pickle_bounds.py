@@ -438,8 +438,9 @@ def check_torch_file(source: str | os.PathLike | BinaryIO, path: str | os.PathLi
 def check_torch_zip(zf: zipfile.ZipFile, size: int, path: str | os.PathLike) -> list[bytes]:
     """``check_torch_file`` for a ``torch.save`` zip already open (``zf``, of ``size`` bytes); return its ``data.pkl`` records.
 
-    The zip's directory is read once, by the caller's reader. Raises ``DamagedZip`` for a record that does not fit and ``NotTorchFile`` for a zip
-    without ``data.pkl``, which no ``torch.save`` writes either.
+    The zip's directory is read once, by the caller's reader. Raises ``DamagedZip`` for a
+    record that does not fit and ``NotTorchFile`` for a zip without ``data.pkl``, which
+    no ``torch.save`` writes either.
     """
     try:
         pickles = zip_pickles(zf, size)

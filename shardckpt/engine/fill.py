@@ -150,8 +150,8 @@ def _fill(
     """Read the rows of a step's regions and jobs, write each region at its offset and each job in order.
 
     A region whose bytes lie in SRC as they are (``Reader.stored_runs``), in runs of a
-    MiB or more on average, is copied from there (``stored_copy``) on a thread of its own, while this one locates the next
-    regions' chunks and reads the others through the reader: the copy is system calls
+    MiB or more on average, is copied from there (``stored_copy``) on a thread of its
+    own, while this one locates the next regions' chunks and reads the others through the reader: the copy is system calls
     and CRCs that let go of the GIL, the rest is Python. Returns the pieces written into
     zip records of files several processes share, and the tensor bytes written (what the
     progress bar counts).

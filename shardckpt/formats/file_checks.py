@@ -122,16 +122,17 @@ def _zip_spans(
     if fd is None:
         fd = os.open(path, os.O_RDONLY)
     try:
-        zip_file = FileSlice(fd, start, end, held=HELD)
-        repeated = layouts.find(zip_file, end - start) if layouts is not None else None
-        if repeated is not None:
-            records = repeated[0]
-        elif layouts is not None:
-            records, found = read_layout(zip_file, end - start, chunk_own)
-            if found is not None:
-                layouts.add(found)
-        else:
+        if layouts is None:
             records = zip_records(fd, start, end, central=False)
+        else:
+            zip_file = FileSlice(fd, start, end, held=HELD)
+            repeated = layouts.find(zip_file, end - start)
+            if repeated is not None:
+                records = repeated[0]
+            else:
+                records, found = read_layout(zip_file, end - start, chunk_own)
+                if found is not None:
+                    layouts.add(found)
     except DamagedZip as exc:
         return (), (f"{what} is not a readable torch.save zip ({exc})",)
     finally:

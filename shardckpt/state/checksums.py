@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -161,14 +161,11 @@ class Ledger:
         view = memoryview(data).cast("B")
         stop = min(offset + len(view), written.length)
         at = max(offset, 0)
-        spans = self._spans.get(written.key)
-        if not spans:  # read for the first time, as most spans are: nothing to leave out
-            if at < stop:
-                whole = crc is not None and at == offset and stop == offset + len(view)
-                piece = crc if whole else isal_zlib.crc32(view[at - offset : stop - offset])
-                self._spans[written.key] = [(at, stop - at, piece)]
-            return
-        gaps = list(_gaps(spans, at, stop))
+        spans = self._spans.setdefault(written.key, [])
+        if spans:
+            gaps = list(_gaps(spans, at, stop))
+        else:  # read for the first time, as most spans are: nothing to leave out
+            gaps = [(at, stop)] if at < stop else []
         if crc is not None and gaps == [(offset, offset + len(view))]:
             _insert(spans, (offset, len(view), crc))
             return
@@ -245,11 +242,7 @@ def verdict(merged_seen: Iterable[Seen]) -> Verdict:
     damaged, whole, partial, checked = [], 0, 0, 0
     for seen in merged_seen:
         written = seen.written
-        spans = seen.spans
-        if len(spans) == 1 and spans[0][0] == 0:  # read in one piece, as most are
-            crc = spans[0][2] if spans[0][1] == written.length else None
-        else:
-            crc = _reach(spans).get(written.length)
+        crc = _reach(seen.spans).get(written.length)
         if crc is None:
             partial += 1
             continue
@@ -275,12 +268,15 @@ def next_gap(spans: Iterable[Span], length: int) -> tuple[int, int] | None:
     return at, min((s[0] for s in spans if s[0] > at), default=length)
 
 
-def _reach(spans: Iterable[Span]) -> dict[int, int]:
+def _reach(spans: Sequence[Span]) -> dict[int, int]:
     """Return each offset a chain of spans reaches from 0, with the CRC-32 of the bytes before it.
 
     Spans read by different processes may overlap without sharing a boundary: a chain
     uses only spans that start where the one before it ended.
     """
+    if len(spans) == 1 and spans[0][0] == 0 and spans[0][1]:
+        # Read in one piece, as most records are (a million of a 1,024-rank save's).
+        return {0: 0, spans[0][1]: spans[0][2]}
     reach = {0: 0}
     for offset, size, crc in sorted(spans):
         if offset in reach:
