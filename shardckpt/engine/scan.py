@@ -17,7 +17,7 @@ import bisect
 import os
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import os_error
+from shardckpt.core.files import open_source, os_error
 from shardckpt.formats.file_checks import FileCheck
 from shardckpt.state.checksums import Ledger
 
@@ -55,10 +55,7 @@ def _read(
     spans = check.spans
     ends = [s.start + s.length for s in spans]
     first = bisect.bisect_right(ends, start)
-    try:
-        fd = os.open(check.path, os.O_RDONLY)
-    except OSError as exc:
-        raise os_error(exc, check.path) from None
+    fd = open_source(check.path)
     try:
         os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_SEQUENTIAL)
         at = start

@@ -27,7 +27,7 @@ from pathlib import Path
 from isal import isal_zlib
 
 from shardckpt.codecs.zip_skeleton import pwrite_all
-from shardckpt.core.files import os_error, writing
+from shardckpt.core.files import open_source, os_error, writing
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import active
 
@@ -107,10 +107,7 @@ _NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.
 def _mapped(run: StoredRun) -> Iterator[tuple[int, memoryview]]:
     """Open and map ``run``'s bytes read-only; yield the descriptor and the bytes, closed on leaving."""
     start = run.offset - run.offset % mmap.ALLOCATIONGRANULARITY
-    try:
-        fd = os.open(run.path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise os_error(exc, run.path) from None
+    fd = open_source(run.path)
     try:
         # Populated in one call: a fault per page would cost more than the copy.
         flags = mmap.MAP_SHARED | mmap.MAP_POPULATE

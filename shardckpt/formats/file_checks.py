@@ -24,7 +24,7 @@ from shardckpt.codecs.pickle_scan import DamagedZip
 from shardckpt.codecs.zip_layout import ZipLayouts, chunk_own, read_layout
 from shardckpt.codecs.zip_records import HELD, FileSlice, zip_records
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import os_error, read_head, source_tree
+from shardckpt.core.files import open_source, os_error, read_head, source_tree
 from shardckpt.formats.base import Index, Reader, StoredItem
 from shardckpt.formats.hf.digests import header, read_digests
 from shardckpt.formats.hf.safetensors_file import is_safetensors_file
@@ -120,7 +120,7 @@ def _zip_spans(
     """
     own_fd = fd is None
     if fd is None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_source(path)
     try:
         if layouts is None:
             records = zip_records(fd, start, end, central=False)
@@ -159,7 +159,7 @@ def _items_check(path: Path, size: int, items: list[StoredItem]) -> FileCheck:
     problems: list[str] = []
     at = 0
     layouts = ZipLayouts()
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source(path)
     try:
         for item in sorted(items, key=lambda i: (i.offset, i.length)):
             if item.offset > at:

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from shardckpt.cli.app import run
+from shardckpt.core.errors import BadInputError
 from shardckpt.formats import open_reader
 from shardckpt.formats.dcp import rows
 
@@ -90,8 +91,8 @@ def test_each_data_file_is_opened_once_while_the_files_kept_open_allow(tmp_path,
             opened.append(os.path.basename(path))
         return real(path, *args, **kwargs)
 
+    reader = open_reader(src)  # its gate opens each data file once, before the spy
     monkeypatch.setattr(rows.os, "open", spy)
-    reader = open_reader(src)
     md = reader.metadata
     # Every chunk, twice, taking turns between the files.
     by_file: dict[str, list] = {}
@@ -118,3 +119,17 @@ def test_each_data_file_is_opened_once_while_the_files_kept_open_allow(tmp_path,
     for fd in fds:  # closed with the reader
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_a_data_file_swapped_for_a_fifo_after_the_checks_is_refused_not_waited_on(tmp_path):
+    src = tmp_path / "src"
+    dcp.save({"model": state()}, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    reader = open_reader(src)  # .metadata and the data files pass the gate here
+    (src / "__0_0.distcp").unlink()
+    os.mkfifo(src / "__0_0.distcp")
+    index, info = next(iter(reader.metadata.storage_data.items()))
+    meta = reader.metadata.state_dict_metadata[index.fqn]
+    with pytest.raises(BadInputError, match="is a FIFO"):
+        reader._rows.locate(
+            info, index.fqn, tuple(index.offset), tuple(meta.size), meta.properties.dtype
+        )

@@ -524,3 +524,28 @@ def test_a_file_detection_looks_for_that_is_not_a_file_is_named_not_taken_for_ab
     assert error_of(capsys, ["inspect", src]) == (3, line)
     assert error_of(capsys, ["convert", src, out / "dst.pt", "--to", "full"]) == (3, line)
     assert_nothing_written(out)
+
+
+# ------------------------------------------------------------ a DCP save's data files
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize(
+    "command", ["inspect", "convert", "verify", "diff"], ids=lambda c: c.split()[0]
+)
+def test_a_dcp_data_file_that_is_not_a_regular_file_is_named_not_waited_on(
+    capsys, tmp_path, out, kind, command
+):
+    # Format detection peeks into a data file (safetensors-serialized DCP?): a FIFO
+    # there used to block it forever, before the reader's own gate was reached.
+    src = tmp_path / "src"
+    _dcp(src, {"model": _model()})
+    line = make_bad(src / "__0_0.distcp", kind, src)
+    argv = {
+        "inspect": ["inspect", src],
+        "convert": ["convert", src, out / "full.pt", "--to", "full"],
+        "verify": ["verify", src],
+        "diff": ["diff", src, src],
+    }[command]
+    assert error_of(capsys, argv) == (3, line)
+    assert_nothing_written(out)

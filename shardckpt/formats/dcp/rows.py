@@ -41,7 +41,7 @@ from shardckpt.codecs.pickle_scan import first_line
 from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
-from shardckpt.core.files import os_error
+from shardckpt.core.files import open_source, os_error
 from shardckpt.core.torch_internals import stored_offset
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import Written, active
@@ -415,10 +415,7 @@ class _OpenFiles:
         if fd is not None:
             yield fd
             return
-        try:
-            fd = os.open(self.path(file), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise os_error(exc, self.path(file)) from None
+        fd = open_source(self.path(file))
         if len(self._fds) < self._limit:
             self._fds[file] = fd
             yield fd
