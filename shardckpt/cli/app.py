@@ -27,7 +27,7 @@ from shardckpt.core.errors import (
     UsageError,
 )
 from shardckpt.core.rank_env import env_rank
-from shardckpt.core.signals import Interrupted, held, interruptible
+from shardckpt.core.signals import Interrupted, behind, held, interruptible
 
 app = typer.Typer(
     name="shardckpt",
@@ -115,6 +115,9 @@ def run(argv: list[str] | None = None, whole_process: bool = False) -> int:
     except (Interrupted, KeyboardInterrupt, typer.Abort) as exc:
         return _interrupted(exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT))
     except Exception as exc:
+        signalled = behind(exc)
+        if signalled is not None:
+            return _interrupted(signalled)
         # click's usage errors (an unknown option, a missing argument): our one line.
         if hasattr(exc, "format_message") and getattr(exc, "exit_code", None) == EXIT_USAGE:
             failure = _usage(exc)

@@ -6,6 +6,9 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+_Found = TypeVar("_Found", bound=BaseException)
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
@@ -90,6 +93,24 @@ class RemoteRankError(ShardckptError):
         self.rank = rank
         self.exit_code = exit_code
         super().__init__(f"rank {rank} failed: {line}")
+
+
+def in_chain(exc: BaseException, kind: type[_Found]) -> _Found | None:
+    """Return the first ``kind`` among ``exc`` and what it was raised from or while handling.
+
+    Libraries re-raise: torch.save reports a failed write as a RuntimeError raised while
+    handling the file's OSError, and Python 3.11 wraps what a class attribute's
+    ``__set_name__`` raises (a signal's exception too) in a RuntimeError. The first
+    exception of ``kind`` on the way down is what the user can act on.
+    """
+    seen: set[int] = set()
+    here: BaseException | None = exc
+    while here is not None and id(here) not in seen:
+        if isinstance(here, kind):
+            return here
+        seen.add(id(here))
+        here = here.__cause__ or here.__context__
+    return None
 
 
 def notice(message: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError
+from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError, in_chain
 
 
 def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) -> ShardckptError:
@@ -261,14 +261,7 @@ def os_error_in(exc: BaseException) -> OSError | None:
     while handling the OSError (ENOSPC, EIO) the file object raised; that is the cause
     the user can act on.
     """
-    seen: set[int] = set()
-    here: BaseException | None = exc
-    while here is not None and id(here) not in seen:
-        if isinstance(here, OSError):
-            return here
-        seen.add(id(here))
-        here = here.__cause__ or here.__context__
-    return None
+    return in_chain(exc, OSError)
 
 
 # How torch's zip writer (caffe2's inline_container.cc) words a write that failed.

@@ -13,6 +13,8 @@ import contextlib
 import signal
 from collections.abc import Iterator
 
+from shardckpt.core.errors import in_chain
+
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -79,6 +81,17 @@ def completed(what: str) -> None:
     """
     if what not in _complete:
         _complete.append(what)
+
+
+def behind(exc: BaseException) -> Interrupted | None:
+    """Return the ``Interrupted`` that ``exc`` was raised from or while handling, if any.
+
+    Python wraps what a signal handler raises in some places: an exception inside a
+    class body's ``__set_name__`` (a dataclass defined by a module imported mid-run)
+    becomes ``RuntimeError: Error calling __set_name__`` on Python 3.11, the signal its
+    ``__cause__``. Such a run was still stopped by the signal.
+    """
+    return in_chain(exc, Interrupted)
 
 
 def held() -> Interrupted | None:
