@@ -100,34 +100,41 @@ def run(argv: list[str] | None = None, whole_process: bool = False) -> int:
         if late is not None:
             _interrupted(late)
         return code if isinstance(code, int) else 0
-    except ShardckptError as exc:
+    except typer.Exit as exc:
+        return exc.exit_code
+    except (Interrupted, KeyboardInterrupt, typer.Abort) as exc:
+        return _interrupted(exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT))
+    except Exception as exc:
+        # A signal's exception wrapped by Python or a library, or an error raised while
+        # one unwound: the run was still stopped by the signal.
+        signalled = behind(exc)
+        if signalled is not None:
+            return _interrupted(signalled, also=getattr(exc, "__notes__", ()))
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> int:
+    """Report ``exc`` in one line; return its exit code."""
+    if isinstance(exc, ShardckptError):
         report(exc)
         return exc.exit_code
-    except OSError as exc:
+    if isinstance(exc, OSError):
         failure = IOFailure(
             exc.strerror or str(exc), path=exc.filename, hint="check free space and permissions"
         )
         failure.agreed = getattr(exc, "agreed", False)
         report(failure)
         return failure.exit_code
-    except typer.Exit as exc:
-        return exc.exit_code
-    except (Interrupted, KeyboardInterrupt, typer.Abort) as exc:
-        return _interrupted(exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT))
-    except Exception as exc:
-        signalled = behind(exc)
-        if signalled is not None:
-            return _interrupted(signalled)
-        # click's usage errors (an unknown option, a missing argument): our one line.
-        if hasattr(exc, "format_message") and getattr(exc, "exit_code", None) == EXIT_USAGE:
-            failure = _usage(exc)
-            report(failure)
-            return failure.exit_code
-        if os.environ.get("SHARDCKPT_DEBUG"):
-            raise
-        failure = _unexpected(exc)
+    # click's usage errors (an unknown option, a missing argument): our one line.
+    if hasattr(exc, "format_message") and getattr(exc, "exit_code", None) == EXIT_USAGE:
+        failure = _usage(exc)
         report(failure)
         return failure.exit_code
+    if os.environ.get("SHARDCKPT_DEBUG"):
+        raise exc
+    failure = _unexpected(exc)
+    report(failure)
+    return failure.exit_code
 
 
 def _usage(exc: Exception) -> UsageError:
@@ -149,8 +156,11 @@ def _usage(exc: Exception) -> UsageError:
     return UsageError(message, hint=hint)
 
 
-def _interrupted(exc: Interrupted) -> int:
-    """Say once (rank 0) that a signal stopped the run, and what became of DST."""
+def _interrupted(exc: Interrupted, also: tuple[str, ...] | list[str] = ()) -> int:
+    """Say once (rank 0) that a signal stopped the run, and what became of DST.
+
+    ``also``: the notes of the exception that wrapped the signal's (what became of DST).
+    """
     if env_rank() == 0 and exc.complete:
         print(
             f"shardckpt: note: {exc.name} came after {exc.complete} was complete: "
@@ -158,7 +168,7 @@ def _interrupted(exc: Interrupted) -> int:
             file=sys.stderr,
         )
     elif env_rank() == 0:
-        notes = "".join(f": {n}" for n in getattr(exc, "__notes__", ()))
+        notes = "".join(f": {n}" for n in [*getattr(exc, "__notes__", ()), *also])
         print(f"shardckpt: interrupted by {exc.name}{notes}", file=sys.stderr)
     return exc.exit_code
 

@@ -45,8 +45,35 @@ def test_a_signal_inside_set_name_ends_the_run_as_interrupted(
     code = run(["convert", str(src), str(dst), "--to", "full"])
     err = capsys.readouterr().err.strip().splitlines()
     name = signal.Signals(signum).name
-    assert (code, err) == (128 + signum, [f"shardckpt: interrupted by {name}"])
+    assert (code, err) == (
+        128 + signum,
+        [f"shardckpt: interrupted by {name}: '{dst}' was not written"],
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+
+
+def test_an_error_raised_while_a_signal_unwinds_the_run_leaves_it_interrupted(
+    capsys, monkeypatch, tmp_path
+):
+    # A cleanup step that fails on the way out (its OSError's context is the signal)
+    # does not turn the interruption into an I/O error.
+    src, dst = tmp_path / "src.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.arange(6.0)}, src)
+    opened, closed = destination.Destination.open, destination.Destination.close
+
+    def open_then_signal(self):
+        opened(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def close_then_fail(self):
+        closed(self)
+        raise OSError(5, "Input/output error", str(dst))
+
+    monkeypatch.setattr(destination.Destination, "open", open_then_signal)
+    monkeypatch.setattr(destination.Destination, "close", close_then_fail)
+    code = run(["convert", str(src), str(dst), "--to", "full"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (code, err) == (143, [f"shardckpt: interrupted by SIGTERM: '{dst}' was not written"])
 
 
 def test_behind_finds_the_signal_through_causes_and_contexts():
