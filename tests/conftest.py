@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,13 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 from reference import Fsdp2Checkpoint, make_fsdp2_dcp  # noqa: E402
+
+# A suite started in the background of a script (`bash scripts/test.sh &`, a CI step's
+# `cmd &`) inherits SIGINT ignored, as the shell does for every background job; the
+# tests of Ctrl-C (in this process and in the processes it starts) need a terminal's
+# default. shardckpt itself keeps an ignored SIGINT ignored, as `nohup` users expect.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TESTS = Path(_TESTS_DIR)
 # The quick tier is tests/unit less what starts a process; tests/dist (gloo ranks) and
