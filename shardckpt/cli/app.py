@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
+from typing import NoReturn
 
 import typer
 
@@ -191,9 +194,32 @@ def _unexpected(exc: Exception) -> ShardckptError:
 def main() -> None:
     """Console-script entry point; under torchrun, its ``@record`` names a crashing rank's traceback."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        sys.exit(run(whole_process=True))
+        _leave(run(whole_process=True))
     # Only torchrun sets the error file, and its launch has imported torch already:
     # --help and --version standalone never wait for torch.
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(run)(whole_process=True))
+    _leave(record(run)(whole_process=True))
+
+
+def _leave(code: int) -> NoReturn:
+    """End the process with ``code`` once the command is done, without tearing Python down.
+
+    Freeing every module and torch's C++ state at exit takes about 0.8 s after a
+    conversion (0.35 s after ``import torch`` alone), when DST is already in place and
+    everything said. ``atexit`` handlers still run and the standard streams are
+    flushed; only a thread still running (none of ours outlives the command) makes the
+    process wait for it and tear down as usual.
+    """
+    if any(
+        t.is_alive() and not t.daemon
+        for t in threading.enumerate()
+        if t is not threading.main_thread()
+    ):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        # A reader gone from a pipe (`| head`) has nothing more to miss.
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
