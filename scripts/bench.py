@@ -16,8 +16,15 @@ needs deepspeed installed in this interpreter.
 Builds (or reuses) an FSDP2 DCP checkpoint of about SIZE_GB (model + AdamW) in WORKDIR,
 then runs each case as its own process tree: the two references (torch's
 dcp_to_torch_save and `cp -r`, uncapped), then `shardckpt convert` into each layout for
-each launch size N (N=1 standalone, N>1 under torchrun). One markdown table on stdout
-(or one JSON document with --json); progress and failures on stderr.
+each launch size N (N=1 standalone, N>1 under torchrun); the layout ``verify`` is
+``shardckpt verify SRC`` instead (reads every byte, writes nothing). One markdown table
+on stdout (or one JSON document with --json); progress and failures on stderr.
+
+- CPU: each case's user + system seconds (all its processes, from the kernel's
+  accounting of reaped children) and CPU seconds per GB of source, beside wall time:
+  on a fast disk or tmpfs, the CPU a byte costs is what bounds the speed. Put WORKDIR
+  on a tmpfs (``--workdir /dev/shm/bench``) to take the disk out of the numbers; the
+  header names WORKDIR's filesystem.
 
 - Memory cap: with --mem-cap, each converting process (the standalone process, or
   each torchrun rank; never torchrun's agent) runs in a memory cgroup of its own
@@ -43,6 +50,7 @@ import logging
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -105,6 +113,8 @@ class Layout:
     """File or directory name of the output in WORKDIR."""
     per_rank: bool = False
     """True when the output is for --world-size M ranks."""
+    command: str = "convert"
+    """The shardckpt command: convert, or verify (which reads SRC and writes nothing)."""
 
 
 LAYOUTS = {
@@ -119,6 +129,8 @@ LAYOUTS = {
     "local": Layout(
         flags=("--to", "local", "--format", "fsdp2-ranks"), dst_name="out-ranks", per_rank=True
     ),
+    # Not an output: `shardckpt verify SRC`, every byte of SRC read and checked once.
+    "verify": Layout(flags=(), dst_name="verify-writes-nothing", command="verify"),
 }
 
 
@@ -212,6 +224,8 @@ def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> C
     if world_size:
         flags += ["--world-size", str(world_size)]
     convert = ["convert", str(src), str(dst), *flags]
+    if spec.command == "verify":
+        convert = ["verify", str(src), "--quiet"]
     if nproc == 1:
         return Case(
             name="shardckpt",
@@ -567,6 +581,11 @@ class Result:
     """Wall-clock seconds from spawning the process to reaping it."""
     gb_per_s: float
     """Source bytes (1 GB = 1e9 bytes) over wall_s."""
+    cpu_s: float
+    """User + system CPU seconds of the case's processes (torchrun's agent included),
+    from the kernel's accounting of reaped children."""
+    cpu_s_per_gb: float
+    """cpu_s over the source's GB: what the work costs apart from waiting."""
     peak_rss_gib: float
     """Largest VmHWM of one worker (N>1) or of the process (N=1); never the agent's."""
     processes: list[ProcessPeak]
@@ -619,6 +638,7 @@ def measure(case: Case, src_bytes: int, cap: MemoryCap) -> Result:
     argv = [*case.launcher, *(cgroup.wrap(case.argv) if cgroup else case.argv)]
     try:
         with tempfile.TemporaryFile() as stderr:
+            cpu_before = children_cpu_s()
             start = time.perf_counter()
             try:
                 env = {**os.environ, **case.env}
@@ -632,6 +652,9 @@ def measure(case: Case, src_bytes: int, cap: MemoryCap) -> Result:
             sampler = PeakSampler(proc.pid, case.nproc)
             returncode = proc.wait()
             wall = time.perf_counter() - start
+            # The case's processes are all reaped by now (torchrun reaps its workers, so
+            # their time is in the agent's), and this script starts no other child meanwhile.
+            cpu = children_cpu_s() - cpu_before
             processes = sampler.stop()
             if returncode != 0:
                 report_failure(case, returncode, stderr)
@@ -650,12 +673,20 @@ def measure(case: Case, src_bytes: int, cap: MemoryCap) -> Result:
         oom=oom,
         wall_s=wall,
         gb_per_s=src_bytes / 1e9 / wall,
+        cpu_s=cpu,
+        cpu_s_per_gb=cpu / (src_bytes / 1e9),
         peak_rss_gib=max((p.peak_rss_gib for p in measured), default=0.0),
         processes=processes,
         capped=cap.status(case),
         cgroup_peak_gib=None if cgroup_peak is None else cgroup_peak / 2**30,
         dst_bytes=tree_bytes(case.dst),
     )
+
+
+def children_cpu_s() -> float:
+    """Return the user + system CPU seconds of this process's reaped children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def failed_to_start(case: Case, cap: MemoryCap) -> Result:
@@ -669,6 +700,8 @@ def failed_to_start(case: Case, cap: MemoryCap) -> Result:
         oom=False,
         wall_s=0.0,
         gb_per_s=0.0,
+        cpu_s=0.0,
+        cpu_s_per_gb=0.0,
         peak_rss_gib=0.0,
         processes=[],
         capped=cap.status(case),
@@ -696,7 +729,8 @@ def run_case(case: Case, args, src_bytes: int, cap: MemoryCap, check) -> Result:
     for i in range(args.repeat):
         log(f"timing ({i + 1}/{args.repeat}): {label}")
         run = measure(case, src_bytes, cap)
-        if run.ok and check is not None:
+        writes = case.layout not in LAYOUTS or LAYOUTS[case.layout].command == "convert"
+        if run.ok and check is not None and writes:
             # Outside the timed part: measure() has returned.
             run.difference = check(case)
             run.exact = "no" if run.difference else "yes"
@@ -977,7 +1011,7 @@ def cleanup(paths: Iterable[Path], workdir: Path) -> None:
 # ------------------------------------------------------------------------- report
 
 
-def environment() -> dict[str, object]:
+def environment(workdir: Path | None = None) -> dict[str, object]:
     """Return what the numbers depend on besides the code."""
     mem_total_kib = read_keyed_kib(Path("/proc/meminfo")).get("MemTotal", 0)
     return {
@@ -988,7 +1022,23 @@ def environment() -> dict[str, object]:
         "machine": platform.machine(),
         "kernel": platform.release(),
         "commit": git_commit(),
+        "workdir_fs": filesystem(workdir) if workdir else "?",
     }
+
+
+def filesystem(path: Path) -> str:
+    """Return the type of the filesystem path lies on (tmpfs, ext4, ...), from /proc/mounts."""
+    best, kind = "", "?"
+    target = os.path.realpath(path)
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best):
+            best, kind = mount, fields[2]
+    return kind
 
 
 def read_keyed_kib(path: Path) -> dict[str, int]:
@@ -1016,7 +1066,7 @@ def header(doc: dict) -> str:
     lines = [
         f"machine: {env['cpus']} CPUs, {env['ram_gib']} GiB RAM, {env['machine']}, "
         f"Linux {env['kernel']}; Python {env['python']}, torch {env['torch']}; "
-        f"shardckpt at {env['commit']}",
+        f"shardckpt at {env['commit']}; WORKDIR on {env['workdir_fs']}",
         f"source: {src['bytes'] / 1e9:.3f} GB ({src['bytes'] / gib:.2f} GiB) {src['kind']} "
         f"(model + AdamW, saved by {BUILD_NPROC} ranks); largest tensor "
         f"{src['largest_tensor']} = {src['largest_tensor_bytes'] / 2**20:.1f} MiB",
@@ -1039,16 +1089,16 @@ def table(results: list[Result]) -> str:
         return "–" if value is None else f"{value:.2f}x"
 
     lines = [
-        f"| case | N | layout | wall s | GB/s | × cp -r | × cp -r && sync | × {results[0].case} "
-        "| peak RSS/process GiB | capped | result | exact |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+        f"| case | N | layout | wall s | GB/s | CPU s | CPU s/GB | × cp -r | × cp -r && sync "
+        f"| × {results[0].case} | peak RSS/process GiB | capped | result | exact |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         layout = r.layout if r.world_size is None else f"{r.layout} (M={r.world_size})"
         speed = f"{r.gb_per_s:.2f}" if r.ok else "–"
         lines.append(
             f"| {r.case} | {r.nproc} | {layout} | {r.wall_s:.2f} | {speed} "
-            f"| {ratio(r.vs_copy)} | {ratio(r.vs_copy_synced)} | {ratio(r.vs_reference)} "
+            f"| {r.cpu_s:.2f} | {r.cpu_s_per_gb:.2f} | {ratio(r.vs_copy)} | {ratio(r.vs_copy_synced)} | {ratio(r.vs_reference)} "
             f"| {r.peak_rss_gib:.2f} "
             f"| {r.capped} | {r.outcome} | {r.exact} |"
         )
@@ -1194,7 +1244,7 @@ def main() -> int:
     add_ratios(results)
 
     doc = {
-        "environment": environment(),
+        "environment": environment(workdir),
         "source": {
             "kind": "DeepSpeed ZeRO-2 bf16 run" if deepspeed else "FSDP2 DCP checkpoint (fp32)",
             "path": str(src),

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The one-node table of docs/benchmark.md: a full export and a verify on tmpfs, at N=1, 2
+# and 8 processes, wall and CPU seconds per GB, on whatever machine runs it (written for
+# a 16-core GPU node: about 5 minutes there with the default 6 GB).
+#
+#   bash scripts/bench_node.sh [SIZE_GB] [OUT_DIR]
+#
+# It needs a Python with torch, typer, safetensors, tqdm, numpy and isal (this checkout
+# is put on PYTHONPATH; nothing is installed). Wheels in ./.whl are installed into
+# /tmp/site first when isal is missing: a machine without a package index gets isal that way.
+# WORKDIR is a tmpfs (/dev/shm), so the disk is out of the numbers and what is left is
+# the CPU each byte costs. OUT_DIR (default .bench-node) receives the table, the JSON
+# document and the log.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+size_gb="${1:-6}"
+out="${2:-.bench-node}"
+mkdir -p "$out"
+python="${PYTHON:-python3}"
+
+if ! "$python" -c "import isal" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
+
+{
+    echo "cores: $(nproc); $(grep MemTotal /proc/meminfo)"
+    df -h /dev/shm | tail -1
+    TIMEFORMAT="python -c 'import torch, torch.distributed.checkpoint': %R s wall"
+    for _ in 1 2; do time "$python" -c "import torch, torch.distributed.checkpoint"; done
+} 2>&1 | tee "$out/machine.txt"
+
+workdir=/dev/shm/shardckpt-bench-node
+"$python" scripts/bench.py --size-gb "$size_gb" --nproc 1,2,8 \
+    --layouts full-safetensors,verify --world-size 8 --workdir "$workdir" --keep \
+    --json >"$out/bench.json" 2>"$out/bench.log"
+rc=$?
+"$python" - "$out/bench.json" >"$out/table.md" <<'EOF'
+import json, sys
+sys.path.insert(0, "scripts")
+import bench
+doc = json.load(open(sys.argv[1]))
+fields = bench.Result.__dataclass_fields__
+rows = [bench.Result(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]]
+print(bench.header(doc) + "\n")
+print(bench.table(rows))
+EOF
+cat "$out/table.md"
+tail -3 "$out/bench.log"
+rm -rf "$workdir"
+exit "$rc"
