@@ -24,11 +24,14 @@ if _TESTS_DIR not in sys.path:
 from reference import Fsdp2Checkpoint, make_fsdp2_dcp  # noqa: E402
 
 # A suite started in the background of a script (`bash scripts/test.sh &`, a CI step's
-# `cmd &`) inherits SIGINT ignored, as the shell does for every background job; the
-# tests of Ctrl-C (in this process and in the processes it starts) need a terminal's
-# default. shardckpt itself keeps an ignored SIGINT ignored, as `nohup` users expect.
+# `cmd &`) inherits SIGINT ignored, as the shell does for every background job, and one
+# started under `nohup` inherits SIGHUP ignored; the tests of Ctrl-C and of a closed
+# terminal (in this process and in the processes it starts) need a terminal's defaults.
+# shardckpt itself keeps an ignored signal ignored, as `nohup` users expect.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 TESTS = Path(_TESTS_DIR)
 # The quick tier is tests/unit less what starts a process; tests/dist (gloo ranks) and

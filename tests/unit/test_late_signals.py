@@ -97,3 +97,19 @@ def test_a_signal_before_dst_is_complete_still_stops_the_run(capsys, monkeypatch
         [f"shardckpt: interrupted by SIGINT: '{dst}' was not written"],
     )
     assert not dst.exists()
+
+
+def test_the_suite_gives_its_processes_the_terminal_s_signal_defaults():
+    """`nohup bash scripts/test.sh` (SIGHUP ignored) and a background job (SIGINT ignored)
+    pass the signal tests: conftest restores the defaults for this process and its children.
+
+    shardckpt keeps an ignored signal ignored, as a `nohup` user expects, so without this
+    every test that sends SIGHUP or SIGINT to a shardckpt it started would fail there.
+    """
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # What an exec'd child inherits: its own view of SIGHUP, from /proc (SigIgn is a mask).
+    ignored = next(
+        line for line in open(f"/proc/{os.getpid()}/status") if line.startswith("SigIgn:")
+    )
+    assert not int(ignored.split()[1], 16) & (1 << (signal.SIGHUP - 1))
