@@ -28,7 +28,7 @@ from shardckpt.core.placement import Placement, open_destination
 from shardckpt.core.progress import Progress
 from shardckpt.core.sight import Sight, look
 from shardckpt.core.signals import completed
-from shardckpt.core.words import counted
+from shardckpt.core.words import a_or_an, counted
 from shardckpt.engine import fill
 from shardckpt.engine.exchange import SharedReader
 from shardckpt.engine.read_checks import check_reads
@@ -246,7 +246,7 @@ def _own_layout(
     _check_dst_name(request.dst, own)
     if runtime.coordinator:
         notice(
-            f"writing DST as a {own.title} checkpoint, SRC's own layout "
+            f"writing DST as {a_or_an(own.title)} checkpoint, SRC's own layout "
             f"(pass --format {form.name} for a bare {form.title} one)"
         )
     return own

@@ -14,6 +14,17 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
+def a_or_an(word: str) -> str:
+    """Return ``word`` with the article it is read with: ``a DCP``, ``an accelerate``, ``an FSDP1``.
+
+    By sound, roughly: a vowel letter, or an initialism whose first letter is named with a
+    vowel sound (F, H, L, M, N, R, S, X: "an FSDP1", "an HF").
+    """
+    initialism = len(word) > 1 and word[:2].isupper()
+    vowel = word[:1].lower() in "aeiou" or (initialism and word[0] in "AEFHILMNORSX")
+    return f"{'an' if vowel else 'a'} {word}"
+
+
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """Return ``n`` and ``noun``, plural unless ``n`` is 1 (``plural`` for irregular nouns)."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"

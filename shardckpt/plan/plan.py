@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 
 from shardckpt.core.errors import UsageError
-from shardckpt.core.words import counted
+from shardckpt.core.words import a_or_an, counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index, Rows
 from shardckpt.plan.cast import cast_tree
@@ -105,7 +105,7 @@ def _stores_alike(index: Index) -> str:
     if (index.world_size or 1) > 1:
         return f"this {form.title} checkpoint stores every tensor as one whole chunk"
     of_one_rank = " of one rank" if form.layout != "full" else ""
-    return f"a {form.title} checkpoint{of_one_rank} stores every tensor whole"
+    return f"{a_or_an(form.title)} checkpoint{of_one_rank} stores every tensor whole"
 
 
 def rows_to_read(

@@ -106,3 +106,34 @@ def test_the_summary_of_a_full_output_names_no_world_size(capsys, one, tmp_path)
     assert ", sharded dcp for world size 2 in " in out
     _, out, _ = out_of(capsys, ["convert", one, tmp_path / "j.pt", "--to", "full", "--json"])
     assert json.loads(out)["layout"] == "full"
+
+
+@pytest.mark.parametrize(
+    ("title", "said"),
+    [
+        ("accelerate", "an accelerate"),
+        ("FSDP1 local", "an FSDP1 local"),
+        ("HF", "an HF"),
+        ("DCP", "a DCP"),
+        ("Hugging Face", "a Hugging Face"),
+        ("DeepSpeed ZeRO", "a DeepSpeed ZeRO"),
+        ("torch", "a torch"),
+        ("Megatron", "a Megatron"),
+        ("veRL", "a veRL"),
+    ],
+)
+def test_a_format_s_title_is_read_with_its_article(title, said):
+    """Notes say "writing DST as an accelerate checkpoint", never "a accelerate"."""
+    from shardckpt.core.words import a_or_an
+
+    assert a_or_an(title) == said
+
+
+def test_every_format_title_gets_the_article_it_is_read_with():
+    from shardckpt.core.words import a_or_an
+    from shardckpt.formats import FORMATS
+
+    for form in FORMATS.values():
+        said = a_or_an(form.title)
+        assert said in (f"a {form.title}", f"an {form.title}")
+        assert not said.startswith("a a") and not said.startswith("a F")
