@@ -32,10 +32,10 @@ from shardckpt.core.errors import UsageError
 from shardckpt.state.choices import LAYOUTS, OPTIM_KEYS
 
 EPILOG = examples(
-    "shardckpt convert .demo/ckpt-dcp .demo/full.pt --to full",
+    "shardckpt convert .demo/ckpt-dcp .demo/export.pt --to full",
     "shardckpt convert .demo/ckpt-dcp .demo/model.safetensors --to full --only model",
-    "shardckpt convert .demo/full.pt .demo/ckpt-at-8 --to sharded --world-size 8",
-    "torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/full.pt .demo/ckpt-2 --to sharded",
+    "shardckpt convert .demo/export.pt .demo/ckpt-at-8 --to sharded --world-size 8",
+    "torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/export.pt .demo/ckpt-2 --to sharded",
     "shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2",
     "shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16",
     "PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups",

@@ -25,11 +25,11 @@ from shardckpt.cli.options import (
 from shardckpt.core.errors import EXIT_DIFFERENT
 
 EPILOG = examples(
-    "shardckpt diff .demo/ckpt-dcp .demo/full.pt",
+    "shardckpt diff .demo/ckpt-dcp .demo/export.pt",
     "shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --filter 'optim.*' --json",
     "shardckpt diff .demo/ckpt-dcp .demo/model.safetensors --only model --atol 1e-6",
-    "shardckpt diff .demo/full.pt .demo/hf-model --only model --cast --atol 1e-2",
-    "shardckpt diff .demo/full.pt .demo/ranks-at-2 -q && echo same",
+    "shardckpt diff .demo/export.pt .demo/hf-model --only model --cast --atol 1e-2",
+    "shardckpt diff .demo/export.pt .demo/ranks-at-2 -q && echo same",
     "shardckpt diff .demo/ckpt-dcp .demo/ckpt-at-8 --buffer-size 64MiB -q",
     intro="Examples (they run as written after `bash scripts/demo.sh` and `shardckpt "
     "convert --help`'s):",

@@ -132,3 +132,40 @@ def test_a_line_that_fails_is_reported_in_process_and_in_bash(tmp_path, capfd):
         [lines[0], "  -> exit 3"],
         [lines[1], "  -> exit 2"],
     ]
+
+
+def demo_outputs() -> set[str]:
+    """Return the paths ``scripts/demo.sh`` leaves in ``.demo/`` (``"$demo/NAME"`` it names)."""
+    text = (REPO / "scripts" / "demo.sh").read_text()
+    return {f".demo/{name}" for name in re.findall(r'"\$demo/([\w.-]+)"', text)}
+
+
+def convert_dst(line: str) -> str | None:
+    """Return the DST of a ``shardckpt convert SRC DST`` line (standalone or under torchrun)."""
+    words = line.split()
+    if "convert" not in words:
+        return None
+    at = words.index("convert")
+    args = [w for w in words[at + 1 :] if not w.startswith("-")]
+    return args[1] if len(args) > 1 else None
+
+
+def test_no_example_writes_over_what_the_demo_left():
+    """The examples say they run as written after the demo: one whose DST the demo already
+    wrote would stop at "already exists" (exit 5), as convert's first one did."""
+    made = demo_outputs()
+    assert {".demo/ckpt-dcp", ".demo/full.pt"} <= made
+    from test_readme import README, bash_lines, section
+
+    sources = {
+        "--help": epilog_commands(),
+        "README": bash_lines(section(README.read_text(), "Usage")),
+        **{str(p.relative_to(DOCS)): commands(p.read_text()) for p in pages()},
+    }
+    clashes = [
+        f"{where}: {line}"
+        for where, lines in sources.items()
+        for line in lines
+        if convert_dst(line) in made and "--overwrite" not in line.split()
+    ]
+    assert clashes == []
