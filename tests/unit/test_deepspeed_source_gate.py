@@ -170,13 +170,14 @@ def test_a_ranks_file_linked_to_another_ranks_is_refused(
     )
 
 
+@pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("kind", ["symlink", "hard link"])
 def test_a_universal_ranks_model_states_linked_to_another_ranks_is_refused(
-    capsys, tmp_path, out, kind
+    capsys, tmp_path, out, kind, command
 ):
     src = copy_run(universal_dir("z3-fp32"), tmp_path)
     _link(kind, src / TAG / model3(1), src / TAG / model3(0))
-    assert refused(capsys, src, out, "convert") == (
+    assert refused(capsys, src, out, command) == (
         3,
         f"shardckpt: error: '{src / TAG / model3(1)}': is the same file as '{model3(0)}' (a "
         "symlink or hard link), but rank 1's model-states file and rank 0's model-states file "
@@ -184,9 +185,10 @@ def test_a_universal_ranks_model_states_linked_to_another_ranks_is_refused(
     )
 
 
+@pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("kind", ["symlink", "hard link"])
 def test_a_universal_parameter_file_linked_to_another_parameters_is_refused(
-    capsys, tmp_path, out, kind
+    capsys, tmp_path, out, kind, command
 ):
     # fc1.bias and norm.weight are both 7 elements: a link read one as the other.
     src = copy_run(universal_dir("z2-bf16"), tmp_path)
@@ -196,7 +198,7 @@ def test_a_universal_parameter_file_linked_to_another_parameters_is_refused(
         (zero / "norm.weight" / "fp32.pt").symlink_to("../fc1.bias/fp32.pt")
     else:
         os.link(zero / "fc1.bias" / "fp32.pt", zero / "norm.weight" / "fp32.pt")
-    assert refused(capsys, src, out, "convert") == (
+    assert refused(capsys, src, out, command) == (
         3,
         f"shardckpt: error: '{zero / 'norm.weight' / 'fp32.pt'}': is the same file as "
         "'fp32.pt' (a symlink or hard link), but 'zero/norm.weight/fp32.pt' and "
