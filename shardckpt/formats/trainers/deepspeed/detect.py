@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardckpt.core.files import has_file
 from shardckpt.formats.trainers.deepspeed.names import (
     LATEST,
     LATEST_UNIVERSAL,
@@ -18,11 +19,13 @@ def detect_dir(src: Path) -> str | None:
     A run directory is told by the ``latest`` (``latest_universal``) file DeepSpeed
     writes beside the tag directories (an HF Trainer ``checkpoint-N/`` is one, whatever
     else it holds); a tag directory by its model-states files, or by the ``zero/``
-    directory of per-parameter files ``ds_to_universal`` writes.
+    directory of per-parameter files ``ds_to_universal`` writes. A ``latest`` that is not
+    a regular file inside ``src`` (a link out of it, a FIFO) is refused, not taken for
+    absent (``has_file``).
     """
-    if (src / LATEST).is_file():
+    if has_file(src / LATEST, src):
         return "deepspeed"
-    if (src / LATEST_UNIVERSAL).is_file() or is_universal_dir(src):
+    if has_file(src / LATEST_UNIVERSAL, src) or is_universal_dir(src):
         return "deepspeed-universal"
     if is_tag_dir(src):
         return "deepspeed"

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from shardckpt.core.errors import BadInputError
+from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.formats.trainers.deepspeed.names import (
     LATEST,
     MODEL_FILE,
     OPTIM_FILE,
     is_deepspeed_file,
+    read_pointer,
 )
 
 
@@ -28,9 +29,10 @@ def whole_checkpoint(path: Path) -> Path:
     tag = path.parent
     run = tag.parent
     try:
-        if (run / LATEST).read_text(errors="replace").strip() == tag.name:
+        # Only a hint: a 'latest' that is not a small regular file of the run names nothing.
+        if (run / LATEST).is_file() and read_pointer(run / LATEST, run) == tag.name:
             return run
-    except OSError:
+    except ShardckptError:
         pass
     return tag
 

@@ -13,16 +13,30 @@ one model-parallel rank (``mp_rank_00``):
 ``ds_to_universal`` writes ``<out>/<tag>/zero/<fqn>/fp32.pt`` (and ``exp_avg.pt``, ...),
 ``zero/optimizer_state.pt`` and a copy of the model-states files, and names the tag in
 ``<out>/latest_universal``.
+
+Every file the readers open passes the source gate (``core.files``): a regular file
+inside SRC once symlinks are resolved (the tag directory too), one file per rank, no
+two names for one file. ``latest`` is read only up to ``_MAX_POINTER`` bytes, and a tag
+is shown in a message only as a short name.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import os_error
+from shardckpt.core.files import (
+    check_separate,
+    has_file,
+    open_source,
+    os_error,
+    source_entry,
+    source_file,
+)
 
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
@@ -32,6 +46,8 @@ MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt
 OPTIM_FILE = re.compile(r"(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 # Pipeline-parallel layer files and expert (MoE) files: layouts this reader does not take.
 OTHER_FILE = re.compile(r"layer_\d+.*_model_states\.pt|.*expert_\d+.*\.pt")
+_MAX_TAG = 255  # NAME_MAX: a tag is the name of a directory
+_MAX_POINTER = 1024  # read no more of a 'latest' file: DeepSpeed writes the tag alone
 
 
 @dataclass(frozen=True)
@@ -46,7 +62,8 @@ class TagFiles:
     """Whether there is a model-states file per rank (ZeRO-3)."""
 
 
-def _listing(path: Path) -> list[str]:
+def listing(path: Path) -> list[str]:
+    """Return the names in directory ``path``, sorted; an OS error as one line naming it."""
     try:
         return sorted(p.name for p in path.iterdir())
     except OSError as exc:
@@ -67,26 +84,70 @@ def is_tag_dir(path: Path) -> bool:
 
 
 def is_universal_dir(path: Path) -> bool:
-    """Return whether ``path`` is a tag directory ``ds_to_universal`` wrote (``zero/optimizer_state.pt``)."""
-    return (path / UNIVERSAL_DIR / UNIVERSAL_OPTIM).is_file()
+    """Return whether ``path`` is a tag directory ``ds_to_universal`` wrote (``zero/optimizer_state.pt``).
+
+    Something else under that name (a link out of ``path``, a FIFO) is refused, not
+    taken for absent (``has_file``).
+    """
+    return (path / UNIVERSAL_DIR).is_dir() and has_file(
+        path / UNIVERSAL_DIR / UNIVERSAL_OPTIM, path
+    )
+
+
+def shown(name: str) -> str:
+    """Return a name read from a file as a message shows it: quoted, escaped, cut short when long."""
+    return repr(name) if len(name) <= 64 else f"{name[:48]!r}… ({len(name)} characters)"
+
+
+def read_pointer(file: Path, within: Path) -> str:
+    """Return the tag the ``latest`` file ``file`` (of directory ``within``) names; refuse anything else.
+
+    At most ``_MAX_POINTER`` bytes are read, and the file's content is never shown
+    beyond a short tag: ``latest`` may be a link to any file, or huge.
+    """
+    source_file(file, within)
+    try:
+        with os.fdopen(open_source(file), "rb") as f:
+            raw = f.read(_MAX_POINTER + 1)
+    except OSError as exc:
+        raise os_error(exc, file) from None
+    if len(raw) > _MAX_POINTER:
+        raise BadInputError(
+            f"is over {_MAX_POINTER} bytes, where DeepSpeed writes the name of a tag directory",
+            path=file,
+            hint="pass the tag directory (global_stepN) itself",
+        )
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise BadInputError(
+            "does not hold a tag name (its bytes are not text)",
+            path=file,
+            hint="pass the tag directory (global_stepN) itself",
+        ) from None
+    if (
+        not tag
+        or "/" in tag
+        or tag in (".", "..")
+        or not tag.isprintable()
+        or len(tag.encode()) > _MAX_TAG
+    ):
+        raise BadInputError(
+            f"names {shown(tag)}, which is not a directory name",
+            path=file,
+            hint="pass the tag directory (global_stepN) itself",
+        )
+    return tag
 
 
 def named_tag(run_dir: Path, pointer: str) -> Path | None:
     """Return the directory ``run_dir/<pointer file>`` names, None without that file; refuse a bad one."""
     file = run_dir / pointer
-    if not file.is_file():
+    if not has_file(file, run_dir):
         return None
-    try:
-        tag = file.read_text(errors="replace").strip()
-    except OSError as exc:
-        raise os_error(exc, file) from None
-    if not tag or "/" in tag or tag in (".", ".."):
-        raise BadInputError(
-            f"names {tag!r}, which is not a directory name",
-            path=file,
-            hint="pass the tag directory (global_stepN) itself",
-        )
-    if not (run_dir / tag).is_dir():
+    tag = read_pointer(file, run_dir)
+    # The tag directory is SRC's own: a link to a save elsewhere is refused (source_entry).
+    if not (os.path.lexists(run_dir / tag) and source_entry(run_dir / tag, run_dir)):
         raise BadInputError(
             f"names the tag {tag!r}, but '{run_dir / tag}' is not a directory",
             path=file,
@@ -107,33 +168,54 @@ def universal_tag_dir(src: Path) -> Path:
 
 
 def _ranks(found: dict[int, Path], what: str, where: Path, world_size: int | None) -> None:
-    """Refuse a set of per-rank files that is not ranks 0..W-1."""
-    want = set(range(world_size if world_size is not None else max(found, default=-1) + 1))
-    missing = sorted(want - set(found))
-    if missing:
+    """Refuse a set of per-rank files that is not ranks 0..W-1.
+
+    ``world_size`` comes from a pickle (10**12 is a few bytes there): the first missing
+    rank is at most the count of files, never found by walking every rank below it.
+    """
+    want = world_size if world_size is not None else max(found, default=-1) + 1
+    missing = next(r for r in itertools.count() if r not in found)
+    if missing < want:
         raise BadInputError(
-            f"has no {what} file of data-parallel rank {missing[0]} (found ranks "
+            f"has no {what} file of data-parallel rank {missing} (found ranks "
             f"{', '.join(map(str, sorted(found))) or 'none'})",
             path=where,
             hint="copy every rank's files of the save",
         )
-    extra = sorted(set(found) - want)
+    extra = sorted(r for r in found if r >= want)
     if extra:
         raise BadInputError(
             f"holds '{found[extra[0]].name}', a file of rank {extra[0]}, but the save is of "
-            f"{len(want)} ranks",
+            f"{want} ranks",
             path=where,
             hint="the directory mixes two saves; keep only the files of one",
         )
 
 
-def tag_files(tag: Path) -> TagFiles:
-    """Return the model-states and optimizer files of a tag directory; refuse what it cannot read."""
+def _one_per_rank(files: dict[int, Path], rank: int, path: Path, tag: Path) -> None:
+    """Add ``path`` as ``rank``'s file; refuse a second file for it (``_rank_01_`` beside ``_rank_1_``)."""
+    if rank in files:
+        first, second = sorted((files[rank].name, path.name))
+        raise BadInputError(
+            f"holds two files of rank {rank}: '{first}' and '{second}'",
+            path=tag,
+            hint="the directory mixes two saves or copies of one file; keep only the "
+            "files DeepSpeed wrote",
+        )
+    files[rank] = path
+
+
+def tag_files(tag: Path, within: Path | None = None) -> TagFiles:
+    """Return the model-states and optimizer files of a tag directory; refuse what it cannot read.
+
+    Each file must be a regular file inside ``within`` (SRC; default: ``tag``) once
+    symlinks are resolved, one per rank, and no two of them one file on disk.
+    """
     model: dict[int, Path] = {}
     optim: dict[int, Path] = {}
     prefixes: set[str] = set()
     per_rank = None
-    for name in _listing(tag):
+    for name in listing(tag):
         if OTHER_FILE.fullmatch(name):
             raise BadInputError(
                 f"holds '{name}', a pipeline-parallel or expert (MoE) file",
@@ -152,11 +234,11 @@ def tag_files(tag: Path) -> TagFiles:
                     hint="the directory mixes two saves; keep only the files of one",
                 )
             per_rank = rank_file
-            model[int(m.group(1)) if rank_file else 0] = tag / name
+            _one_per_rank(model, int(m.group(1)) if rank_file else 0, tag / name, tag)
         elif (m := OPTIM_FILE.fullmatch(name)) is not None:
             _one_mp_rank(tag, name, m.group(3))
             prefixes.add(m.group(1) or "")
-            optim[int(m.group(2))] = tag / name
+            _one_per_rank(optim, int(m.group(2)), tag / name, tag)
     if not model:
         raise BadInputError(
             "holds no DeepSpeed model-states file (mp_rank_00_model_states.pt)",
@@ -172,12 +254,31 @@ def tag_files(tag: Path) -> TagFiles:
         )
     if per_rank:
         _ranks(model, "model-states", tag, None)
+    for path in (*model.values(), *optim.values()):
+        source_file(path, tag if within is None else within)
+    check_separate(
+        {
+            **{("model-states", r): p for r, p in model.items()},
+            **{("optimizer", r): p for r, p in optim.items()},
+        },
+        _whose,
+    )
     return TagFiles(tag, model, optim, bool(per_rank))
+
+
+def _whose(key: tuple[str, int]) -> str:
+    what, rank = key
+    return f"rank {rank}'s {what} file"
 
 
 def check_ranks(files: TagFiles, world_size: int) -> None:
     """Refuse a save whose optimizer (and ZeRO-3 model-states) files are not those of ``world_size`` ranks."""
     _ranks(files.optim, "optimizer", files.dir, world_size)
+    check_model_ranks(files, world_size)
+
+
+def check_model_ranks(files: TagFiles, world_size: int) -> None:
+    """Refuse ZeRO-3 model-states files that are not those of ``world_size`` ranks."""
     if files.per_rank_model:
         _ranks(files.model, "model-states", files.dir, world_size)
 

@@ -53,7 +53,7 @@ def open_save(src: Path) -> ZeroSave:
             path=src,
             hint="pass the run directory (with 'latest') or a global_stepN directory",
         )
-    files = names.tag_files(names.tag_dir(src))
+    files = names.tag_files(names.tag_dir(src), src)
     optims = _optimizer_files(files)
     return ZeroSave(files, optims, _model_files(files, optims))
 

@@ -93,6 +93,8 @@ class ModelStates:
     """The job's state DeepSpeed saves: scheduler, steps, config (``JOB_KEYS`` present)."""
     client: dict
     """What the job passed as ``client_state``."""
+    dp_world_size: int | None = None
+    """The number of data-parallel ranks that saved, where the file says (``dp_world_size``)."""
 
     @property
     def trainable(self) -> list[str]:
@@ -145,6 +147,7 @@ def read_model_states(path: Path) -> ModelStates:
         shared=shared,
         job={k: sd[k] for k in JOB_KEYS if k in sd},
         client={k: v for k, v in sd.items() if k not in LAYOUT_KEYS and k not in JOB_KEYS},
+        dp_world_size=ws if type(ws := sd.get("dp_world_size")) is int else None,
     )
 
 

@@ -12,13 +12,14 @@ are copied beside: buffers, frozen and tied parameters are read from them as fro
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import source_stat
+from shardckpt.core.files import check_separate, has_file, source_entry, source_file, source_stat
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.trainers.deepspeed import names
 from shardckpt.formats.trainers.deepspeed.assemble import (
@@ -58,6 +59,24 @@ def _tensor_file(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
     return t.detach().reshape(shape)
 
 
+def _world_size(path: Path, common: dict, files: names.TagFiles, model: ModelStates) -> int:
+    """Return the world size ``partition_count`` says, once the model-states files agree with it.
+
+    The count is a few bytes of a pickle (10**12 as easily as 2): it must be the number
+    of ZeRO-3 model-states files, and the ``dp_world_size`` the model-states file saved.
+    """
+    world_size = world_size_of(path, common.get("partition_count"))
+    names.check_model_ranks(files, world_size)
+    if model.dp_world_size is not None and model.dp_world_size != world_size:
+        raise BadInputError(
+            f"partitions over {world_size} ranks, but '{model.path.name}' was saved by "
+            f"{model.dp_world_size} (dp_world_size)",
+            path=path,
+            hint=_RECOPY,
+        )
+    return world_size
+
+
 class UniversalReader(Reader):
     """Reads a ``ds_to_universal`` directory: the same tree as the ZeRO save it was made from."""
 
@@ -68,7 +87,7 @@ class UniversalReader(Reader):
         source_stat(self.src)
         self.dir = names.universal_tag_dir(self.src)
         common_path = self.dir / names.UNIVERSAL_DIR / names.UNIVERSAL_OPTIM
-        if not common_path.is_file():
+        if not has_file(common_path, self.src):
             raise BadInputError(
                 f"has no '{names.UNIVERSAL_DIR}/{names.UNIVERSAL_OPTIM}'",
                 path=self.dir,
@@ -77,9 +96,9 @@ class UniversalReader(Reader):
             )
         common = load_dict_file(common_path)
         self.stage = common.get("zero_stage") or 1
-        self.world_size = world_size_of(common_path, common.get("partition_count"))
-        files = names.tag_files(self.dir)
+        self.files = files = names.tag_files(self.dir, self.src)
         models = [read_model_states(files.model[r]) for r in sorted(files.model)]
+        self.world_size = _world_size(common_path, common, files, models[0])
         groups = common.get("param_groups")
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise bad(common_path, "'param_groups' is not a list of param groups")
@@ -116,6 +135,8 @@ class UniversalReader(Reader):
     ) -> list[Trainable]:
         group_of = self._group_of(len(model.param_shapes), groups)
         layout = f"universal, ZeRO-{self.stage} of {self.world_size}"
+        files = {fqn: self._param_files(model, fqn) for fqn in model.trainable}
+        self._check_separate(files)
         out = []
         for flat, shapes in enumerate(model.param_shapes):
             if flat not in group_of or group_of[flat] >= len(groups):
@@ -125,27 +146,52 @@ class UniversalReader(Reader):
                     hint=_RECOPY,
                 )
             for fqn, shape in shapes:
-                out.append(self._trainable(fqn, shape, group_of[flat], steps.get(flat), layout))
+                out.append(
+                    self._trainable(fqn, shape, group_of[flat], steps.get(flat), layout, files[fqn])
+                )
         return out
 
-    def _trainable(
-        self, fqn: str, shape: tuple[int, ...], group: int, step, layout: str
-    ) -> Trainable:
+    def _param_files(self, model: ModelStates, fqn: str) -> list[Path]:
+        """Return the files of parameter ``fqn`` (``fp32.pt`` first), each through the source gate.
+
+        The name is a directory of ``zero/``: one path component, never ``..`` or a
+        path, so a model-states file cannot make the reader open files outside SRC.
+        """
+        if fqn in ("", ".", "..") or "/" in fqn or "\0" in fqn:
+            raise bad(
+                model.path,
+                f"'param_shapes' names {names.shown(fqn)}, which is not a parameter name "
+                f"(ds_to_universal keeps each in a directory '{names.UNIVERSAL_DIR}/<name>')",
+            )
         where = self.dir / names.UNIVERSAL_DIR / fqn
-        if not (where / MASTER_FILE).is_file():
+        if not (os.path.lexists(where / MASTER_FILE) and source_entry(where, self.src)):
             raise BadInputError(
                 f"has no '{names.UNIVERSAL_DIR}/{fqn}/{MASTER_FILE}' for parameter '{fqn}'",
                 path=self.dir,
                 hint=_RECOPY,
             )
-        master = _tensor_file(where / MASTER_FILE, shape)
+        found = [source_file(where / MASTER_FILE, self.src)]
+        for name in sorted(names.listing(where), key=lambda n: (n != "step.pt", n)):
+            if name != MASTER_FILE and name.endswith(".pt"):
+                found.append(source_file(where / name, self.src))
+        return found
+
+    def _check_separate(self, files: dict[str, list[Path]]) -> None:
+        """Refuse two names of one file among every file the reader opens (a link would read as another's)."""
+        zero = self.dir / names.UNIVERSAL_DIR
+        every = [zero / names.UNIVERSAL_OPTIM, *(p for paths in files.values() for p in paths)]
+        every += self.files.model.values()
+        check_separate({str(p.relative_to(self.dir)): p for p in every}, lambda name: f"'{name}'")
+
+    def _trainable(
+        self, fqn: str, shape: tuple[int, ...], group: int, step, layout: str, files: list[Path]
+    ) -> Trainable:
+        master = _tensor_file(files[0], shape)
         states: dict = {}
         if step is not None:
             states["step"] = Stored(Whole(step.detach()), (), step.dtype, "full")
-        for file in sorted(where.iterdir(), key=lambda p: (p.name != "step.pt", p.name)):
+        for file in files[1:]:
             name = file.name.removesuffix(".pt")
-            if file.name == MASTER_FILE or not file.name.endswith(".pt"):
-                continue
             t = _tensor_file(file, () if name == "step" else shape)
             states[name] = Stored(
                 Whole(t), tuple(t.shape), t.dtype, "full" if name == "step" else layout

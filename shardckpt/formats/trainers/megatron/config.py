@@ -9,10 +9,11 @@ otherwise); ``torch_dist`` stores tensors with DCP, ``torch`` the common state i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
-from shardckpt.core.files import os_error, source_file
+from shardckpt.core.files import has_file, open_source, os_error, source_file
 from shardckpt.formats.dcp.reader import is_dcp_dir
 
 CONFIG_FILE = "metadata.json"
@@ -31,10 +32,13 @@ TORCH_DIST = {
 def names_backend(src: Path) -> bool:
     """Return whether ``src`` holds a ``metadata.json`` that names a Megatron sharded backend.
 
-    A file that cannot be read or parsed says no.
+    A file that cannot be parsed says no; one that is not a regular file inside ``src``
+    (a link out of it, a FIFO) is refused (``has_file``), never opened.
     """
+    if not has_file(src / CONFIG_FILE, src):
+        return False
     try:
-        with open(src / CONFIG_FILE, "rb") as f:
+        with os.fdopen(open_source(src / CONFIG_FILE), "rb") as f:
             config = json.loads(f.read(_MAX_CONFIG))
     except (OSError, ValueError):
         return False
@@ -47,14 +51,14 @@ def looks_like(src: Path) -> bool:
     Either file says so, so that a directory missing the other, or with a damaged
     ``metadata.json``, is read as Megatron's and refused naming what is wrong.
     """
-    return (src / COMMON_FILE).is_file() or names_backend(src)
+    return has_file(src / COMMON_FILE, src) or names_backend(src)
 
 
 def read_config(src: Path) -> dict:
     """Return ``metadata.json`` of a Megatron checkpoint, once it names ``torch_dist`` and ``torch``."""
     path = src / CONFIG_FILE
     try:
-        with open(source_file(path), "rb") as f:
+        with open(source_file(path, src), "rb") as f:
             text = f.read(_MAX_CONFIG + 1)
         if len(text) > _MAX_CONFIG:
             raise ValueError(f"over {_MAX_CONFIG} bytes, where Megatron writes about 120")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
+from shardckpt.core.files import has_file
 from shardckpt.formats.base import (
     Index,
     Reader,
@@ -70,7 +71,7 @@ class MegatronReader(Reader):
         self.config = read_config(self.src)
         self._dcp = MegatronDcpReader(self.src, trust_pickle)
         common = self.src / COMMON_FILE
-        if not common.is_file():
+        if not has_file(common, self.src):
             raise BadInputError(
                 f"no '{COMMON_FILE}' in this directory",
                 path=self.src,
