@@ -3,7 +3,11 @@
 # and 8 processes, wall and CPU seconds per GB, on whatever machine runs it (written for
 # a 16-core GPU node: about 5 minutes there with the default 6 GB).
 #
-#   bash scripts/bench_node.sh [SIZE_GB] [OUT_DIR]
+#   bash scripts/bench_node.sh [SIZE_GB] [OUT_DIR] [BASE]
+#
+# With BASE, a directory holding another version's `shardckpt` package (a checkout, or
+# `git archive REV shardckpt | tar -x -C BASE`), the same cases run with that version
+# first, on the same source, so the two tables compare on one machine at one moment.
 #
 # It needs a Python with torch, typer, safetensors, tqdm, numpy and isal (this checkout
 # is put on PYTHONPATH; nothing is installed). Wheels in ./.whl are installed into
@@ -16,6 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 size_gb="${1:-6}"
 out="${2:-.bench-node}"
+base="${3:-}"
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 
@@ -24,7 +29,7 @@ if ! "$python" -c "import isal" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/nul
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+site="${PYTHONPATH:-}"
 export OMP_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 
 {
@@ -35,11 +40,19 @@ export OMP_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/machine.txt"
 
 workdir=/dev/shm/shardckpt-bench-node
-"$python" scripts/bench.py --size-gb "$size_gb" --nproc 1,2,8 \
-    --layouts full-safetensors,verify --world-size 8 --workdir "$workdir" --keep \
-    --json >"$out/bench.json" 2>"$out/bench.log"
-rc=$?
-"$python" - "$out/bench.json" >"$out/table.md" <<'EOF'
+rc=0
+# One bench run per version: (name, the directory its shardckpt package is in).
+runs=()
+[[ -n "$base" ]] && runs+=("base:$(cd "$base" && pwd)")
+runs+=("this:$PWD")
+for run in "${runs[@]}"; do
+    name="${run%%:*}" tree="${run#*:}"
+    export PYTHONPATH="$tree${site:+:$site}"
+    echo "== $name: shardckpt from $tree" | tee -a "$out/bench.log"
+    "$python" scripts/bench.py --size-gb "$size_gb" --nproc 1,2,8 \
+        --layouts full-safetensors,verify --world-size 8 --workdir "$workdir" --keep \
+        --json >"$out/bench-$name.json" 2>>"$out/bench.log" || rc=$?
+    "$python" - "$out/bench-$name.json" >"$out/table-$name.md" <<'EOF'
 import json, sys
 sys.path.insert(0, "scripts")
 import bench
@@ -49,7 +62,8 @@ rows = [bench.Result(**{k: v for k, v in r.items() if k in fields}) for r in doc
 print(bench.header(doc) + "\n")
 print(bench.table(rows))
 EOF
-cat "$out/table.md"
+    cat "$out/table-$name.md"
+done
 tail -3 "$out/bench.log"
 rm -rf "$workdir"
 exit "$rc"
