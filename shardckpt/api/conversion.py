@@ -215,8 +215,11 @@ def prepare(
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
     sight = _source_sight(request, runtime)
     reader = open_reader(request.src, request.src_format, request.trust_pickle, flat_model, sight)
-    if isinstance(reader, HfReader) and request.model:
-        reader.tie(module_ties(request.model, request.clean_fqns))
+    if isinstance(reader, HfReader):
+        if request.model:
+            reader.tie(module_ties(request.model, request.clean_fqns))
+        elif reader.untold is not None and runtime.coordinator:
+            notice(reader.untold)
     if request.format is None and request.nest is None and request.unnest is None:
         form = _own_layout(request, form, reader.format, valid.world_size, runtime)
     applies.check(applies.CONVERT_RULES, replace(choice, fmt=form.name, src_format=reader.format))

@@ -78,6 +78,11 @@ def test_save_pretrained_output_converts_to_a_dcp_fsdp2_loads_equal_to_the_model
     code, out, err = cli(capsys, "inspect", src)
     assert (code, err) == (0, "")
     assert "hf" in out.splitlines()[0] and "model.lm_head.weight" in out
+    told = (
+        "model.lm_head.weight: not in the files (save_pretrained leaves it out): read as "
+        "model.model.embed_tokens.weight, which it is tied to"
+    )
+    assert (told in out) is tied
     from_hf = ["--from", "hf"] if shards else []  # detected, and named
     dst = tmp_path / "init"
     argv = ["convert", src, dst, "--to", "sharded", "--world-size", 2, *from_hf, "--verify", "-q"]
@@ -148,6 +153,11 @@ def test_model_safetensors_beside_an_index_is_read_as_from_pretrained_reads_it(
     save_file(ones, src / "model.safetensors", metadata={"format": "pt"})
     model = transformers.AutoModelForCausalLM.from_pretrained(src, local_files_only=True)
     assert torch.equal(model.lm_head.weight, ones["lm_head.weight"])  # transformers' choice
+    code, out, _ = cli(capsys, "inspect", src)
+    assert code == 0 and out.rstrip().endswith(
+        "reading model.safetensors, as from_pretrained does; model.safetensors.index.json and "
+        "its shards beside it are not read"
+    )
     dst = tmp_path / "init"
     assert cli(capsys, "convert", src, dst, "--to", "sharded", "--world-size", 2, "-q")[0] == 0
     assert_trees_equal(loads_into_fsdp2(dst, False), ones)
@@ -262,3 +272,25 @@ def test_a_config_whose_model_transformers_does_not_know_says_the_check_did_not_
         "the model it describes: it names no 'architectures', and transformers knows no "
         "model_type 'not-a-model'"
     )
+
+
+def test_ties_a_config_says_but_no_model_tells_are_named_in_a_note(pretrained, tmp_path, capsys):
+    src = tmp_path / "model"
+    shutil.copytree(pretrained[True, False][0], src)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("architectures")
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "not-a-model"}))
+    told = (
+        f"'{src / 'config.json'}' ties the word embeddings, but which weights cannot be told "
+        "(it names no 'architectures', and transformers knows no model_type 'not-a-model'): a "
+        "tied weight save_pretrained left out is not given back (pass convert --model "
+        "pkg.module:factory)"
+    )
+    code, out, _ = cli(capsys, "inspect", src)
+    assert code == 0 and told in out and "lm_head" not in out.replace(told, "")
+    dst = tmp_path / "init"
+    argv = ["convert", src, dst, "--to", "sharded", "--world-size", 2]
+    assert cli(capsys, *argv, "-q")[2] == f"shardckpt: note: {told}"
+    shutil.rmtree(dst)
+    assert cli(capsys, *argv, "-q", "--model", "hf_export_jobs:tiny_llama") == (0, "", "")
+    assert_trees_equal(loads_into_fsdp2(dst, True), pretrained[True, False][1])

@@ -1,4 +1,7 @@
-"""``hf``: a Hugging Face directory of ``model-0000i-of-0000n.safetensors`` shards + index.
+"""``hf``: a Hugging Face model directory: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards + index.
+
+Read: either, as ``from_pretrained`` reads them (``model.safetensors`` first), tied weights
+``save_pretrained`` left out given back (``formats.hf.tied``). Written: shards + index.
 
 ``model.safetensors.index.json`` is ``{"metadata": {"total_size": N}, "weight_map":
 {name: shard file}}``. It holds model weights only, named by FQN without a ``model.``
@@ -28,6 +31,7 @@ from safetensors import safe_open
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.dcp import hf_storage
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
 from shardckpt.formats.hf.safetensors_file import framed, layout, opened, read_rows, tensor_meta
@@ -150,7 +154,10 @@ class HfReader(Reader):
                 self._metas[name] = meta
             self._digests[file] = read_digests(self.src / file)
         self._tied: dict[str, str] = {}
-        self.tie(source_ties(self.src, self._metas))
+        ties = source_ties(self.src, self._metas)
+        self.untold = ties if isinstance(ties, str) else None
+        """Why the ties ``config.json`` says cannot be given back, or None."""
+        self.tie(ties if isinstance(ties, dict) else {})
 
     @property
     def single(self) -> bool:
@@ -162,6 +169,22 @@ class HfReader(Reader):
         metas = with_ties(self._metas, ties)
         self._tied.update({name: ties[name] for name in metas if name not in self._metas})
         self._metas = metas
+
+    def notes(self) -> list[str]:
+        """Say which weights are given back tied, and an index left unread beside ``model.safetensors``."""
+        out = [
+            f"model.{name}: not in the files (save_pretrained leaves it out): read as "
+            f"model.{source}, which it is tied to"
+            for name, source in self._tied.items()
+        ]
+        if self.untold is not None:
+            out.append(self.untold)
+        if self.single and has_file(self.src / INDEX_FILE, self.src):
+            out.append(
+                f"reading {SINGLE_FILE}, as from_pretrained does; {INDEX_FILE} and its "
+                "shards beside it are not read"
+            )
+        return out
 
     def _read_single(self) -> dict[str, str]:
         path = self.src / SINGLE_FILE
@@ -286,4 +309,7 @@ class HfReader(Reader):
 
 def is_hf_dir(path: Path) -> bool:
     """Return whether ``path`` holds what ``from_pretrained`` reads: ``model.safetensors`` or an index."""
-    return has_file(path / INDEX_FILE, path) or has_file(path / SINGLE_FILE, path)
+    if has_file(path / INDEX_FILE, path):
+        return True
+    # A stray model.safetensors beside torch's rank shards is theirs to name (hf-storage).
+    return has_file(path / SINGLE_FILE, path) and not hf_storage.looks_like(path)

@@ -36,11 +36,12 @@ from shardckpt.state.model import load_factory
 from shardckpt.state.tree import TensorMeta, clean_fqn
 
 
-def source_ties(root: Path, metas: Mapping[str, TensorMeta]) -> dict[str, str]:
+def source_ties(root: Path, metas: Mapping[str, TensorMeta]) -> dict[str, str] | str:
     """Return the tied names ``metas`` (a directory's tensors) lack, each with the name it is tied to.
 
-    From ``root``'s ``config.json``; none without one, when it says
-    ``tie_word_embeddings: false``, or when transformers cannot build its model.
+    From ``root``'s ``config.json``; none without one, or when it says
+    ``tie_word_embeddings: false``. When it says ``true`` and its model cannot be built,
+    why, as a note: the tied weights cannot be given back.
     """
     if not has_file(root / CONFIG_FILE, root):
         return {}
@@ -48,14 +49,23 @@ def source_ties(root: Path, metas: Mapping[str, TensorMeta]) -> dict[str, str]:
         config = HfConfig(root, (CONFIG_FILE,), True, read_config(root / CONFIG_FILE))
     except ShardckptError:
         return {}  # a config that does not parse describes nothing; the weights still read
-    if config.config.get("tie_word_embeddings") is False:
+    says = config.config.get("tie_word_embeddings")
+    if says is False:
         return {}  # transformers' tie switch, off: nothing to build
     largest = max((m.numel for m in metas.values()), default=0)
     try:
         expected = expected_names(config, build_limit(len(metas)), largest, metas)
-    except OutOfProportion:
+    except OutOfProportion as exc:
+        expected = str(exc)
+    if isinstance(expected, Expected):
+        return _lacking(expected.tied, metas)
+    if says is not True:
         return {}
-    return _lacking(expected.tied if isinstance(expected, Expected) else {}, metas)
+    return (
+        f"'{root / CONFIG_FILE}' ties the word embeddings, but which weights cannot be told "
+        f"({expected}): a tied weight save_pretrained left out is not given back (pass "
+        "convert --model pkg.module:factory)"
+    )
 
 
 def module_ties(spec: str, clean_fqns: bool = True) -> dict[str, str]:
