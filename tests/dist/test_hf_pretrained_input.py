@@ -294,3 +294,27 @@ def test_ties_a_config_says_but_no_model_tells_are_named_in_a_note(pretrained, t
     shutil.rmtree(dst)
     assert cli(capsys, *argv, "-q", "--model", "hf_export_jobs:tiny_llama") == (0, "", "")
     assert_trees_equal(loads_into_fsdp2(dst, True), pretrained[True, False][1])
+
+
+def test_a_trainer_checkpoint_converts_its_model_and_names_the_state_left_behind(
+    pretrained, tmp_path, capsys
+):
+    # transformers' Trainer saves checkpoint-N/ as save_pretrained's output plus its state.
+    src = tmp_path / "checkpoint-4"
+    shutil.copytree(pretrained[True, False][0], src)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        (src / name).write_bytes(b"{}")
+    code, out, _ = cli(capsys, "inspect", src)
+    assert code == 0
+    assert (
+        "  optimizer.pt: carried unread, a transformers Trainer's state, not model weights" in out
+    )
+    dst = tmp_path / "init"
+    code, _, err = cli(capsys, "convert", src, dst, "--to", "sharded", "--world-size", 2, "-q")
+    assert (code, err) == (
+        0,
+        "shardckpt: note: not in DST: optimizer.pt, rng_state.pth, scheduler.pt, "
+        "trainer_state.json (4 files SRC carries unread; `shardckpt inspect SRC` says what each "
+        "holds): copy them yourself if the job that loads DST needs them",
+    )
+    assert_trees_equal(loads_into_fsdp2(dst, True), pretrained[True, False][1])

@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
 from shardckpt.formats.dcp import hf_storage
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
@@ -41,6 +41,11 @@ from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 """What ``save_pretrained`` writes, without an index, for a model under ``max_shard_size``."""
+# What a transformers Trainer saves beside the model in its checkpoint-N/: not weights.
+_TRAINER_STATE = re.compile(
+    r"optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|trainer_state\.json"
+    r"|training_args\.bin"
+)
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 
 
@@ -272,7 +277,16 @@ class HfReader(Reader):
         return metas
 
     def index(self) -> Index:
-        return Index(self.format, str(self.src), 1, {"model": dict(self._metas)})
+        return Index(self.format, str(self.src), 1, {"model": dict(self._metas)}, self._trainer)
+
+    @property
+    def _trainer(self) -> tuple[SourcePart, ...]:
+        """A Trainer's state beside the model (its ``checkpoint-N/``): files carried unread."""
+        return tuple(
+            SourcePart(name, "file", None, "a transformers Trainer's state, not model weights")
+            for name in sorted(p.name for p in self.src.iterdir())
+            if _TRAINER_STATE.fullmatch(name)
+        )
 
     def members(self) -> frozenset[str]:
         """Return the index, its shards, and ``config.json`` with the friends an ``hf`` DST gets."""
