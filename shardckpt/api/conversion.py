@@ -42,8 +42,17 @@ from shardckpt.formats import (
 )
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.formats.fsdp1.flat_layout import FlatModel
-from shardckpt.formats.hf.config import HfConfig, check_names, config_beside, config_in
+from shardckpt.formats.hf.config import (
+    CONFIG_FILE,
+    HfConfig,
+    check_names,
+    config_beside,
+    config_in,
+    with_dtype,
+)
 from shardckpt.formats.hf.config import hf_config as read_hf_config
+from shardckpt.formats.hf.sharded import HfReader
+from shardckpt.formats.hf.tied import module_ties
 from shardckpt.plan.cast import CastReader, dtype_name, target_dtype
 from shardckpt.plan.plan import ConvertPlan, make_plan
 from shardckpt.plan.selection import Selection, parse_edit
@@ -206,6 +215,11 @@ def prepare(
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
     sight = _source_sight(request, runtime)
     reader = open_reader(request.src, request.src_format, request.trust_pickle, flat_model, sight)
+    if isinstance(reader, HfReader):
+        if request.model:
+            reader.tie(module_ties(request.model, request.clean_fqns))
+        elif reader.untold is not None and runtime.coordinator:
+            notice(reader.untold)
     if request.format is None and request.nest is None and request.unnest is None:
         form = _own_layout(request, form, reader.format, valid.world_size, runtime)
     applies.check(applies.CONVERT_RULES, replace(choice, fmt=form.name, src_format=reader.format))
@@ -465,8 +479,16 @@ def _with_hf_config(
         except ShardckptError as exc:
             note(f"not copying config.json from '{found}': {exc.line()}")
             return plan
-    if not check_names(companions, plan.tree["model"], note):
+    tensors = plan.tree["model"]
+    checked = check_names(companions, tensors, note)
+    if checked is None:
         return plan
+    companions = with_dtype(checked, tensors, note)
+    for name, source in companions.tied.items():
+        note(
+            f"leaving '{name}' out of DST: '{companions.root / CONFIG_FILE}' ties it to "
+            f"'{source}', as save_pretrained does"
+        )
     if companions.detected:
         more = len(companions.files) - 1
         others = f" and {counted(more, 'other file')}" if more else ""

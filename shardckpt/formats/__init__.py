@@ -66,9 +66,9 @@ DETECTION: tuple[Format, ...] = (
     trainers.TORCHTITAN,
     dcp.DCP,
     trainers.TORCH_CHECKPOINTING,
+    trainers.ACCELERATE,  # its save_state may hold a model.safetensors: before hf
     hf.HF,
     dcp.HF_STORAGE,
-    trainers.ACCELERATE,
     trainers.VERL,
     trainers.VERL_FSDP1,
     fsdp1.FSDP1_LOCAL,

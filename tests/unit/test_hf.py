@@ -439,10 +439,14 @@ def test_a_config_in_a_directory_src_is_used_with_a_note(capsys, tmp_path):
     dcp.save(training_tree(), checkpoint_id=ckpt, no_dist=True)
     assert run(["convert", str(ckpt), str(tmp_path / "out"), "--to", "full"]
                + ["--format", "hf", "-q"]) == 0  # fmt: skip
-    assert capsys.readouterr().err.strip() == (
+    assert capsys.readouterr().err.strip().splitlines() == [
+        # A model transformers does not know: the weight-name check says it did not run.
+        f"shardckpt: note: '{ckpt / 'config.json'}': not checking DST's weight names against "
+        "the model it describes: it names no 'architectures', and transformers knows no "
+        "model_type 'tiny'",
         f"shardckpt: note: copying config.json from '{ckpt}', where SRC is (pass "
-        "--hf-config DIR for another model's)"
-    )
+        "--hf-config DIR for another model's)",
+    ]
     assert (tmp_path / "out" / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
     assert not (tmp_path / "out" / "optimizer.pt").exists()
 

@@ -327,10 +327,16 @@ def test_every_output_shardckpt_writes_is_replaced_by_a_second_run(capsys, ck, n
     src = _src_for(name, ck)
     dst = ck.parent / OUTPUTS[name][0]
     written = []
+    # A model transformers does not know: the weight-name check says it did not run.
+    told = [
+        f"shardckpt: note: '{cfg / 'config.json'}': not checking DST's weight names against the "
+        "model it describes: it names no 'architectures', and transformers knows no model_type "
+        "'tiny'"
+    ]
     for world_size in ("2", "3"):
         args = [world_size if a == "@M" else cfg if a == "@cfg" else a for a in OUTPUTS[name][1:]]
         code, err = lines_of(capsys, ["convert", src, dst, *args, "--overwrite", "-q"])
-        assert (code, err) == (0, [])
+        assert (code, err) == (0, told if "@cfg" in OUTPUTS[name] else [])
         written.append(sorted(snapshot(dst)))
     if "--world-size" in OUTPUTS[name]:
         assert written[0] != written[1]  # the second run's files, not the first's

@@ -1,4 +1,4 @@
-"""Hugging Face's formats: one ``.safetensors`` file, and a directory of shards with its index.
+"""Hugging Face's formats: one ``.safetensors`` file, and a model directory (``model.safetensors``, or shards and their index).
 
 ``config`` is ``--hf-config``: the files beside ``config.json`` an ``hf`` DST gets.
 """

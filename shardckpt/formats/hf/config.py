@@ -32,14 +32,14 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardckpt.core.copies import copy_file
 from shardckpt.core.errors import BadInputError, UsageError
-from shardckpt.core.files import has_file, os_error, source_file
+from shardckpt.core.files import has_file, os_error, source_file, writing
 from shardckpt.core.words import counted
 from shardckpt.state.tree import TensorMeta
 
@@ -77,9 +77,13 @@ class HfConfig:
     detected: bool
     """Whether it was found beside SRC rather than named by ``--hf-config``."""
     config: dict
+    tied: Mapping[str, str] = field(default_factory=dict)
+    """The weights DST leaves out, as ``save_pretrained`` does, each with the one it is tied to."""
+    dtype: str | None = None
+    """The dtype DST's ``config.json`` says (its weights'), where it differs from this one's."""
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     """Return ``config.json`` parsed, or raise one line naming it."""
     try:
         config = json.loads(source_file(path).read_text(encoding="utf-8"))
@@ -130,7 +134,7 @@ def hf_config(root: str | os.PathLike, *, detected: bool = False) -> HfConfig:
             hint="pass the directory of the model's config.json (its original directory or "
             "a hub snapshot)",
         )
-    config = _read_config(root / CONFIG_FILE)
+    config = read_config(root / CONFIG_FILE)
     files = [CONFIG_FILE]
     for entry in sorted(p.name for p in root.iterdir()):
         if entry != CONFIG_FILE and any(fnmatch.fnmatchcase(entry, g) for g in COMPANIONS):
@@ -155,9 +159,80 @@ def config_beside(src: str | os.PathLike) -> Path | None:
 
 
 def copy_files(config: HfConfig, dst: Path) -> None:
-    """Copy the config directory's files into ``dst`` (the staged output), each flushed to disk."""
+    """Copy the config directory's files into ``dst`` (the staged output), each flushed to disk.
+
+    ``config.json`` is written with its dtype changed when ``config.dtype`` says so
+    (``with_dtype``), keys sorted and indented as ``save_pretrained`` writes it.
+    """
     for name in config.files:
-        copy_file(config.root / name, dst / name, config.root)
+        if name == CONFIG_FILE and config.dtype is not None:
+            text = json.dumps(_retyped(config.config, config.dtype), indent=2, sort_keys=True)
+            with writing(dst / name), open(dst / name, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            copy_file(config.root / name, dst / name, config.root)
+
+
+# The keys transformers keeps a model's dtype under: ``dtype`` (5.x), ``torch_dtype`` (4.x).
+_DTYPE_KEYS = ("dtype", "torch_dtype")
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16")
+
+
+def _said_dtypes(config: dict) -> list[str]:
+    """Return the dtypes ``config`` (its sub-configs too) names under ``_DTYPE_KEYS``."""
+    out, todo = [], [config]
+    while todo:
+        node = todo.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                todo.append(value)
+            elif key in _DTYPE_KEYS and value in _DTYPE_NAMES:
+                out.append(value)
+    return out
+
+
+def _retyped(config: dict, dtype: str) -> dict:
+    """Return ``config`` with every dtype it names (``_said_dtypes``) replaced by ``dtype``."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            value = _retyped(value, dtype)
+        elif key in _DTYPE_KEYS and value in _DTYPE_NAMES:
+            value = dtype
+        out[key] = value
+    return out
+
+
+def weights_dtype(tensors: Mapping[str, object]) -> str | None:
+    """Return the floating dtype holding most of ``tensors``' bytes, as config.json names it."""
+    sizes: dict[str, int] = {}
+    for meta in tensors.values():
+        if isinstance(meta, TensorMeta) and meta.dtype.is_floating_point:
+            name = str(meta.dtype).removeprefix("torch.")
+            sizes[name] = sizes.get(name, 0) + meta.nbytes
+    return max(sorted(sizes), key=sizes.__getitem__) if sizes else None
+
+
+def with_dtype(
+    config: HfConfig, tensors: Mapping[str, object], note: Callable[[str], None]
+) -> HfConfig:
+    """Return ``config`` to be written saying the dtype of DST's weights, with a note when it said another.
+
+    ``from_pretrained`` loads weights in the dtype ``config.json`` names: a float32
+    export under a config saying bfloat16 would load rounded, a bfloat16 one under
+    float32 would load widened.
+    """
+    dtype = weights_dtype(tensors)
+    said = sorted(set(_said_dtypes(config.config)) - {dtype})
+    if dtype not in _DTYPE_NAMES or not said:
+        return config
+    note(
+        f"'{config.root / CONFIG_FILE}' says dtype {', '.join(said)} but DST's weights are "
+        f"{dtype}: writing {dtype} in DST's config.json, so from_pretrained loads them as written"
+    )
+    return replace(config, dtype=dtype)
 
 
 def build_limit(tensors: int) -> int:
@@ -171,7 +246,7 @@ def build_limit(tensors: int) -> int:
     return 2 * tensors + 1000
 
 
-class _OutOfProportion(Exception):
+class OutOfProportion(Exception):
     """``config.json`` describes a model far larger than DST: what it claims, as a phrase."""
 
 
@@ -196,9 +271,9 @@ def _check_claims(config: dict, limit: int, largest: int) -> None:
             if not isinstance(value, int) or isinstance(value, bool):
                 continue
             if _LAYER_COUNT.search(key) and value > limit:
-                raise _OutOfProportion(f"{key} is {value}")
+                raise OutOfProportion(f"{key} is {value}")
             if key == "num_labels" and value > largest:
-                raise _OutOfProportion(
+                raise OutOfProportion(
                     f"num_labels is {value}, more than the {largest} elements of DST's "
                     "largest tensor"
                 )
@@ -206,7 +281,7 @@ def _check_claims(config: dict, limit: int, largest: int) -> None:
 
 @contextmanager
 def _registering_at_most(limit: int, claim: str) -> Iterator[None]:
-    """Within the block, raise ``_OutOfProportion(claim)`` once modules register over ``limit`` tensors."""
+    """Within the block, raise ``OutOfProportion(claim)`` once modules register over ``limit`` tensors."""
     from torch.nn.modules import module
 
     count = 0
@@ -215,7 +290,7 @@ def _registering_at_most(limit: int, claim: str) -> Iterator[None]:
         nonlocal count
         count += 1
         if count > limit:
-            raise _OutOfProportion(claim)
+            raise OutOfProportion(claim)
 
     handles = [
         module.register_module_parameter_registration_hook(counting),
@@ -228,94 +303,176 @@ def _registering_at_most(limit: int, claim: str) -> Iterator[None]:
             handle.remove()
 
 
-def expected_names(config: HfConfig, limit: int, largest: int) -> tuple[set[str], set[str]] | None:
-    """Return the weight names of the model ``config`` describes and those it ties, or None.
+@dataclass(frozen=True)
+class Expected:
+    """The model ``config.json`` describes, as transformers builds it: its class, weights, ties."""
 
-    None when that cannot be told cheaply: ``transformers`` is not installed, or does
-    not know the architecture (a model with its own code is never imported here).
-    ``_OutOfProportion`` when the model would register more than ``limit`` tensors, or
-    the config claims counts out of proportion (``_check_claims``).
+    model: str
+    """The class built, as messages name it (``LlamaForCausalLM``, with the ``model_type`` it was chosen by)."""
+    names: frozenset[str]
+    """Its state dict's names."""
+    tied: Mapping[str, str]
+    """Each name ``save_pretrained`` leaves out, with the name of the weight it is tied to."""
+
+
+# The heads a config without ``architectures`` is tried as, in this order: a language
+# model first (what most exports are), then the bare model and the other common heads.
+_AUTO_HEADS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+)
+
+
+def _model_classes(config: dict, transformers) -> tuple[list[tuple[str, type]], str]:
+    """Return the transformers classes ``config`` may describe (named as messages say), or why none."""
+
+    def model_class(name: object) -> type | None:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        ok = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+        return cls if ok else None
+
+    archs = config.get("architectures")
+    if archs is not None:
+        if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+            return [], f"its 'architectures' is {json.dumps(archs)}, not one class name"
+        # Only a model class of transformers' own is built: the name comes from a file.
+        cls = model_class(archs[0])
+        if cls is None:
+            return [], f"transformers has no model class '{archs[0]}'"
+        return [(archs[0], cls)], ""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        return [], "it names neither 'architectures' nor 'model_type'"
+    from transformers.models.auto import modeling_auto
+
+    found: list[tuple[str, type]] = []
+    for mapping in _AUTO_HEADS:
+        name = getattr(modeling_auto, mapping, {}).get(model_type)
+        cls = model_class(name)
+        if cls is not None and all(cls is not c for _, c in found):
+            found.append((f"{name} (model_type '{model_type}')", cls))
+    if not found:
+        return (
+            [],
+            f"it names no 'architectures', and transformers knows no model_type '{model_type}'",
+        )
+    return found, ""
+
+
+def expected_names(
+    config: HfConfig, limit: int, largest: int, names: Collection[str] = ()
+) -> Expected | str:
+    """Return the model ``config`` describes (``Expected``), or why that cannot be told cheaply.
+
+    Cannot be told: ``transformers`` is not installed, or does not know the model (a
+    model with its own code is never imported here). A config without ``architectures``
+    (what ``LlamaConfig(...).save_pretrained`` writes) is built as each head its
+    ``model_type`` has in transformers' auto classes, and the one ``names`` fits best is
+    taken. ``OutOfProportion`` when the model would register more than ``limit``
+    tensors, or the config claims counts out of proportion (``_check_claims``).
     """
-    archs = config.config.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
-        return None
     try:
         import torch
         import transformers
     except ImportError:
-        return None
-    # Only a model class of transformers' own is built: the name comes from a file.
-    cls = getattr(transformers, archs[0], None)
-    model_class = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
-    if not model_class or config.config.get("auto_map"):
-        return None
+        return "transformers is not installed"
+    if config.config.get("auto_map"):
+        return "its model has its own code (auto_map), which shardckpt does not run"
+    classes, why = _model_classes(config.config, transformers)
+    if not classes:
+        return why
     _check_claims(config.config, limit, largest)
-    try:
-        conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
-        claim = f"the {archs[0]} model it describes has more weights than DST"
-        with torch.device("meta"), _registering_at_most(limit, claim):
-            model = cls(conf)
-    except _OutOfProportion:
-        raise
-    except Exception:  # noqa: BLE001 - any failure means "cannot tell cheaply"
-        return None
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    return set(model.state_dict()), set(tied)
+    built: list[Expected] = []
+    for name, cls in classes:
+        try:
+            conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
+            claim = f"the {name.split()[0]} model it describes has more weights than DST"
+            with torch.device("meta"), _registering_at_most(limit, claim):
+                model = cls(conf)
+        except OutOfProportion:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure means "cannot tell cheaply"
+            why = f"transformers could not build its {name} ({type(exc).__name__})"
+            continue
+        tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+        built.append(Expected(name, frozenset(model.state_dict()), tied))
+    if not built:
+        return why
+    given = set(names)
+    # The head ``names`` fits best: fewest weights DST would lack, then fewest extra.
+    return min(built, key=lambda e: (len(e.names - given - set(e.tied)), len(given - e.names)))
 
 
 def check_names(
     config: HfConfig, tensors: Mapping[str, object], note: Callable[[str], None]
-) -> bool:
-    """Return whether DST's ``tensors`` (name to metadata) load into the model ``config`` describes.
+) -> HfConfig | None:
+    """Return ``config`` with the ties DST leaves out, when DST's ``tensors`` (name to metadata) load into its model.
 
-    An explicit ``--hf-config`` whose model lacks a weight DST holds, or has one DST
-    lacks, is refused (one line, the first name and the count); a detected one is
-    only left out, with a ``note``. Unexpected names alone are a note: ``from_pretrained``
-    ignores them. A config out of proportion with DST (``build_limit``) is refused
-    before its model is built (exit 3), or, detected, left out with a note.
+    None when a detected config is left out. An explicit ``--hf-config`` whose model
+    lacks a weight DST holds, or has one DST lacks, is refused (one line, the first name
+    and the count); a detected one is only left out, with a ``note``. Unexpected names
+    alone are a note: ``from_pretrained`` ignores them. A config out of proportion with
+    DST (``build_limit``) is refused before its model is built (exit 3), or, detected,
+    left out with a note. A model that cannot be built says so in a note: the check
+    did not run.
     """
     names = set(tensors)
     limit = build_limit(len(names))
     largest = max((t.numel for t in tensors.values() if isinstance(t, TensorMeta)), default=0)
+    where = config.root / CONFIG_FILE
     try:
-        expected = expected_names(config, limit, largest)
-    except _OutOfProportion as exc:
-        where = config.root / CONFIG_FILE
+        expected = expected_names(config, limit, largest, names)
+    except OutOfProportion as exc:
         what = (
             f"{exc}: a model that large is not built to check DST's "
             f"{counted(len(names), 'tensor')} (at most {limit} weights)"
         )
         if config.detected:
             note(f"'{where}': {what}: not copying it (pass --hf-config DIR)")
-            return False
+            return None
         raise BadInputError(
             what,
             path=where,
             hint="pass --hf-config the directory of the model these weights belong to",
         ) from None
-    if expected is None:
-        return True
-    model, tied = expected
-    missing = sorted(model - names - tied)
-    unexpected = sorted(names - model)
-    where = config.root / CONFIG_FILE
+    if isinstance(expected, str):
+        note(
+            f"'{where}': not checking DST's weight names against the model it describes: {expected}"
+        )
+        return config
+    missing = sorted(expected.names - names - set(expected.tied))
+    unexpected = sorted(names - expected.names)
     if missing:
         first = missing[0]
         hint = _rename_hint(missing, unexpected)
         what = (
-            f"the {config.config['architectures'][0]} model of '{where}' has "
+            f"the {expected.model} model of '{where}' has "
             f"{counted(len(missing), 'weight')} DST would lack, e.g. '{first}'"
         )
         if config.detected:
             note(f"{what}: not copying it ({hint}, or pass --hf-config DIR)")
-            return False
+            return None
         raise UsageError(f"--hf-config: {what}", path=config.root, hint=hint)
     if unexpected:
         note(
             f"{counted(len(unexpected), 'tensor')} of DST not among the weights of the model "
             f"in '{where}', e.g. '{unexpected[0]}': from_pretrained will ignore them"
         )
-    return True
+    return replace(config, tied=tied_in(expected.tied, tensors))
+
+
+def tied_in(tied: Mapping[str, str], tensors: Mapping[str, object]) -> dict[str, str]:
+    """Return the ties of ``tied`` (name to the weight it is tied to) whose both ends ``tensors`` holds alike."""
+    out = {}
+    for name, source in sorted(tied.items()):
+        a, b = tensors.get(name), tensors.get(source)
+        if isinstance(a, TensorMeta) and isinstance(b, TensorMeta):
+            if (a.shape, a.dtype) == (b.shape, b.dtype):
+                out[name] = source
+    return out
 
 
 def _rename_hint(missing: list[str], unexpected: list[str]) -> str:

@@ -1,4 +1,7 @@
-"""``hf``: a Hugging Face directory of ``model-0000i-of-0000n.safetensors`` shards + index.
+"""``hf``: a Hugging Face model directory: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards + index.
+
+Read: either, as ``from_pretrained`` reads them (``model.safetensors`` first), tied weights
+``save_pretrained`` left out given back (``formats.hf.tied``). Written: shards + index.
 
 ``model.safetensors.index.json`` is ``{"metadata": {"total_size": N}, "weight_map":
 {name: shard file}}``. It holds model weights only, named by FQN without a ``model.``
@@ -19,6 +22,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,13 +30,22 @@ from safetensors import safe_open
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
+from shardckpt.formats.dcp import hf_storage
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
 from shardckpt.formats.hf.safetensors_file import framed, layout, opened, read_rows, tensor_meta
+from shardckpt.formats.hf.tied import source_ties, with_ties
 from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+"""What ``save_pretrained`` writes, without an index, for a model under ``max_shard_size``."""
+# What a transformers Trainer saves beside the model in its checkpoint-N/: not weights.
+_TRAINER_STATE = re.compile(
+    r"optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|trainer_state\.json"
+    r"|training_args\.bin"
+)
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 
 
@@ -89,7 +102,9 @@ class HfWriter(Writer):
 
     def __init__(self, root: Path, plan):
         super().__init__(root, plan)
-        named = list(plan.tree["model"].items())
+        # What save_pretrained leaves out of a tied model (``config.check_names``).
+        tied = plan.hf_config.tied if plan.hf_config is not None else {}
+        named = [(n, meta) for n, meta in plan.tree["model"].items() if n not in tied]
         max_size = plan.max_shard_size or DEFAULT_MAX_SHARD_SIZE
         shards = plan_shards([meta for _, meta in named], max_size)
         name = {meta.key: n for n, meta in named}
@@ -122,13 +137,18 @@ class HfWriter(Writer):
 
 
 class HfReader(Reader):
-    """Reads a Hugging Face shard directory through its index; rows with ``get_slice``."""
+    """Reads a Hugging Face model directory (``model.safetensors``, or shards and their index); rows with ``get_slice``.
+
+    A directory with both is read as ``from_pretrained`` reads it: ``model.safetensors``.
+    Tied weights ``save_pretrained`` left out come back as the model holds them
+    (``formats.hf.tied``): read from the weight each is tied to.
+    """
 
     format = "hf"
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        weight_map = self._read_index()
+        weight_map = self._read_single() if self.single else self._read_index()
         self._file: dict[str, str] = {}
         self._metas: dict[str, TensorMeta] = {}
         self._digests: dict[str, Digests | None] = {}
@@ -138,14 +158,52 @@ class HfReader(Reader):
                 self._file[name] = file
                 self._metas[name] = meta
             self._digests[file] = read_digests(self.src / file)
+        self._tied: dict[str, str] = {}
+        ties = source_ties(self.src, self._metas)
+        self.untold = ties if isinstance(ties, str) else None
+        """Why the ties ``config.json`` says cannot be given back, or None."""
+        self.tie(ties if isinstance(ties, dict) else {})
+
+    @property
+    def single(self) -> bool:
+        """Whether the weights are one ``model.safetensors``, which ``from_pretrained`` reads first."""
+        return has_file(self.src / SINGLE_FILE, self.src)
+
+    def tie(self, ties: Mapping[str, str]) -> None:
+        """Give each tied name of ``ties`` (name to the weight it is tied to) that the files lack."""
+        metas = with_ties(self._metas, ties)
+        self._tied.update({name: ties[name] for name in metas if name not in self._metas})
+        self._metas = metas
+
+    def notes(self) -> list[str]:
+        """Say which weights are given back tied, and an index left unread beside ``model.safetensors``."""
+        out = [
+            f"model.{name}: not in the files (save_pretrained leaves it out): read as "
+            f"model.{source}, which it is tied to"
+            for name, source in self._tied.items()
+        ]
+        if self.untold is not None:
+            out.append(self.untold)
+        if self.single and has_file(self.src / INDEX_FILE, self.src):
+            out.append(
+                f"reading {SINGLE_FILE}, as from_pretrained does; {INDEX_FILE} and its "
+                "shards beside it are not read"
+            )
+        return out
+
+    def _read_single(self) -> dict[str, str]:
+        path = self.src / SINGLE_FILE
+        with opened(path, "the file is truncated or damaged; re-copy it") as f:
+            return {name: SINGLE_FILE for name in f.offset_keys()}
 
     def _read_index(self) -> dict[str, str]:
         index_path = self.src / INDEX_FILE
         if not has_file(index_path, self.src):
             raise BadInputError(
-                f"no '{INDEX_FILE}' in this directory",
+                f"no '{SINGLE_FILE}' or '{INDEX_FILE}' in this directory",
                 path=self.src,
-                hint=f"pass the Hugging Face model directory itself, or {SRC_FORMAT} for another format",
+                hint="pass the directory save_pretrained wrote, or "
+                f"{SRC_FORMAT} for another format",
             )
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -219,12 +277,22 @@ class HfReader(Reader):
         return metas
 
     def index(self) -> Index:
-        return Index(self.format, str(self.src), 1, {"model": dict(self._metas)})
+        return Index(self.format, str(self.src), 1, {"model": dict(self._metas)}, self._trainer)
+
+    @property
+    def _trainer(self) -> tuple[SourcePart, ...]:
+        """A Trainer's state beside the model (its ``checkpoint-N/``): files carried unread."""
+        return tuple(
+            SourcePart(name, "file", None, "a transformers Trainer's state, not model weights")
+            for name in sorted(p.name for p in self.src.iterdir())
+            if _TRAINER_STATE.fullmatch(name)
+        )
 
     def members(self) -> frozenset[str]:
         """Return the index, its shards, and ``config.json`` with the friends an ``hf`` DST gets."""
         configs = hf_config(self.src).files if (self.src / CONFIG_FILE).exists() else ()
-        return frozenset({INDEX_FILE, *self._file.values(), *configs})
+        index = () if self.single else (INDEX_FILE,)
+        return frozenset({*index, *self._file.values(), *configs})
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
@@ -232,11 +300,17 @@ class HfReader(Reader):
         out: list[torch.Tensor | None] = [None] * len(metas)
         by_file: dict[str, list[int]] = {}
         for i, meta in enumerate(metas):
-            by_file.setdefault(self._file[meta.key], []).append(i)
+            by_file.setdefault(self._file[self._tied.get(meta.key, meta.key)], []).append(i)
         for file, positions in by_file.items():
             with safe_open(self.src / file, framework="pt") as f:
                 for i in positions:
-                    out[i] = read_rows(f, metas[i], rows[i], self._digests[file])
+                    meta = metas[i]
+                    if meta.key in self._tied:
+                        # Its weight's bytes, checked where that weight is read itself.
+                        meta = replace(meta, key=self._tied[meta.key])
+                        out[i] = read_rows(f, meta, rows[i], None)
+                    else:
+                        out[i] = read_rows(f, meta, rows[i], self._digests[file])
         return out  # type: ignore[return-value]
 
     def tensor_digests(self) -> dict[str, int]:
@@ -248,5 +322,8 @@ class HfReader(Reader):
 
 
 def is_hf_dir(path: Path) -> bool:
-    """Return whether ``path`` holds a Hugging Face ``model.safetensors.index.json``."""
-    return has_file(path / INDEX_FILE, path)
+    """Return whether ``path`` holds what ``from_pretrained`` reads: ``model.safetensors`` or an index."""
+    if has_file(path / INDEX_FILE, path):
+        return True
+    # A stray model.safetensors beside torch's rank shards is theirs to name (hf-storage).
+    return has_file(path / SINGLE_FILE, path) and not hf_storage.looks_like(path)
