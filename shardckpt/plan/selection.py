@@ -146,7 +146,7 @@ class FqnEdits:
             elif any(where and pattern.search(_shown(fqn, where)) for fqn, where in current):
                 self._by_path.append(True)
             else:
-                raise _unmatched(self.src, edit)
+                raise _unmatched(self.src, edit, current, first=i == 0)
             edited = [(self._edit(i, fqn, where), where) for fqn, where in current]
             current = [(fqn, where) for fqn, where in edited if fqn is not None]
 
@@ -184,15 +184,23 @@ def _shown(fqn: str, where: Path) -> str:
     return dotted((*where, fqn))
 
 
-def _unmatched(src: str, edit: FqnEdit) -> UsageError:
+def _unmatched(
+    src: str, edit: FqnEdit, names: Sequence[tuple[str, Path]], first: bool
+) -> UsageError:
+    """Return the error for ``edit``, which finds none of ``names`` (what the edits before it left)."""
     option = "--drop" if edit.repl is None else "--rename"
     text = edit.pattern if edit.repl is None else f"{edit.pattern}={edit.repl}"
-    return UsageError(
-        f"{option} '{text}' matches no tensor's name",
-        path=src,
-        hint="a pattern is matched (re.search) against each FQN (blocks.0.w) and the path "
-        "`shardckpt inspect` prints for it (model.blocks.0.w)",
-    )
+    if not names:
+        hint = (
+            "the checkpoint holds no tensor to rename or drop"
+            if first
+            else "the edits before it left no tensor to match"
+        )
+    else:
+        fqn, where = names[0]
+        shown = f", or as `shardckpt inspect` prints it, '{_shown(fqn, where)}'" if where else ""
+        hint = f"patterns are matched (re.search) against names such as '{fqn}'{shown}"
+    return UsageError(f"{option} '{text}' matches no tensor's name", path=src, hint=hint)
 
 
 def _compile(option: str, text: str, pattern: str) -> re.Pattern:

@@ -58,6 +58,9 @@ def assert_nothing_left(dst) -> None:
     assert sorted(p.name for p in dst.parent.iterdir() if "shardckpt" in p.name) == []
 
 
+HINT = "patterns are matched (re.search) against names such as '{}', or as `shardckpt inspect` prints it, 'model.{}'"
+
+
 @pytest.mark.parametrize(
     ("edits", "named"),
     [
@@ -78,10 +81,10 @@ def test_a_pattern_that_matches_nothing_is_a_usage_error_naming_it(
     dst.parent.mkdir()
     code, out, err = cli(capsys, "convert", src, dst, "--to", *to, *edits)
     assert (code, out) == (2, "")
+    # The hint shows a name as the edits before this one left it.
+    first = "blocks.0.w" if "blocks." in " ".join(edits) else "model.layers.0.w"
     assert err == [
-        f"shardckpt: error: '{src}': {named} matches no tensor's name: a pattern is matched "
-        "(re.search) against each FQN (blocks.0.w) and the path `shardckpt inspect` prints for "
-        "it (model.blocks.0.w)"
+        f"shardckpt: error: '{src}': {named} matches no tensor's name: {HINT.format(first, first)}"
     ]
     assert_nothing_left(dst)
 
@@ -170,6 +173,30 @@ def test_an_id_keyed_optimizer_is_renamed_with_its_model_by_path(capsys, tmp_pat
         for k in got["model"]
         if k in {p for g in got["optim"]["param_groups"] for p in g["params"]}
     )
+
+
+@pytest.mark.parametrize(
+    ("tree", "edits", "hint"),
+    [
+        ({"epoch": 1}, ["--drop", "w"], "the checkpoint holds no tensor to rename or drop"),
+        (
+            {"w": torch.zeros(2)},
+            ["--drop", "w", "--rename", "w=v"],
+            "the edits before it left no tensor to match",
+        ),
+    ],
+)
+def test_a_pattern_with_nothing_left_to_match_says_so(capsys, tmp_path, tree, edits, hint):
+    torch.save(tree, tmp_path / "src.pt")
+    dst = tmp_path / "out" / "o.pt"
+    dst.parent.mkdir()
+    code, out, err = cli(capsys, "convert", tmp_path / "src.pt", dst, "--to", "full", *edits)
+    named = f"{edits[-2]} '{edits[-1]}'"
+    assert (code, out) == (2, "")
+    assert err == [
+        f"shardckpt: error: '{tmp_path / 'src.pt'}': {named} matches no tensor's name: {hint}"
+    ]
+    assert_nothing_left(dst)
 
 
 def test_a_pattern_reads_every_name_one_way(capsys, src, tmp_path):
