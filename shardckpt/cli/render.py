@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections import defaultdict
+import textwrap
+from collections import Counter, defaultdict
 from typing import NamedTuple
 
 from shardckpt.api import ConvertResult, Inspection, Integrity
@@ -175,33 +176,63 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _wrapped(text: str, room: int) -> list[str]:
+    """Return ``text`` in lines of at most ``room`` columns, broken between words."""
+    if len(text) <= room:
+        return [text]
+    return textwrap.wrap(text, room, break_on_hyphens=False) or [""]
+
+
 def _table(rows: list[_Row], width: int) -> list[str]:
     """Return ``rows`` as lines of at most ``width`` columns where the paths allow it.
 
     Paths are never cut (they are copied into --filter, --drop, --rename): one longer
-    than the column is printed alone, its cells on the next line. Values are shortened
-    to what is left of the line.
+    than its column is printed alone, its cells on the next line. The path column is as
+    wide as keeps the table shortest; a layout longer than the room left wraps within
+    it, and a value is shortened to it.
     """
+    header = rows[0].cells
     cells = [r.cells for r in rows if r.cells]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
-    fixed = sum(len(_GAP) + w for w in widths)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header) - 1)]
+    lead = sum(len(_GAP) + w for w in widths) + len(
+        _GAP
+    )  # the path column's end to the last's start
     longest = max(len(r.path) for r in rows)
-    column = min(longest, max(_MIN_PATH, width - fixed))
-    starts = [column + sum(len(_GAP) + w for w in widths[:i]) + len(_GAP) for i in range(4)]
+    widest = max(min(_MIN_PATH, longest), width - lead - len(header[-1]))
+    fits = sorted({min(len(r.path), widest) for r in rows} | {min(_MIN_PATH, longest)})
+
+    def last(row: _Row, column: int) -> list[str]:
+        room = max(len(header[-1]), width - column - lead)
+        if not row.cells:
+            return [_short(row.text, max(_MIN_VALUE, room))]
+        return _wrapped(row.cells[-1], room)
+
+    # Rows alike in path length and last cell make the table equally tall: count them once.
+    kinds = Counter((len(r.path), r.cells[-1] if r.cells else None) for r in rows)
+
+    def height(column: int) -> int:
+        room = max(len(header[-1]), width - column - lead)
+        return sum(
+            n * ((size > column) + (len(_wrapped(cell, room)) if cell is not None else 1))
+            for (size, cell), n in kinds.items()
+        )
+
+    column = min(reversed(fits), key=height)
     lines = []
     for row in rows:
+        path = row.path
+        if len(path) > column:
+            lines.append(path)
+            path = ""
         if row.cells:
-            rest = _GAP.join(c.ljust(w) for c, w in zip(row.cells, widths))
+            first, *more = last(row, column)
+            middle = "".join(c.ljust(w) + _GAP for c, w in zip(row.cells, widths))
+            lines.append((path.ljust(column) + _GAP + middle + first).rstrip())
+            lines += [" " * (column + lead) + text for text in more]
         else:
-            start = starts[row.at - 1]
-            rest = " " * (start - column - len(_GAP)) + _short(
-                row.text, max(_MIN_VALUE, width - start)
-            )
-        if len(row.path) > column:
-            lines.append(row.path)
-            lines.append((" " * column + _GAP + rest).rstrip())
-        else:
-            lines.append((row.path.ljust(column) + _GAP + rest).rstrip())
+            start = column + sum(len(_GAP) + w for w in widths[: row.at - 1]) + len(_GAP)
+            text = last(row, column)[0] if row.at == len(header) else row.text
+            lines.append((path.ljust(start) + text).rstrip())
     return lines
 
 

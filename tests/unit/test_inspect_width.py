@@ -9,6 +9,7 @@ to what is left; ``--json`` is unchanged.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,25 @@ def test_llama_7b_shapes_and_sizes_fit_too(width, shards):
     words = " ".join(rows).split()
     for path, _ in walk(index.tree):
         assert dotted(path) in words
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_a_long_layout_wraps_within_its_column(capsys, monkeypatch, columns):
+    """Megatron's layouts ('2 stacked layers, each split in 2 on dim 1') run long: they wrap
+    in the last column, under themselves, rather than narrow the path column for all."""
+    monkeypatch.setenv("COLUMNS", columns)
+    golden = Path(__file__).parents[1] / "goldens" / "megatron" / "gpt-tp2"
+    rows = table(inspect_out(capsys, golden))
+    assert max(len(line) for line in rows) <= int(columns)
+    at = rows[0].index("LAYOUT / VALUE")
+    start = next(
+        i for i, line in enumerate(rows) if line.startswith("decoder.layers.mlp.linear_fc1.weight")
+    )
+    cells = rows[start] if rows[start].split()[1:] else rows[start + 1]
+    end = rows.index(cells) + 1
+    while end < len(rows) and rows[end][:at].strip() == "" and rows[end][at:].strip():
+        end += 1  # the layout's further lines
+    layout = " ".join(line[at:].strip() for line in rows[rows.index(cells) : end])
+    assert layout == "2 stacked layers, each split in 2 on dim 1"
+    if columns == "100":  # room for the paths that fit beside their cells
+        assert rows[1].split()[:2] == ["embedding.word_embeddings.weight", "64x16"]
