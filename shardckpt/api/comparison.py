@@ -55,9 +55,9 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
     a, b = request.a, request.b
 
     def open_both():
-        with source_option("--format-a"):
+        with source_option("--from-a"):
             ra = open_reader(a, request.format_a, request.trust_pickle)
-        with source_option("--format-b"):
+        with source_option("--from-b"):
             return ra, open_reader(b, request.format_b, request.trust_pickle)
 
     sel = Selection(
@@ -180,8 +180,8 @@ def _side_option(error: ShardckptError, a: str | os.PathLike, b: str | os.PathLi
     """Return diff's format option for the side whose files ``error`` concerns."""
     if error.path is not None:
         where = Path(error.path).resolve()
-        for side, option in ((b, "--format-b"), (a, "--format-a")):
+        for side, option in ((b, "--from-b"), (a, "--from-a")):
             root = Path(side).resolve()
             if where == root or root in where.parents:
                 return option
-    return "--format-a or --format-b"
+    return "--from-a or --from-b"

@@ -41,7 +41,7 @@ class Inspection:
     """With ``verify``: what reading every byte found (``api.verify``)."""
 
 
-@source_option("--format")
+@source_option("--from")
 def inspect(
     request: InspectRequest, runtime: Runtime | None = None, progress: Progress | None = None
 ) -> Inspection:

@@ -68,7 +68,7 @@ class Integrity:
         return self.bytes - self.checked_bytes
 
 
-@source_option("--format")
+@source_option("--from")
 def verify(
     request: VerifyRequest, runtime: Runtime | None = None, progress: Progress | None = None
 ) -> Integrity:

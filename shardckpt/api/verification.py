@@ -52,7 +52,7 @@ def verify_output(
         return written, as_stored(tree) if as_str else tree
 
     try:
-        with source_option("--format"):
+        with source_option("--from"):
             written, tree = runtime.agreed(written_reader)
         progress.begin(sum(m.nbytes for _, m in tensor_leaves(expected)), "verify")
         check = compare(

@@ -78,10 +78,14 @@ def _record_for_torchrun(error: ShardckptError) -> None:
     if not path:
         return
     line = f"shardckpt: error: {error.line()}"
+    # torchrun's root cause is the failure with the earliest (whole-second) timestamp, ties
+    # going to the lowest rank: a rank stopped by another's error dates its record a second
+    # later, so the root cause is where the error happened, said as it was.
+    when = int(time.time()) + isinstance(error, RemoteRankError)
     record = {
         "message": {
             "message": line,
-            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+            "extraInfo": {"py_callstack": line, "timestamp": str(when)},
         }
     }
     # The summary is a courtesy: the error line is already on stderr, so a failed write is ignored.

@@ -21,6 +21,7 @@ from shardckpt.cli.options import (
     emit_notes,
     only_option,
     parse_size,
+    source_format_option,
 )
 from shardckpt.core.errors import EXIT_DIFFERENT
 
@@ -52,12 +53,10 @@ def diff(
         ),
     ] = 0.0,
     fmt_a: Annotated[
-        str | None,
-        typer.Option("--format-a", metavar="FORMAT", help="Format of A (default: detected)."),
+        str | None, source_format_option("--from-a", "Format of A (default: detected).")
     ] = None,
     fmt_b: Annotated[
-        str | None,
-        typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected)."),
+        str | None, source_format_option("--from-b", "Format of B (default: detected).")
     ] = None,
     only: only_option(
         "Compare all, model (all but optimizers; against a model-only export) or optim."

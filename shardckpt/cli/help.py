@@ -7,6 +7,8 @@ example command (``--world-`` / ``size 4``) so it no longer runs when pasted.
 
 from __future__ import annotations
 
+import copy
+
 from typer.core import TyperCommand
 
 EXAMPLES_INTRO = "Examples (they run as written after `bash scripts/demo.sh`, on its checkpoint):"
@@ -20,6 +22,19 @@ def examples(*lines: str, intro: str = EXAMPLES_INTRO) -> str:
 
 class HelpCommand(TyperCommand):
     """A command whose help names its arguments as their metavars (``SRC``), with no type."""
+
+    def listed_names(self, param) -> list[str]:
+        """Return the names ``--help`` lists for option ``param`` (all of them, here)."""
+        return list(param.opts)
+
+    def _listed(self, param):
+        """Return ``param`` as ``--help`` shows it: only the names ``listed_names`` keeps."""
+        names = self.listed_names(param)
+        if names == list(param.opts):
+            return param
+        shown = copy.copy(param)
+        shown.opts = names
+        return shown
 
     def _arguments(self, ctx):
         return [p for p in self.get_params(ctx) if p.param_type_name == "argument"]
@@ -38,7 +53,8 @@ class HelpCommand(TyperCommand):
         options = [
             record
             for p in self.get_params(ctx)
-            if p.param_type_name == "option" and (record := p.get_help_record(ctx)) is not None
+            if p.param_type_name == "option"
+            and (record := self._listed(p).get_help_record(ctx)) is not None
         ]
         if options:
             with formatter.section("Options"):

@@ -77,7 +77,7 @@ def inspect(
     emit(
         json.dumps(render.inspection_json(result, shards))
         if json_out
-        else render.inspection_text(result, shards)
+        else render.inspection_text(result, shards, render.table_width())
     )
     if result.integrity is not None:
         raise_if_damaged(result.integrity, listed=True)

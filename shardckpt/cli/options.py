@@ -70,12 +70,22 @@ OnlyOpt = only_option(
     "optimizers only."
 )
 
+# The source-format option is ``--from`` in every command (``--from-a``/``--from-b`` in
+# diff), as convert spells it; convert's ``--format`` is the output's. The spellings
+# inspect, verify and diff had before still work, unlisted in --help and with a note.
+OLD_SPELLINGS = {"--format": "--from", "--format-a": "--from-a", "--format-b": "--from-b"}
+
+
+def source_format_option(name: str, help: str) -> typer.Option:
+    """Return the source-format option ``name`` (``--from``), its old spelling an unlisted alias."""
+    old = next(o for o, new in OLD_SPELLINGS.items() if new == name)
+    return typer.Option(name, old, metavar="FORMAT", help=help)
+
+
 # Option types shared by the commands.
 SrcFormat = Annotated[
     str | None,
-    typer.Option(
-        "--format", metavar="FORMAT", help=f"Source format (default: detected): {ALL_FORMATS}."
-    ),
+    source_format_option("--from", f"Source format (default: detected): {ALL_FORMATS}."),
 ]
 Filters = Annotated[
     list[str] | None,
@@ -214,7 +224,13 @@ class RawArgsCommand(HelpCommand):
         ctx.meta[_RAW_ARGS] = list(args)
         rest = super().parse_args(ctx, args)
         _refuse_repeats(ctx)
+        emit_notes(_old_spellings(ctx))
         return rest
+
+    def listed_names(self, param) -> list[str]:
+        """Return the names ``--help`` lists for ``param``: all but an old spelling beside its new one."""
+        names = super().listed_names(param)
+        return [n for n in names if OLD_SPELLINGS.get(n) not in names]
 
 
 def _option_params(ctx) -> dict[str, object]:
@@ -266,6 +282,16 @@ def _refuse_repeats(ctx) -> None:
                 hint="pass it once: it is not repeatable, and only the last would count",
             )
         raise UsageError(f"{first} and {name} both given", hint="keep one of them")
+
+
+def _old_spellings(ctx) -> list[str]:
+    """Return a note for each old spelling of an option in the raw arguments (``--format``)."""
+    params = _option_params(ctx)
+    return [
+        f"{name} is spelled {new} now ({ctx.info_name} {name} still works)"
+        for name, _ in _given(ctx)
+        if (new := OLD_SPELLINGS.get(name)) in params and params[new] is params[name]
+    ]
 
 
 def in_given_order(ctx: typer.Context, names: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+import shutil
+import textwrap
+from collections import Counter, defaultdict
+from typing import NamedTuple
 
 from shardckpt.api import ConvertResult, Inspection, Integrity
 from shardckpt.core.progress import human_bytes
@@ -12,6 +15,8 @@ from shardckpt.engine.compare import DiffResult
 from shardckpt.state.tree import TensorMeta, dotted, path_to_json
 
 SCHEMA_VERSION = 1
+TABLE_WIDTH = (80, 100)
+"""The narrowest and the widest ``inspect`` table: the terminal's width, within these."""
 
 
 def dtype_name(dtype) -> str:
@@ -94,23 +99,23 @@ def inspection_json(insp: Inspection, shards: bool = False) -> dict:
     return doc
 
 
-def inspection_text(insp: Inspection, shards: bool = False) -> str:
-    """Return the readable ``inspect`` report: leaves table, optimizers, totals."""
+def inspection_text(insp: Inspection, shards: bool = False, width: int = TABLE_WIDTH[1]) -> str:
+    """Return the readable ``inspect`` report: leaves table (``width`` columns), optimizers, totals."""
     doc = inspection_json(insp, shards)
     lines = [f"{insp.index.src}: format {doc['format']}, world size {doc['world_size'] or '-'}", ""]
-    rows = [("PATH", "SHAPE", "DTYPE", "BYTES", "LAYOUT / VALUE")]
+    rows: list[_Row] = [_Row("PATH", ("SHAPE", "DTYPE", "BYTES", "LAYOUT / VALUE"))]
     for e, (_, leaf) in zip(doc["entries"], insp.leaves):
         name = dotted(tuple(e["path"]))
         if e["kind"] == "tensor":
             shape = "x".join(map(str, e["shape"])) or "()"
-            rows.append((name, shape, e["dtype"], human_bytes(e["nbytes"]), e["layout"]))
-            for s in e.get("shards", []):
-                rows.append(
-                    ("", f"  rank {s['rank']}", f"at {s['offsets']}", f"size {s['sizes']}", "")
-                )
+            rows.append(_Row(name, (shape, e["dtype"], human_bytes(e["nbytes"]), e["layout"])))
+            rows += [
+                _Row("", (), f"  rank {s['rank']} at {s['offsets']} size {s['sizes']}", 1)
+                for s in e.get("shards", [])
+            ]
         else:
-            rows.append((name, "", "", "", _short(repr(leaf))))
-    lines += _table(rows)
+            rows.append(_Row(name, (), repr(leaf), 4))
+    lines += _table(rows, width)
     for o in doc["optimizers"]:
         lines += [
             "",
@@ -147,13 +152,88 @@ def inspection_text(insp: Inspection, shards: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _short(text: str, width: int = 60) -> str:
+_GAP = "  "
+_MIN_PATH = 24
+_MIN_VALUE = 12
+
+
+def table_width() -> int:
+    """Return the width ``inspect``'s table fits: the terminal's, within ``TABLE_WIDTH`` (not a terminal: the widest)."""
+    narrowest, widest = TABLE_WIDTH
+    return min(widest, max(narrowest, shutil.get_terminal_size((widest, 24)).columns))
+
+
+class _Row(NamedTuple):
+    """A row of ``inspect``'s table: the path, then a cell per column, or one text from column ``at``."""
+
+    path: str
+    cells: tuple[str, ...]
+    text: str = ""
+    at: int = 1
+
+
+def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+def _wrapped(text: str, room: int) -> list[str]:
+    """Return ``text`` in lines of at most ``room`` columns, broken between words."""
+    if len(text) <= room:
+        return [text]
+    return textwrap.wrap(text, room, break_on_hyphens=False) or [""]
+
+
+def _table(rows: list[_Row], width: int) -> list[str]:
+    """Return ``rows`` as lines of at most ``width`` columns where the paths allow it.
+
+    Paths are never cut (they are copied into --filter, --drop, --rename): one longer
+    than its column is printed alone, its cells on the next line. The path column is as
+    wide as keeps the table shortest; a layout longer than the room left wraps within
+    it, and a value is shortened to it.
+    """
+    header = rows[0].cells
+    cells = [r.cells for r in rows if r.cells]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header) - 1)]
+    lead = sum(len(_GAP) + w for w in widths) + len(
+        _GAP
+    )  # the path column's end to the last's start
+    longest = max(len(r.path) for r in rows)
+    widest = max(min(_MIN_PATH, longest), width - lead - len(header[-1]))
+    fits = sorted({min(len(r.path), widest) for r in rows} | {min(_MIN_PATH, longest)})
+
+    def last(row: _Row, column: int) -> list[str]:
+        room = max(len(header[-1]), width - column - lead)
+        if not row.cells:
+            return [_short(row.text, max(_MIN_VALUE, room))]
+        return _wrapped(row.cells[-1], room)
+
+    # Rows alike in path length and last cell make the table equally tall: count them once.
+    kinds = Counter((len(r.path), r.cells[-1] if r.cells else None) for r in rows)
+
+    def height(column: int) -> int:
+        room = max(len(header[-1]), width - column - lead)
+        return sum(
+            n * ((size > column) + (len(_wrapped(cell, room)) if cell is not None else 1))
+            for (size, cell), n in kinds.items()
+        )
+
+    column = min(reversed(fits), key=height)
+    lines = []
+    for row in rows:
+        path = row.path
+        if len(path) > column:
+            lines.append(path)
+            path = ""
+        if row.cells:
+            first, *more = last(row, column)
+            middle = "".join(c.ljust(w) + _GAP for c, w in zip(row.cells, widths))
+            lines.append((path.ljust(column) + _GAP + middle + first).rstrip())
+            lines += [" " * (column + lead) + text for text in more]
+        else:
+            start = column + sum(len(_GAP) + w for w in widths[: row.at - 1]) + len(_GAP)
+            text = last(row, column)[0] if row.at == len(header) else row.text
+            lines.append((path.ljust(start) + text).rstrip())
+    return lines
 
 
 # ---------------------------------------------------------------- convert

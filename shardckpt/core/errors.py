@@ -19,7 +19,7 @@ EXIT_DST_EXISTS = 5
 
 SRC_FORMAT = "<source-format option>"
 """Stands in a hint for the option that names a source's format, which differs by command
-(convert --from, inspect --format, diff --format-a/--format-b); ``source_option`` puts it in."""
+(``--from``, diff's ``--from-a``/``--from-b``); ``source_option`` puts it in."""
 
 
 class ShardckptError(Exception):

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from shardckpt.core.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index
 from shardckpt.state.choices import ONLY, OPTIM_KEYS
-from shardckpt.state.optim import GroupError, ModelParams, OrderError, RekeyError, rekey
+from shardckpt.state.optim import (
+    GroupError,
+    ModelParams,
+    OrderError,
+    RekeyError,
+    fqn_names,
+    rekey,
+)
 from shardckpt.state.tree import (
     Path,
     TensorMeta,
@@ -103,21 +110,97 @@ class Selection:
         if self.optim_keys not in OPTIM_KEYS:
             raise UsageError(f"--optim-keys must be keep, fqn, id or flat, not {self.optim_keys!r}")
 
-    def fqn_map(self):
-        """Return the function ``--rename`` and ``--drop`` apply to an FQN, or None for neither."""
-        if not self.edits:
-            return None
-        edits = [(re.compile(e.pattern), e.repl) for e in self.edits]
+    def fqn_map(self, src: str = "") -> FqnEdits | None:
+        """Return the ``--rename``/``--drop`` edits to apply to ``src``'s FQNs, or None for neither."""
+        return FqnEdits(self.edits, src) if self.edits else None
 
-        def apply(fqn: str) -> str | None:
-            for pattern, repl in edits:
-                if repl is not None:
-                    fqn = pattern.sub(repl, fqn)
-                elif pattern.search(fqn):
-                    return None
+
+class FqnEdits:
+    """``--rename`` and ``--drop`` as applied to each FQN, each pattern read one way for all.
+
+    A pattern that finds (``re.search``) an FQN (``blocks.3.w``, the name
+    ``load_state_dict`` takes) acts on FQNs, as it always did; one that finds none acts
+    on the paths ``inspect`` prints (``model.blocks.3.w``: the FQN under the keys it
+    sits under), so a path copied from ``inspect`` works; one that finds neither is a
+    usage error naming it. Each reads the names the edits before it left. A rename by
+    path must leave a tensor under the keys it sits under. A parameter's optimizer state
+    is named by its model tensor's path, so both are renamed (or dropped) alike.
+    """
+
+    def __init__(self, edits: Sequence[FqnEdit], src: str = "") -> None:
+        self.edits = edits
+        self.src = src
+        self._compiled = [re.compile(e.pattern) for e in edits]
+        self._by_path: list[bool] = []
+
+    def plan(self, names: Sequence[tuple[str, Path]]) -> None:
+        """Decide, from every ``(FQN, where its tensor sits)`` of the tree, how each pattern reads.
+
+        Raises ``UsageError`` naming the first pattern that finds no name.
+        """
+        self._by_path = []
+        current = list(names)
+        for i, (edit, pattern) in enumerate(zip(self.edits, self._compiled)):
+            if any(pattern.search(fqn) for fqn, _ in current):
+                self._by_path.append(False)
+            elif any(where and pattern.search(_shown(fqn, where)) for fqn, where in current):
+                self._by_path.append(True)
+            else:
+                raise _unmatched(self.src, edit, current, first=i == 0)
+            edited = [(self._edit(i, fqn, where), where) for fqn, where in current]
+            current = [(fqn, where) for fqn, where in edited if fqn is not None]
+
+    def __call__(self, fqn: str, where: Path) -> str | None:
+        """Return what ``fqn``, whose tensor sits at ``where``, becomes: its new name, or None (dropped)."""
+        for i in range(len(self.edits)):
+            fqn = self._edit(i, fqn, where)
+            if fqn is None:
+                return None
+        return fqn
+
+    def _edit(self, i: int, fqn: str, where: Path) -> str | None:
+        edit, pattern, by_path = self.edits[i], self._compiled[i], self._by_path[i]
+        if by_path and not where:
             return fqn
+        name = _shown(fqn, where) if by_path else fqn
+        if edit.repl is None:
+            return None if pattern.search(name) else fqn
+        renamed = pattern.sub(edit.repl, name)
+        if not by_path:
+            return renamed
+        head = _shown("", where)
+        if not renamed.startswith(head) or renamed == head:
+            raise UsageError(
+                f"--rename '{edit.pattern}={edit.repl}' would move '{name}' to '{renamed}', "
+                f"out of '{dotted(where)}'",
+                path=self.src or None,
+                hint=f"rename what follows '{head}' (to move a subtree, use --unnest/--nest)",
+            )
+        return renamed[len(head) :]
 
-        return apply
+
+def _shown(fqn: str, where: Path) -> str:
+    """Return the path ``inspect`` prints for the tensor ``fqn`` at ``where``."""
+    return dotted((*where, fqn))
+
+
+def _unmatched(
+    src: str, edit: FqnEdit, names: Sequence[tuple[str, Path]], first: bool
+) -> UsageError:
+    """Return the error for ``edit``, which finds none of ``names`` (what the edits before it left)."""
+    option = "--drop" if edit.repl is None else "--rename"
+    text = edit.pattern if edit.repl is None else f"{edit.pattern}={edit.repl}"
+    if not names:
+        hint = (
+            "the checkpoint holds no tensor to rename or drop"
+            if first
+            else "the edits before it left no tensor to match"
+        )
+    else:
+        fqn, where = names[0]
+        shown = f", or as `shardckpt inspect` prints it, '{_shown(fqn, where)}'" if where else ""
+        hint = f"patterns are matched (re.search) against names such as '{fqn}'{shown}"
+    return UsageError(f"{option} '{text}' matches no tensor's name", path=src, hint=hint)
 
 
 def _compile(option: str, text: str, pattern: str) -> re.Pattern:
@@ -236,7 +319,7 @@ def reroot(tree: dict, selection: Selection, src: str) -> tuple[dict, tuple[str,
 
 def _rekey(src: str, tree: dict, selection: Selection) -> dict:
     """Return ``tree`` with ``--rename``/``--drop`` applied and optimizers keyed as asked."""
-    fqn_map = selection.fqn_map()
+    fqn_map = selection.fqn_map(src)
     if selection.optim_keys == "keep" and fqn_map is None:
         return tree
     if selection.optim_keys != "keep" and not find_optimizers(tree):
@@ -245,8 +328,10 @@ def _rekey(src: str, tree: dict, selection: Selection) -> dict:
             path=src,
             hint="drop --optim-keys (it applies to dicts with 'state' and 'param_groups')",
         )
+    if fqn_map is not None:
+        fqn_map.plan(fqn_names(tree))
     try:
-        return rekey(tree, selection.optim_keys, fqn_map, selection.model)
+        out = rekey(tree, selection.optim_keys, fqn_map, selection.model)
     except KeyError as exc:
         raise _collision(
             src, exc, "--rename/--drop", "change the --rename patterns so names stay distinct"
@@ -269,6 +354,7 @@ def _rekey(src: str, tree: dict, selection: Selection) -> dict:
             path=src,
             hint="check the optimizer with `shardckpt inspect`",
         ) from None
+    return out
 
 
 def _holds_tensor(value: object) -> bool:

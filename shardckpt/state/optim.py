@@ -32,8 +32,10 @@ from shardckpt.state.tree import (
     subtree,
 )
 
-# A rename that returns None drops the FQN.
-FqnMap = Callable[[str], "str | None"]
+# A rename that returns None drops the FQN. It is told where the parameter's tensor sits
+# (the path ``inspect`` prints it under, less the FQN): ``("model",)`` for both
+# ``model.w`` and the optimizer's state of ``w`` beside it, so both are renamed alike.
+FqnMap = Callable[[str, Path], "str | None"]
 
 # Inference gives up (and asks for --model) rather than explore more partial assignments.
 MAX_INFERENCE_STATES = 200_000
@@ -447,24 +449,65 @@ def _tensor_leaves(node: Mapping, prefix: Path = ()):
 # ---------------------------------------------------------------- renames and drops
 
 
-def map_fqns(tree: object, fn: FqnMap, prefix: Path = ()) -> object:
+def map_fqns(tree: object, fn: FqnMap, prefix: Path = (), model_at: Path = ()) -> object:
     """Return ``tree`` with ``fn`` applied to FQNs: tensor keys, FQN state keys, ``params`` entries.
 
     A None from ``fn`` drops the tensor, the parameter's state and its ``params`` entry.
     Plain values keep their names. Raises ``KeyError`` naming both originals on a collision.
+    ``fn`` is told where each tensor sits: a model tensor's own container, an optimizer's
+    parameters the model state beside it (``model_at``, found by ``model_beside``).
     """
     if not isinstance(tree, Mapping):
         return tree
+
+    def at_model(fqn: str) -> str | None:
+        return fn(fqn, model_at)
+
     if is_flat_optimizer(tree):
-        return rename_flat(tree, fn, prefix)
+        return rename_flat(tree, at_model, prefix)
     if is_optimizer(tree) and key_type(tree) == "fqn":
-        state = _rename_mapping(tree["state"], fn, prefix + ("state",), lambda _k, _v: True)
-        params = [[n for n in map(fn, p) if n is not None] for p in _groups(tree)]
+        state = _rename_mapping(tree["state"], at_model, prefix + ("state",), lambda _k, _v: True)
+        params = [[n for n in map(at_model, p) if n is not None] for p in _groups(tree)]
         return _with(tree, state, params, params)
     if is_optimizer(tree):
         return tree
-    out = _rename_mapping(tree, fn, prefix, lambda _k, v: is_tensor_leaf(v))
-    return {k: map_fqns(v, fn, prefix + (k,)) for k, v in out.items()}
+    out = _rename_mapping(tree, lambda k: fn(k, prefix), prefix, lambda _k, v: is_tensor_leaf(v))
+    beside = model_beside(tree, prefix)
+    return {k: map_fqns(v, fn, prefix + (k,), beside) for k, v in out.items()}
+
+
+def fqn_names(tree: object) -> list[tuple[str, Path]]:
+    """Return ``(fqn, where)`` for every name ``map_fqns`` would hand its function, in tree order.
+
+    An ID-keyed optimizer names no FQN until rekeyed: its parameters are the model
+    tensors beside it, listed already.
+    """
+    seen: list[tuple[str, Path]] = []
+
+    def record(fqn: str, where: Path) -> str:
+        seen.append((fqn, where))
+        return fqn
+
+    map_fqns(tree, record)
+    return seen
+
+
+def model_beside(node: Mapping, prefix: Path) -> Path:
+    """Return the path of the model state an optimizer in ``node`` (at ``prefix``) belongs to.
+
+    As ``model_candidates`` finds it: ``node`` itself when it holds tensors beside the
+    optimizer, else the one mapping beside it that holds tensors, else ``model``'s place.
+    """
+    if any(is_tensor_leaf(v) for v in node.values()):
+        return prefix
+    found = [
+        k
+        for k, v in node.items()
+        if isinstance(v, Mapping) and not is_optimizer(v) and _holds_tensors(v)
+    ]
+    if len(found) == 1:
+        return prefix + (found[0],)
+    return prefix + (("model",) if isinstance(node.get("model"), Mapping) else ())
 
 
 def _rename_mapping(

@@ -145,7 +145,7 @@ def test_a_directory_with_no_model_is_refused_naming_what_it_lacks(tmp_path, cap
     assert capsys.readouterr().err == (
         f"shardckpt: error: '{tmp_path}': holds no model (pytorch_model_fsdp_0/, "
         "pytorch_model_fsdp.bin or model.safetensors): pass the directory "
-        "Accelerator.save_state wrote, or --format another format\n"
+        "Accelerator.save_state wrote, or --from another format\n"
     )
 
 

@@ -65,11 +65,11 @@ def test_truncated_torch_file_is_damaged_not_unsafe(capsys, small):
 
 def test_a_file_in_another_format_is_not_called_damaged(capsys, small):
     (small / "plain.pt").write_bytes(pickle.dumps({"a": 1}, protocol=2))
-    assert error_of(capsys, ["inspect", small / "plain.pt", "--format", "torch"]) == (
+    assert error_of(capsys, ["inspect", small / "plain.pt", "--from", "torch"]) == (
         3,
         f"shardckpt: error: '{small / 'plain.pt'}': not a readable torch.save file "
         "(RuntimeError: Invalid magic number; corrupt file?): the file is truncated or in another "
-        "format; name its format with --format",
+        "format; name its format with --from",
     )
 
 
@@ -89,7 +89,7 @@ def test_unknown_file(capsys, small):
         3,
         f"shardckpt: error: '{small / 'notes.txt'}': is a text file, not a checkpoint: pass a "
         "checkpoint file (.pt, .bin, .safetensors) or directory (DCP, per-rank files, a "
-        "trainer's), or --format FORMAT for one whose format is not detected",
+        "trainer's), or --from FORMAT for one whose format is not detected",
     )
 
 
@@ -257,7 +257,7 @@ def test_a_file_whose_top_level_is_not_a_dict(capsys, tmp_path):
 def test_a_rank_file_whose_top_level_is_not_a_dict(capsys, tmp_path, fmt):
     (tmp_path / "ranks").mkdir()
     torch.save([torch.ones(2)], tmp_path / "ranks" / "rank_0.pt")
-    assert error_of(capsys, ["inspect", tmp_path / "ranks", "--format", fmt]) == (
+    assert error_of(capsys, ["inspect", tmp_path / "ranks", "--from", fmt]) == (
         3,
         f"shardckpt: error: '{tmp_path / 'ranks' / 'rank_0.pt'}': holds a list, not a state dict: "
         "shardckpt reads files whose top level is a dict",
@@ -269,8 +269,8 @@ def test_a_rank_file_whose_top_level_is_not_a_dict(capsys, tmp_path, fmt):
     "argv",
     [
         ["inspect", "{fifo}"],
-        ["inspect", "{fifo}", "--format", "torch"],
-        ["inspect", "{fifo}", "--format", "safetensors"],
+        ["inspect", "{fifo}", "--from", "torch"],
+        ["inspect", "{fifo}", "--from", "safetensors"],
         ["convert", "{fifo}", "{out}", "--to", "full"],
         ["convert", "{fifo}", "{out}", "--to", "full", "--from", "torch"],
         ["diff", "{fifo}", "{fifo}"],

@@ -22,9 +22,13 @@ _OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
 def options_of(command: str) -> set[str]:
-    """Return every option name ``shardckpt COMMAND`` accepts, as its --help lists them."""
+    """Return every option name ``shardckpt COMMAND`` lists in its --help (not the old spellings)."""
     click_command = typer.main.get_command(app).commands[command]
-    return {name for p in click_command.params for name in (*p.opts, *p.secondary_opts)}
+    return {
+        name
+        for p in click_command.params
+        for name in (*click_command.listed_names(p), *p.secondary_opts)
+    }
 
 
 def error_line(capsys, argv) -> tuple[int, str]:
@@ -61,26 +65,26 @@ def files(tmp_path_factory):
 # (argv, "@name" for a file of the fixture; the option the hint must name)
 SOURCE_FORMAT_HINTS = [
     (["convert", "@notes.txt", "@out.pt", "--to", "full"], "--from"),
-    (["inspect", "@notes.txt"], "--format"),
-    (["diff", "@notes.txt", "@small.pt"], "--format-a"),
-    (["diff", "@small.pt", "@notes.txt"], "--format-b"),
+    (["inspect", "@notes.txt"], "--from"),
+    (["diff", "@notes.txt", "@small.pt"], "--from-a"),
+    (["diff", "@small.pt", "@notes.txt"], "--from-b"),
     (["convert", "@small-dcp", "@out.pt", "--to", "full", "--from", "torch"], "--from"),
-    (["inspect", "@small-dcp", "--format", "torch"], "--format"),
-    (["diff", "@small-dcp", "@small.pt", "--format-a", "torch"], "--format-a"),
-    (["diff", "@small.pt", "@small-dcp", "--format-b", "torch"], "--format-b"),
-    (["inspect", "@plain.pt", "--format", "torch"], "--format"),
+    (["inspect", "@small-dcp", "--from", "torch"], "--from"),
+    (["diff", "@small-dcp", "@small.pt", "--from-a", "torch"], "--from-a"),
+    (["diff", "@small.pt", "@small-dcp", "--from-b", "torch"], "--from-b"),
+    (["inspect", "@plain.pt", "--from", "torch"], "--from"),
     (["convert", "@plain.pt", "@out.pt", "--to", "full", "--from", "torch"], "--from"),
-    (["inspect", "@small.pt", "--format", "safetensors"], "--format"),
+    (["inspect", "@small.pt", "--from", "safetensors"], "--from"),
     (["convert", "@small.pt", "@o.pt", "--to", "full", "--from", "safetensors"], "--from"),
-    (["diff", "@small.pt", "@small.pt", "--format-b", "safetensors"], "--format-b"),
-    (["inspect", "@empty-dir", "--format", "dcp"], "--format"),
+    (["diff", "@small.pt", "@small.pt", "--from-b", "safetensors"], "--from-b"),
+    (["inspect", "@empty-dir", "--from", "dcp"], "--from"),
     (["convert", "@empty-dir", "@out.pt", "--to", "full", "--from", "dcp"], "--from"),
-    (["diff", "@empty-dir", "@small.pt", "--format-a", "dcp"], "--format-a"),
-    (["inspect", "@empty-dir", "--format", "hf"], "--format"),
+    (["diff", "@empty-dir", "@small.pt", "--from-a", "dcp"], "--from-a"),
+    (["inspect", "@empty-dir", "--from", "hf"], "--from"),
     (["convert", "@empty-dir", "@out.pt", "--to", "full", "--from", "hf"], "--from"),
-    (["inspect", "@fsdp2-ranks/rank_0.pt"], "--format"),
+    (["inspect", "@fsdp2-ranks/rank_0.pt"], "--from"),
     (["convert", "@fsdp2-ranks/rank_0.pt", "@o.pt", "--to", "full"], "--from"),
-    (["diff", "@small.pt", "@fsdp2-ranks/rank_0.pt"], "--format-b"),
+    (["diff", "@small.pt", "@fsdp2-ranks/rank_0.pt"], "--from-b"),
     (
         [
             "convert",
@@ -143,3 +147,59 @@ def test_every_other_hint_names_the_commands_own_option(capsys, files, argv, opt
     assert code in (2, 3, 5), line
     assert re.search(rf"{option}(?![\w-])", line), line
     assert_names_own_options(command, line)
+
+
+# The source-format option is --from everywhere (diff: --from-a, --from-b); inspect's,
+# verify's and diff's old spellings still work, unlisted, with a note (issue 35 item 7).
+OLD_SPELLINGS = [
+    (["inspect", "@small.pt", "--format", "torch"], ["--format is spelled --from now"]),
+    (["inspect", "@small.pt", "--format=torch"], ["--format is spelled --from now"]),
+    (["verify", "@small.pt", "-q", "--format", "torch"], ["--format is spelled --from now"]),
+    (
+        ["diff", "@small.pt", "@small-dcp", "-q", "--format-a", "torch", "--format-b", "dcp"],
+        ["--format-a is spelled --from-a now", "--format-b is spelled --from-b now"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "notes"), OLD_SPELLINGS, ids=lambda v: " ".join(v))
+def test_an_old_source_format_spelling_still_works_with_a_note(capsys, files, argv, notes):
+    code = run([str(files / a[1:]) if a.startswith("@") else a for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    command, old = argv[0], [a.partition("=")[0] for a in argv if a.startswith("--format")]
+    assert code == 0, err
+    assert err == [
+        f"shardckpt: note: {note} ({command} {name} still works)" for note, name in zip(notes, old)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["inspect", "@small.pt", "--from", "torch", "--format", "torch"], "--from and --format"),
+        (["verify", "@small.pt", "--format", "torch", "--from", "torch"], "--format and --from"),
+        (
+            ["diff", "@small.pt", "@small.pt", "--from-b", "torch", "--format-b", "torch"],
+            "--from-b and --format-b",
+        ),  # fmt: skip
+    ],
+)
+def test_both_spellings_of_the_source_format_are_refused(capsys, files, argv, line):
+    code, err = error_line(capsys, [files / a[1:] if a.startswith("@") else a for a in argv])
+    assert (code, err) == (2, f"shardckpt: error: {line} both given: keep one of them")
+
+
+@pytest.mark.parametrize(
+    ("command", "listed", "unlisted"),
+    [
+        ("inspect", {"--from"}, {"--format"}),
+        ("verify", {"--from"}, {"--format"}),
+        ("diff", {"--from-a", "--from-b"}, {"--format", "--format-a", "--format-b"}),
+        ("convert", {"--from", "--format"}, set()),
+    ],
+)
+def test_help_lists_the_source_format_as_from(capsys, command, listed, unlisted):
+    with pytest.raises(SystemExit):
+        app([command, "--help"])
+    shown = set(_OPTION.findall(capsys.readouterr().out))
+    assert listed <= shown and not (unlisted & shown), shown

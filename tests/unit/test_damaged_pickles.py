@@ -86,7 +86,7 @@ def test_a_cut_legacy_torch_file_is_damaged(capsys, tmp_path):
 def test_a_damaged_rank_file_is_named_and_damaged(capsys, tmp_path, fmt):
     bad_opcode, reason = DAMAGES["bad-opcode"]
     ranks = payloads.rank_dir(tmp_path / "ranks", bad_opcode(data_pkl(saved(STATE))))
-    code, err = error_of(capsys, ["inspect", ranks] + (["--format", fmt] if fmt else []))
+    code, err = error_of(capsys, ["inspect", ranks] + (["--from", fmt] if fmt else []))
     assert_damaged(code, err, ranks / "rank_0.pt", reason)
 
 

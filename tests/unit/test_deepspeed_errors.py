@@ -99,7 +99,7 @@ def test_a_zero3_model_states_file_copied_alone_is_refused_as_well(capsys, tmp_p
 
 def test_trust_pickle_names_the_missing_module_not_truncation(capsys):
     path = tag_dir("z2-bf16") / OPTIM.format(0)
-    argv = ["inspect", path, "--format", "torch", "--trust-pickle"]
+    argv = ["inspect", path, "--from", "torch", "--trust-pickle"]
     assert error_of(capsys, argv) == (
         3,
         f"shardckpt: error: '{path}': unpickling it imports the Python module 'deepspeed', "

@@ -57,7 +57,7 @@ def test_a_dcp_directory_with_meta_pt_is_detected_as_lightning(tmp_path):
         api.inspect(api.InspectRequest(src=ckpt, format="lightning"))
     assert info.value.line() == (
         f"'{ckpt}': no 'meta.pt' in this directory: a Lightning checkpoint has one beside the "
-        "DCP files; read the DCP part alone with --format dcp"
+        "DCP files; read the DCP part alone with --from dcp"
     )
 
 
@@ -109,7 +109,7 @@ def test_a_key_in_both_parts_is_refused_rather_than_one_dropped(tmp_path):
         api.inspect(api.InspectRequest(src=ckpt))
     assert info.value.line() == (
         f"'{ckpt}': 'step' is both in meta.pt and in the DCP data, and Lightning's "
-        "consolidation would keep only meta.pt's: read the DCP part alone with --format dcp"
+        "consolidation would keep only meta.pt's: read the DCP part alone with --from dcp"
     )
 
 

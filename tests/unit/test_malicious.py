@@ -23,12 +23,12 @@ HINT = ": pass --trust-pickle only if you trust this file"
 
 
 COMMANDS = {
-    "inspect": lambda src, out, fmt: ["inspect", src] + (["--format", fmt] if fmt else []),
+    "inspect": lambda src, out, fmt: ["inspect", src] + (["--from", fmt] if fmt else []),
     "convert": lambda src, out, fmt: (
         ["convert", src, out, "--to", "full"] + (["--from", fmt] if fmt else [])
     ),
     "diff": lambda src, out, fmt: (
-        ["diff", src, src] + (["--format-a", fmt, "--format-b", fmt] if fmt else [])
+        ["diff", src, src] + (["--from-a", fmt, "--from-b", fmt] if fmt else [])
     ),
 }
 

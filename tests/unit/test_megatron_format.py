@@ -180,7 +180,7 @@ def test_another_backend_is_refused_naming_it(copy, capsys):
         3,
         f"shardckpt: error: '{copy / 'metadata.json'}': names Megatron's 'zarr' backend (with "
         "'torch' common state); shardckpt reads 'torch_dist' checkpoints: re-save with "
-        "Megatron's --ckpt-format torch_dist, or --format dcp to read the DCP files alone",
+        "Megatron's --ckpt-format torch_dist, or --from dcp to read the DCP files alone",
     )
 
 
@@ -208,7 +208,7 @@ def test_a_missing_common_pt_is_named(copy, capsys):
         3,
         f"shardckpt: error: '{copy}': no 'common.pt' in this directory: a Megatron checkpoint "
         "has one beside the DCP files (rank 0 writes it); re-copy it, or read the DCP part "
-        "alone with --format dcp",
+        "alone with --from dcp",
     )
 
 
@@ -246,7 +246,7 @@ def test_a_key_in_both_common_pt_and_dcp_is_refused(copy, capsys):
         3,
         f"shardckpt: error: '{copy}': 'output_layer.weight' is both in common.pt and in the "
         "DCP data, and Megatron's load would keep only one of them: read the DCP part alone "
-        "with --format dcp",
+        "with --from dcp",
     )
 
 

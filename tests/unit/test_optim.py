@@ -15,6 +15,7 @@ from shardckpt.state.optim import (
     Candidate,
     OrderError,
     RekeyError,
+    fqn_names,
     fqns_to_ids,
     ids_to_fqns,
     infer_groups,
@@ -144,7 +145,7 @@ def test_state_for_a_key_in_no_group_is_inconsistent():
 def test_drop_removes_tensors_state_and_params_entries_and_renumbers_ids():
     model, by_id, _ = states("adamw")
     tree = {"model": model.state_dict(), "optim": by_id, "scheduler": {"last_epoch": 3}, "step": 9}
-    out = rekey(tree, "keep", lambda f: None if f.startswith("fc.") else f)
+    out = rekey(tree, "keep", lambda f, _: None if f.startswith("fc.") else f)
     assert list(out["model"]) == [
         "scale",
         "embed.weight",
@@ -164,16 +165,37 @@ def test_drop_removes_tensors_state_and_params_entries_and_renumbers_ids():
 def test_rename_reaches_model_keys_state_keys_and_params_but_not_plain_values():
     model, _, by_fqn = states("sgd")
     tree = {"model": model.state_dict(), "optim": by_fqn, "epoch": 1}
-    out = map_fqns(tree, lambda f: "net." + f)
+    out = map_fqns(tree, lambda f, _: "net." + f)
     assert list(out["model"])[:2] == ["net.scale", "net.embed.weight"]
     assert list(out["optim"]["state"])[0] == "net.embed.weight"
     assert out["optim"]["param_groups"][0]["params"][0] == "net.embed.weight"
     assert out["epoch"] == 1 and "state" in out["optim"]
 
 
+@pytest.mark.parametrize(
+    ("tree", "where"),
+    [
+        ({"model": {"a.w": torch.zeros(1)}}, ("model",)),
+        ({"ckpt": {"net": {"a.w": torch.zeros(1)}}}, ("ckpt", "net")),
+        ({"a.w": torch.zeros(1)}, ()),
+    ],
+)
+@pytest.mark.parametrize("flat", [False, True])
+def test_an_optimizers_names_are_told_its_model_tensors_path(tree, where, flat):
+    """A rename sees a parameter's state where it sees its tensor (what inspect prints it under)."""
+    optim = {"state": {"a.w": {"m": torch.ones(1)}}, "param_groups": [{"lr": 1, "params": ["a.w"]}]}
+    if flat:
+        optim = {"state.a.w.m": torch.ones(1), "param_groups.a.w.lr": 1}
+    parent = tree
+    for key in where[:-1]:
+        parent = parent[key]
+    parent["optim"] = optim
+    assert set(fqn_names(tree)) == {("a.w", where)}
+
+
 def test_a_rename_collision_names_both_keys():
     with pytest.raises(KeyError) as info:
-        map_fqns({"model": {"a.w": torch.zeros(1), "b.w": torch.zeros(1)}}, lambda f: "w")
+        map_fqns({"model": {"a.w": torch.zeros(1), "b.w": torch.zeros(1)}}, lambda f, _: "w")
     assert info.value.args[0] == ("model.a.w", "model.b.w", "w")
 
 

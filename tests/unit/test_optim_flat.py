@@ -126,7 +126,7 @@ def test_rekey_flat_keeps_renames_and_drops_key_by_key_in_order():
     _, _, flat = both("sgd")
     tree = {"optim": flat}
 
-    def edit(fqn):
+    def edit(fqn, _where):
         return None if fqn.startswith("norm.") else fqn.replace("fc.", "proj.")
 
     out = rekey(tree, "keep", edit)["optim"]
@@ -137,7 +137,7 @@ def test_rekey_flat_keeps_renames_and_drops_key_by_key_in_order():
     ]
     assert list(out) == expected
     with pytest.raises(KeyError):
-        rekey(tree, "keep", lambda fqn: "same")
+        rekey(tree, "keep", lambda fqn, _: "same")
 
 
 def test_rekey_to_flat_and_to_ids_round_trips():

@@ -84,7 +84,7 @@ def test_a_ddp_prefix_is_cleaned_from_the_names_as_from_the_keys():
 
 def test_a_drop_keeps_each_name_beside_its_id():
     model, opt = _trained(named=True)
-    out = rekey(_tree(model, opt), "id", fqn_map=lambda f: None if f == "fc.bias" else f)
+    out = rekey(_tree(model, opt), "id", fqn_map=lambda f, _: None if f == "fc.bias" else f)
     for group in out["optim"]["param_groups"]:
         assert len(group["param_names"]) == len(group["params"])
         assert "fc.bias" not in group["param_names"]

@@ -258,7 +258,7 @@ def test_a_torch_file_of_the_tar_format_is_refused_as_what_it_is(capsys, tmp_pat
             member = tarfile.TarInfo(name)
             member.size = len(data)
             tar.addfile(member, io.BytesIO(data))
-    code, err, seconds = run_timed(capsys, ["inspect", path, "--format", "torch", "--trust-pickle"])
+    code, err, seconds = run_timed(capsys, ["inspect", path, "--from", "torch", "--trust-pickle"])
     assert (code, err) == (
         3,
         [

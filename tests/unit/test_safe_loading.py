@@ -136,7 +136,7 @@ def test_a_getattr_chain_in_a_sharded_tensor_file_is_refused(capsys, tmp_path):
     marker = tmp_path / "PAYLOAD-RAN"
     pk = payloads.as_state_dict(payloads.getattr_chain(marker))
     ranks = payloads.rank_dir(tmp_path / "ranks", pk)
-    assert error_of(capsys, ["inspect", ranks, "--format", "fsdp1-sharded"]) == (
+    assert error_of(capsys, ["inspect", ranks, "--from", "fsdp1-sharded"]) == (
         3,
         f"shardckpt: error: '{ranks / 'rank_0.pt'}': refused to unpickle (getattr of '__init__', "
         "where a ShardedTensor only looks up ProcessGroupState): "

@@ -97,7 +97,7 @@ def test_the_cli_names_the_format_and_lists_the_parts(capsys, tmp_path):
     tree = titan_tree()
     tree["dataloader"] = {"dp_rank_0": b"state", "world_size": 1}
     dcp.save(tree, checkpoint_id=tmp_path / "step-2", no_dist=True)
-    assert run(["inspect", str(tmp_path / "step-2"), "--format", "torchtitan"]) == 0
+    assert run(["inspect", str(tmp_path / "step-2"), "--from", "torchtitan"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"{tmp_path / 'step-2'}: format torchtitan, world size 1"
     assert (

@@ -140,7 +140,7 @@ def test_one_data_file_of_a_dcp_directory_asks_for_the_directory(capsys, ckpt, t
 
 NOT_A_CHECKPOINT = (
     "not a checkpoint: pass a checkpoint file (.pt, .bin, .safetensors) or directory (DCP, "
-    "per-rank files, a trainer's), or --format FORMAT for one whose format is not detected"
+    "per-rank files, a trainer's), or --from FORMAT for one whose format is not detected"
 )
 
 
@@ -171,14 +171,12 @@ def test_diff_and_convert_name_their_own_format_option_for_a_non_checkpoint(caps
     code, lines = outcome(capsys, "convert", readme, tmp_path / "o.pt", "--to", "full")
     assert (code, lines) == (
         3,
-        [
-            f"shardckpt: error: '{readme}': is a text file, {NOT_A_CHECKPOINT.replace('--format', '--from')}"
-        ],
+        [f"shardckpt: error: '{readme}': is a text file, {NOT_A_CHECKPOINT}"],
     )
     code, lines = outcome(capsys, "diff", ckpt, readme)
     assert (code, lines) == (
         3,
         [
-            f"shardckpt: error: '{readme}': is a text file, {NOT_A_CHECKPOINT.replace('--format', '--format-b')}"
+            f"shardckpt: error: '{readme}': is a text file, {NOT_A_CHECKPOINT.replace('--from', '--from-b')}"
         ],
     )

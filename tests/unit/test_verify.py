@@ -180,5 +180,5 @@ def test_a_safetensors_file_cut_short_is_refused_by_verify_naming_it(export, cap
     assert err == [
         f"shardckpt: error: '{export}': not a readable safetensors file (SafetensorError: Error "
         "while deserializing header: incomplete metadata, file not fully covered): the file is "
-        "truncated or in another format; name its format with --format"
+        "truncated or in another format; name its format with --from"
     ]
