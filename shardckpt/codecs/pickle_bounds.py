@@ -36,6 +36,7 @@ from shardckpt.codecs.pickle_scan import (
     zip_pickles,
 )
 from shardckpt.core.errors import BadInputError
+from shardckpt.core.sight import note_metadata
 from shardckpt.state.tree import too_deep
 
 MAX_DEPTH = 1000
@@ -344,6 +345,7 @@ def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
             stream, source = None, stream
     if isinstance(source, (bytes, bytearray)):
         digest = hashlib.blake2b(source, digest_size=32).digest()
+        note_metadata(path, digest)  # ranks that each read this file must read the same
         length = _PASSED.get(digest)
         if length is None:
             shape, end = _scan(bytes(source))
@@ -357,7 +359,7 @@ def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
         if stream is not None:
             stream.seek(length)
         return
-    shape, length = _scan_stream(source)
+    shape, length = _scan_stream(source, path)
     _judge(shape, length, path)
 
 
@@ -384,7 +386,7 @@ def _judge(shape: _Shape, length: int, path: str | os.PathLike) -> None:
         )
 
 
-def _scan_stream(stream: BinaryIO) -> tuple[_Shape, int]:
+def _scan_stream(stream: BinaryIO, path: str | os.PathLike) -> tuple[_Shape, int]:
     """Return what the pickle at ``stream``'s position builds and its length; leave the stream after it.
 
     The pickle's length is not known before its STOP (a legacy ``torch.save`` stream
@@ -398,6 +400,7 @@ def _scan_stream(stream: BinaryIO) -> tuple[_Shape, int]:
         shape, end = _scan(data)
         if end >= 0 or len(data) < window:
             length = end if end >= 0 else len(data)
+            note_metadata(path, hashlib.blake2b(data[:length], digest_size=32).digest())
             stream.seek(start + length)
             return shape, length
         window *= 2
