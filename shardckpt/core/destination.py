@@ -260,15 +260,15 @@ class Destination:
         return self._committed
 
     def close(self) -> None:
-        """Remove an uncommitted partial output and give the lock back.
+        """Remove an uncommitted partial output and give the lock back; never raises.
 
-        Raises nothing but a signal that came meanwhile: held until both are done, since
-        under torchrun the agent's SIGTERM to every rank follows one rank's failure at once,
-        while the others are here.
+        A signal meanwhile waits until both are done: under torchrun the agent's SIGTERM
+        to every rank follows one rank's failure at once, while the others are here. The
+        run ends either way, failed or with DST complete, so it changes nothing after.
         """
         if self._lock is None or not self._lock.held:
             return
-        with sheltered():
+        with sheltered(raising=False):
             if not self._committed:
                 with contextlib.suppress(OSError):
                     _remove(self.tmp)

@@ -52,7 +52,7 @@ from shardckpt.core.errors import (
     notice,
 )
 from shardckpt.core.rank_env import env_rank
-from shardckpt.core.signals import Interrupted
+from shardckpt.core.signals import Interrupted, sheltered
 from shardckpt.core.torch_internals import default_store
 
 T = TypeVar("T")
@@ -242,6 +242,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
         ) from exc
     in_step = False  # whether every rank is known to reach the teardown together
+    failing = False
     runtime = Runtime(rank=rank, world_size=world_size, timeout_s=timeout.total_seconds())
     try:
         with_gpu = _count_ranks(runtime, has_gpu)
@@ -259,17 +260,21 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         # A failure every rank agreed on brings them all here; one only this rank saw
         # may have left the others in a collective, and a barrier would wait for them.
         in_step = known_everywhere(exc)
+        failing = True
         if not in_step and not isinstance(exc, CollectiveFailure):
             _tell_others(exc, rank)
         raise
     finally:
-        # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that are
-        # in step leave together.
-        if in_step:
+        # A failing rank's error is still the one it reports when torchrun's SIGTERM (sent
+        # as soon as any rank exits) comes while it waits here for the others.
+        with sheltered(raising=not failing):
+            # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that
+            # are in step leave together.
+            if in_step:
+                with contextlib.suppress(Exception):
+                    dist.barrier()
             with contextlib.suppress(Exception):
-                dist.barrier()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+                dist.destroy_process_group()
 
 
 def device_for(requested: str | None, with_gpu: int, world_size: int) -> str:

@@ -79,13 +79,16 @@ def committing(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sheltered() -> Iterator[None]:
+def sheltered(raising: bool = True) -> Iterator[None]:
     """Hold SIGINT, SIGTERM and SIGHUP while the block runs; raise the first held once it is done.
 
     For the steps a signal must not cut in two: taking DST's lock and writing who holds
-    it, removing a partial output and giving the lock back. A signal there would leave
-    the lock file, or half of the partial output, behind. When the block fails, its own
-    error goes on and a signal held meanwhile only waits (the run fails either way).
+    it, removing a partial output and giving the lock back, the process group's teardown.
+    A signal there would leave the lock file, or half of the partial output, behind.
+    When the block fails, its own error goes on and a signal held meanwhile only waits.
+    ``raising=False``: for the steps of a run that is ending either way (failing, or
+    with DST complete): a signal held meanwhile changes nothing, so the error on its way
+    out (under torchrun, the first failing rank's line) is still the one reported.
     """
     before = len(_held)
     _sheltering.append(True)
@@ -93,7 +96,7 @@ def sheltered() -> Iterator[None]:
         yield
     finally:
         _sheltering.pop()
-    if _sheltering or _holding or len(_held) == before:
+    if not raising or _sheltering or _holding or len(_held) == before:
         return  # none came, or an outer block decides what a held signal does
     if not _complete:
         raise Interrupted(_held.pop(before))

@@ -82,6 +82,21 @@ elif point == "rename":  # the rank that renames DST into place, before it does
         return rename(self)
 
     destination.Destination._commit = hooked
+elif point == "cleanup":  # the rank that removes the partial output of a failed run, as it does
+    close, remove = destination.Destination.close, destination._remove
+    closing = []
+
+    def hooked_close(self):
+        closing.append(True)
+        return close(self)
+
+    def hooked(path):
+        if closing:
+            fire()
+        return remove(path)
+
+    destination.Destination.close = hooked_close
+    destination._remove = hooked
 elif point == "after":  # DST is in place
     complete = signals.completed
 
@@ -293,3 +308,103 @@ def test_a_rank_whose_copy_of_src_has_other_metadata_of_the_same_size_stops_ever
     ]
     assert launch.said(1) == []
     assert leftovers(out) == [] and leftovers(at) == []
+
+
+# ---------------------------------------------------------------- 14) SIGTERM late in a run
+
+TO_FULL = ("full.pt", "--to", "full")
+TO_SHARDED = ("resharded", "--to", "sharded", "--world-size", "3", "--verify")
+
+# (step, the rank that reaches it and signals, whom it signals, the conversion)
+BEFORE_DST = [
+    ("write", "1", "self", TO_FULL),
+    ("write", "0", "agent", TO_SHARDED),
+    ("finish", "1", "self", TO_SHARDED),
+    ("finish", "0", "other", TO_FULL),
+    ("finish", "1", "agent", TO_FULL),
+]
+AFTER_DST = [
+    ("rename", "0", "self", TO_FULL),
+    ("rename", "0", "other", TO_SHARDED),
+    ("rename", "0", "agent", TO_FULL),
+    ("after", "1", "self", TO_SHARDED),
+    ("after", "0", "other", TO_FULL),
+    ("after", "0", "agent", TO_SHARDED),
+]
+
+
+def _case_id(case) -> str:
+    step, rank, whom, to = case
+    return f"{step} on rank {rank} to {whom}, {to[2]}"
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", BEFORE_DST, ids=map(_case_id, BEFORE_DST))
+def test_sigterm_before_dst_is_in_place_leaves_no_dst_partial_or_lock(fsdp2_ckpt, tmp_path, case):
+    step, rank, whom, to = case
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / to[0]
+    launch = Launch(tmp_path)
+    proc = launch.run(
+        "convert", fsdp2_ckpt.dcp, dst, *to[1:], "--quiet", signal_at=f"{step}:{rank}:{whom}"
+    )
+    assert proc.returncode == 1, proc.stderr
+    # Rank 0 says it once; "on rank 1" when rank 0 learnt it from rank 1 before its own came.
+    (line,) = launch.said(0)
+    assert re.fullmatch(
+        rf"shardckpt: interrupted by SIGTERM( on rank 1)?: '{re.escape(str(dst))}' was not written",
+        line,
+    ), line
+    assert launch.said(1) == []
+    assert "error" not in "".join(launch.said(0) + launch.said(1))
+    assert leftovers(out) == []
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", AFTER_DST, ids=map(_case_id, AFTER_DST))
+def test_sigterm_once_dst_is_being_put_in_place_fails_nothing(fsdp2_ckpt, tmp_path, case):
+    step, rank, whom, to = case
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / to[0]
+    launch = Launch(tmp_path)
+    proc = launch.run(
+        "convert", fsdp2_ckpt.dcp, dst, *to[1:], "--quiet", signal_at=f"{step}:{rank}:{whom}"
+    )
+    if whom != "agent":  # torchrun's agent, signalled itself, exits non-zero whatever its ranks did
+        assert proc.returncode == 0, proc.stderr
+    note = (
+        f"shardckpt: note: SIGTERM came after '{dst}' was complete: the conversion finished, exit 0"
+    )
+    signalled_0 = whom == "agent" or (rank == "0") == (whom == "self")
+    assert launch.said(0) == ([note] if signalled_0 else [])
+    assert launch.said(1) == []
+    assert leftovers(out) == [dst.name]
+    assert warm_cli.run(["diff", fsdp2_ckpt.dcp, dst]).returncode == 0
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("whom", ["self", "agent"])
+@pytest.mark.parametrize("to", [TO_FULL, TO_SHARDED], ids=["full", "sharded"])
+def test_sigterm_while_a_failed_run_removes_its_partial_output_leaves_neither_it_nor_the_lock(
+    fsdp2_ckpt, tmp_path, to, whom
+):
+    # What torchrun does once a rank fails: SIGTERM to the others, which are cleaning up.
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / to[0]
+    launch = Launch(tmp_path)
+    proc = launch.run(
+        "convert", fsdp2_ckpt.dcp, dst, *to[1:], "--quiet",
+        at=out, read_only=1, signal_at=f"cleanup:0:{whom}",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    (line,) = launch.said(1)  # the failing rank's own line, alone
+    assert line.startswith(f"shardckpt: error: '{out}/.{dst.name}.shardckpt-partial"), line
+    assert "writing failed (Read-only file system)" in line, line
+    assert launch.said(0) == []  # stopped because rank 1 failed: its line says why
+    assert leftovers(out) == []
