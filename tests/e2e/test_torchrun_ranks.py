@@ -161,6 +161,20 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
+def converting(
+    tmp_path: Path, src: Path, to: tuple[str, ...], **options
+) -> tuple[Launch, Path, subprocess.CompletedProcess]:
+    """Return the launch, DST and torchrun's run of ``convert SRC DST`` into ``tmp_path/out``.
+
+    ``to``: DST's name in ``out``, then the options; ``options``: those of ``Launch.run``.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / to[0]
+    launch = Launch(tmp_path)
+    return launch, dst, launch.run("convert", src, dst, *to[1:], "--quiet", at=out, **options)
+
+
 # ---------------------------------------------------------------- 16) the failing rank's line
 
 
@@ -169,20 +183,17 @@ def leftovers(directory: Path) -> list[str]:
 @pytest.mark.parametrize(
     "to",
     [
-        ["out.pt", "--to", "full"],
-        ["out", "--to", "sharded", "--world-size", "2"],
-        ["out", "--to", "local", "--world-size", "2"],
+        ("out.pt", "--to", "full"),
+        ("out", "--to", "sharded", "--world-size", "2"),
+        ("out", "--to", "local", "--world-size", "2"),
     ],
     ids=["full torch file", "dcp", "fsdp2-ranks"],
 )
 def test_the_rank_that_cannot_write_prints_its_own_line_and_no_rank_says_lost_contact(
     fsdp2_ckpt, tmp_path, to
 ):
-    out = tmp_path / "out"
-    out.mkdir()
-    dst = out / to[0]
-    launch = Launch(tmp_path)
-    proc = launch.run("convert", fsdp2_ckpt.dcp, dst, *to[1:], at=out, read_only=1)
+    launch, dst, proc = converting(tmp_path, fsdp2_ckpt.dcp, to, read_only=1)
+    out = dst.parent
     assert proc.returncode == 1, proc.stderr  # torchrun's, for any failing worker
     (line,) = launch.said(1)
     assert re.fullmatch(
@@ -343,13 +354,8 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("case", BEFORE_DST, ids=map(_case_id, BEFORE_DST))
 def test_sigterm_before_dst_is_in_place_leaves_no_dst_partial_or_lock(fsdp2_ckpt, tmp_path, case):
     step, rank, whom, to = case
-    out = tmp_path / "out"
-    out.mkdir()
-    dst = out / to[0]
-    launch = Launch(tmp_path)
-    proc = launch.run(
-        "convert", fsdp2_ckpt.dcp, dst, *to[1:], "--quiet", signal_at=f"{step}:{rank}:{whom}"
-    )
+    launch, dst, proc = converting(tmp_path, fsdp2_ckpt.dcp, to, signal_at=f"{step}:{rank}:{whom}")
+    out = dst.parent
     assert proc.returncode == 1, proc.stderr
     # Rank 0 says it once; "on rank 1" when rank 0 learnt it from rank 1 before its own came.
     (line,) = launch.said(0)
@@ -367,13 +373,8 @@ def test_sigterm_before_dst_is_in_place_leaves_no_dst_partial_or_lock(fsdp2_ckpt
 @pytest.mark.parametrize("case", AFTER_DST, ids=map(_case_id, AFTER_DST))
 def test_sigterm_once_dst_is_being_put_in_place_fails_nothing(fsdp2_ckpt, tmp_path, case):
     step, rank, whom, to = case
-    out = tmp_path / "out"
-    out.mkdir()
-    dst = out / to[0]
-    launch = Launch(tmp_path)
-    proc = launch.run(
-        "convert", fsdp2_ckpt.dcp, dst, *to[1:], "--quiet", signal_at=f"{step}:{rank}:{whom}"
-    )
+    launch, dst, proc = converting(tmp_path, fsdp2_ckpt.dcp, to, signal_at=f"{step}:{rank}:{whom}")
+    out = dst.parent
     if whom != "agent":  # torchrun's agent, signalled itself, exits non-zero whatever its ranks did
         assert proc.returncode == 0, proc.stderr
     note = (
@@ -394,14 +395,10 @@ def test_sigterm_while_a_failed_run_removes_its_partial_output_leaves_neither_it
     fsdp2_ckpt, tmp_path, to, whom
 ):
     # What torchrun does once a rank fails: SIGTERM to the others, which are cleaning up.
-    out = tmp_path / "out"
-    out.mkdir()
-    dst = out / to[0]
-    launch = Launch(tmp_path)
-    proc = launch.run(
-        "convert", fsdp2_ckpt.dcp, dst, *to[1:], "--quiet",
-        at=out, read_only=1, signal_at=f"cleanup:0:{whom}",
-    )  # fmt: skip
+    launch, dst, proc = converting(
+        tmp_path, fsdp2_ckpt.dcp, to, read_only=1, signal_at=f"cleanup:0:{whom}"
+    )
+    out = dst.parent
     assert proc.returncode == 1, proc.stderr
     (line,) = launch.said(1)  # the failing rank's own line, alone
     assert line.startswith(f"shardckpt: error: '{out}/.{dst.name}.shardckpt-partial"), line
