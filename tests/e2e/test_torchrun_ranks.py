@@ -318,6 +318,9 @@ def test_a_rank_whose_copy_of_src_has_other_metadata_of_the_same_size_stops_ever
         "of SRC differ; copy it again from where the job saved it"
     ]
     assert launch.said(1) == []
+    # Every rank stopped with exit 3 (bad input), as torchrun's summary of each says.
+    codes = re.findall(r"exitcode\s*: (\d+)", proc.stderr)
+    assert codes and set(codes) == {"3"}, proc.stderr
     assert leftovers(out) == [] and leftovers(at) == []
 
 
