@@ -23,11 +23,17 @@ from shardckpt.api.verification import verify_output
 from shardckpt.core.costs import Costs, combined
 from shardckpt.core.destination import Destination
 from shardckpt.core.dist import Runtime
-from shardckpt.core.errors import ShardckptError, UsageError, notice, source_option
+from shardckpt.core.errors import (
+    CollectiveFailure,
+    ShardckptError,
+    UsageError,
+    notice,
+    source_option,
+)
 from shardckpt.core.placement import Placement, open_destination
 from shardckpt.core.progress import Progress
-from shardckpt.core.sight import Sight, look
-from shardckpt.core.signals import completed
+from shardckpt.core.sight import Sight, agree_on_metadata, look, noting_metadata
+from shardckpt.core.signals import committing
 from shardckpt.core.words import a_or_an, counted
 from shardckpt.engine import fill
 from shardckpt.engine.exchange import SharedReader
@@ -104,7 +110,7 @@ def convert(
     Under ``torchrun`` each rank reads only the files of SRC it sees (``core.sight``).
     Every CRC-32 written with SRC's records is checked as they are read (``checking``).
     """
-    with checking():
+    with checking(), noting_metadata():
         return _convert(request, runtime or Runtime(), progress)
 
 
@@ -131,6 +137,8 @@ def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | Non
             prepared = runtime.agreed(
                 lambda: prepare(request, valid, destination, runtime, progress)
             )
+        # Before any data moves: a rank that read another copy of SRC's metadata stops all.
+        agree_on_metadata(runtime, request.src)
         if not request.dry_run:
             _note_idle_ranks(prepared.plan, runtime)
         verified = (
@@ -141,7 +149,7 @@ def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | Non
     finally:
         progress.close()
     plan = prepared.plan
-    reports = None if request.dry_run else runtime.gather(costs.report())
+    reports = None if request.dry_run else _cost_reports(costs, runtime)
     return ConvertResult(
         str(request.src),
         str(request.dst),
@@ -157,6 +165,18 @@ def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | Non
         plan,
         combined(reports, time.perf_counter() - start) if reports else None,
     )
+
+
+def _cost_reports(costs: Costs, runtime: Runtime) -> list[dict] | None:
+    """Return every rank's costs on the coordinator; None when a rank left once DST was in place.
+
+    A signal that comes after DST is in place fails nothing: a rank that a second one
+    ends leaves without its report, and the summary goes without costs.
+    """
+    try:
+        return runtime.gather(costs.report())
+    except CollectiveFailure:
+        return None
 
 
 def output_format(request: ConvertRequest) -> Format | None:
@@ -549,8 +569,12 @@ def write(
                     check_reads(runtime, request.src)  # again: records read whole only now
         finally:
             progress.close()
-        runtime.agreed(lambda: destination.commit() if placement.opener else None)
-        completed(f"'{request.dst}'")
+        # Every rank holds signals from the agreement that DST is whole until it is in
+        # place: a signal to one rank can neither leave the renames half-done nor fail a run
+        # whose DST another rank has put in place already.
+        with committing(f"'{request.dst}'"):
+            runtime.agreed(lambda: None)  # every rank wrote (and verified) its part
+            runtime.agreed(lambda: destination.commit() if placement.opener else None)
     except BaseException as exc:
         if runtime.coordinator and not destination.committed:
             # BaseException.add_note is Python 3.11+; __notes__ is what it appends to.

@@ -25,6 +25,7 @@ from shardckpt.core.errors import (
     BadInputError,
     CollectiveFailure,
     IOFailure,
+    PeerFailure,
     RemoteRankError,
     ShardckptError,
     UsageError,
@@ -63,7 +64,14 @@ def report(error: ShardckptError) -> None:
     """Print ``error`` once: by the rank it started on, or by rank 0 when every rank saw it."""
     # torchrun's root cause is whichever rank exited first, so every rank leaves the line.
     _record_for_torchrun(error)
-    if isinstance(error, RemoteRankError):
+    if isinstance(error, (RemoteRankError, PeerFailure)):
+        return
+    first = getattr(error, "first_to_fail", None)
+    if first is not None:
+        # Told the other ranks through the launch's store (core/dist.py): the first rank
+        # to fail prints its line, wherever it is; an error every rank saw, only once.
+        if first:
+            print(f"shardckpt: error: {error.line()}", file=sys.stderr)
         return
     # A broken group cannot agree on who reports, so every rank that saw it does.
     reported_here = getattr(error, "agreed", False) or isinstance(error, CollectiveFailure)
@@ -130,6 +138,7 @@ def _failed(exc: Exception) -> int:
             exc.strerror or str(exc), path=exc.filename, hint="check free space and permissions"
         )
         failure.agreed = getattr(exc, "agreed", False)
+        failure.first_to_fail = getattr(exc, "first_to_fail", None)
         report(failure)
         return failure.exit_code
     # click's usage errors (an unknown option, a missing argument): our one line.
@@ -140,6 +149,7 @@ def _failed(exc: Exception) -> int:
     if os.environ.get("SHARDCKPT_DEBUG"):
         raise exc
     failure = _unexpected(exc)
+    failure.first_to_fail = getattr(exc, "first_to_fail", None)
     report(failure)
     return failure.exit_code
 
@@ -167,7 +177,11 @@ def _interrupted(exc: Interrupted, also: tuple[str, ...] | list[str] = ()) -> in
     """Say once (rank 0) that a signal stopped the run, and what became of DST.
 
     ``also``: the notes of the exception that wrapped the signal's (what became of DST).
+    Under torchrun nothing, when the agent stopped this rank because another one failed
+    (``quiet``): that rank's error line is the cause.
     """
+    if getattr(exc, "quiet", False):
+        return exc.exit_code
     if env_rank() == 0 and exc.complete:
         print(
             f"shardckpt: note: {exc.name} came after {exc.complete} was complete: "
@@ -176,7 +190,8 @@ def _interrupted(exc: Interrupted, also: tuple[str, ...] | list[str] = ()) -> in
         )
     elif env_rank() == 0:
         notes = "".join(f": {n}" for n in [*getattr(exc, "__notes__", ()), *also])
-        print(f"shardckpt: interrupted by {exc.name}{notes}", file=sys.stderr)
+        where = "" if exc.rank is None else f" on rank {exc.rank}"
+        print(f"shardckpt: interrupted by {exc.name}{where}{notes}", file=sys.stderr)
     return exc.exit_code
 
 

@@ -36,6 +36,7 @@ from shardckpt.codecs.pickle_scan import (
     zip_pickles,
 )
 from shardckpt.core.errors import BadInputError
+from shardckpt.core.sight import note_metadata
 from shardckpt.state.tree import too_deep
 
 MAX_DEPTH = 1000
@@ -329,12 +330,17 @@ def _index(data: bytes, start: int, stop: int, layout: int) -> int:
     return int.from_bytes(data[start:stop], "little")
 
 
-def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
+def check_pickle(
+    source: bytes | BinaryIO, path: str | os.PathLike, *, metadata: bool = False
+) -> None:
     """Return when unpickling the pickle at ``source`` builds what a checkpoint's may; else raise one line naming ``path``.
 
     ``source`` is the pickle's bytes, or a stream at its start, left after its STOP. A
     pickle that does not decode is measured up to where it stops decoding, which is
     where an unpickler stops too; saying that it is damaged is left to the loader.
+    ``metadata``: the pickle is (part of) file ``path``'s metadata, read whole by every
+    rank that reads the file, so its digest is noted for the ranks to compare
+    (``core.sight.note_metadata``); not so an item of a data file, read by some ranks.
     """
     stream = None
     if isinstance(source, io.BytesIO) and source.tell() == 0:
@@ -344,6 +350,8 @@ def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
             stream, source = None, stream
     if isinstance(source, (bytes, bytearray)):
         digest = hashlib.blake2b(source, digest_size=32).digest()
+        if metadata:
+            note_metadata(path, digest)
         length = _PASSED.get(digest)
         if length is None:
             shape, end = _scan(bytes(source))
@@ -357,7 +365,7 @@ def check_pickle(source: bytes | BinaryIO, path: str | os.PathLike) -> None:
         if stream is not None:
             stream.seek(length)
         return
-    shape, length = _scan_stream(source)
+    shape, length = _scan_stream(source, path, metadata)
     _judge(shape, length, path)
 
 
@@ -384,7 +392,7 @@ def _judge(shape: _Shape, length: int, path: str | os.PathLike) -> None:
         )
 
 
-def _scan_stream(stream: BinaryIO) -> tuple[_Shape, int]:
+def _scan_stream(stream: BinaryIO, path: str | os.PathLike, metadata: bool) -> tuple[_Shape, int]:
     """Return what the pickle at ``stream``'s position builds and its length; leave the stream after it.
 
     The pickle's length is not known before its STOP (a legacy ``torch.save`` stream
@@ -398,6 +406,8 @@ def _scan_stream(stream: BinaryIO) -> tuple[_Shape, int]:
         shape, end = _scan(data)
         if end >= 0 or len(data) < window:
             length = end if end >= 0 else len(data)
+            if metadata:
+                note_metadata(path, hashlib.blake2b(data[:length], digest_size=32).digest())
             stream.seek(start + length)
             return shape, length
         window *= 2
@@ -411,11 +421,13 @@ def check_torch_file(source: str | os.PathLike | BinaryIO, path: str | os.PathLi
     A zip's records must be stored, as ``torch.save`` writes them, so nothing is ever
     inflated. Bytes that are no zip are what ``torch.load`` takes for its legacy format:
     it unpickles their first pickle before it can tell, so that pickle is checked too.
+    The pickles of a whole file (``source`` a path) are its metadata (``check_pickle``).
     """
+    metadata = isinstance(source, (str, os.PathLike))
     try:
         with torch_pickles(source) as pickles:
             for stream in pickles:
-                check_pickle(stream, path)
+                check_pickle(stream, path, metadata=metadata)
         return
     except CompressedRecord as exc:
         raise _compressed(exc, path) from None
@@ -432,7 +444,7 @@ def check_torch_file(source: str | os.PathLike | BinaryIO, path: str | os.PathLi
                 hint="load it with that torch and save it again with a current one",
             )
         stream.seek(0)
-        check_pickle(stream, path)
+        check_pickle(stream, path, metadata=metadata)
 
 
 def check_torch_zip(zf: zipfile.ZipFile, size: int, path: str | os.PathLike) -> list[bytes]:

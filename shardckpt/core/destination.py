@@ -38,7 +38,7 @@ from shardckpt.core.errors import (
     notice,
 )
 from shardckpt.core.lock import FileLock, LockBusy, read_owner
-from shardckpt.core.signals import committing
+from shardckpt.core.signals import committing, sheltered
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.shardckpt-(?P<kind>partial|old)$")
 _OURS = re.compile(r"^\..+\.shardckpt-(?:partial|old|lock)$")
@@ -205,7 +205,9 @@ class Destination:
         assert self._lock is not None  # check() refused a DST without a name
         try:
             self._make_parent()
-            self._lock.acquire(wait_s=1.0)
+            # A signal between creating the lock file and holding it would leave the file.
+            with sheltered():
+                self._lock.acquire(wait_s=1.0)
         except LockBusy as busy:
             raise IOFailure(
                 f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
@@ -258,13 +260,19 @@ class Destination:
         return self._committed
 
     def close(self) -> None:
-        """Remove an uncommitted partial output and give the lock back; never raises."""
+        """Remove an uncommitted partial output and give the lock back; never raises.
+
+        A signal meanwhile waits until both are done: under torchrun the agent's SIGTERM
+        to every rank follows one rank's failure at once, while the others are here. The
+        run ends either way, failed or with DST complete, so it changes nothing after.
+        """
         if self._lock is None or not self._lock.held:
             return
-        if not self._committed:
-            with contextlib.suppress(OSError):
-                _remove(self.tmp)
-        self._lock.release()
+        with sheltered(raising=False):
+            if not self._committed:
+                with contextlib.suppress(OSError):
+                    _remove(self.tmp)
+            self._lock.release()
 
     def _repair_leftovers(self) -> None:
         """Remove partial outputs of dead runs in DST's directory; put back a DST a dead run moved aside."""

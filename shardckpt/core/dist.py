@@ -16,12 +16,20 @@ Protocol, per command:
 Every collective runs through a ``Runtime`` method. One that fails (a peer died, or
 did not answer within ``SHARDCKPT_TIMEOUT`` seconds) raises ``CollectiveFailure`` at
 once: the group is broken, so no further collective (agreement, barrier) is tried.
+
+A rank that stops for a reason the others do not know (its own error, a signal) writes
+it into the launch's key-value store on its way out, before its sockets close, unless
+another rank did first (``_tell_others``): under torchrun the store is the agent's, and
+outlives every rank. The first rank to write prints its own line; a rank that then
+loses contact with it reads why (``_lost_contact``) and stays silent (``PeerFailure``),
+as does a rank the agent stops with SIGTERM because that one failed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import socket
@@ -36,12 +44,16 @@ import torch.distributed as dist
 from shardckpt.core.errors import (
     CollectiveFailure,
     IOFailure,
+    PeerFailure,
     RemoteRankError,
     ShardckptError,
     UsageError,
+    in_chain,
     notice,
 )
 from shardckpt.core.rank_env import env_rank
+from shardckpt.core.signals import Interrupted, sheltered
+from shardckpt.core.torch_internals import default_store
 
 T = TypeVar("T")
 
@@ -230,6 +242,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             hint="check the torchrun rendezvous settings (MASTER_ADDR, MASTER_PORT)",
         ) from exc
     in_step = False  # whether every rank is known to reach the teardown together
+    failing = False
     runtime = Runtime(rank=rank, world_size=world_size, timeout_s=timeout.total_seconds())
     try:
         with_gpu = _count_ranks(runtime, has_gpu)
@@ -247,15 +260,21 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         # A failure every rank agreed on brings them all here; one only this rank saw
         # may have left the others in a collective, and a barrier would wait for them.
         in_step = known_everywhere(exc)
+        failing = True
+        if not in_step and not isinstance(exc, CollectiveFailure):
+            _tell_others(exc, rank)
         raise
     finally:
-        # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that are
-        # in step leave together.
-        if in_step:
+        # A failing rank's error is still the one it reports when torchrun's SIGTERM (sent
+        # as soon as any rank exits) comes while it waits here for the others.
+        with sheltered(raising=not failing):
+            # gloo can abort (SIGABRT) a rank whose peers tear down first, so ranks that
+            # are in step leave together.
+            if in_step:
+                with contextlib.suppress(Exception):
+                    dist.barrier()
             with contextlib.suppress(Exception):
-                dist.barrier()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+                dist.destroy_process_group()
 
 
 def device_for(requested: str | None, with_gpu: int, world_size: int) -> str:
@@ -299,8 +318,17 @@ def _join_device(dev_type: str, local_rank: int, world_size: int) -> tuple[torch
     return torch.device("cpu"), init_device_mesh("cpu", (world_size,))
 
 
-def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> CollectiveFailure:
-    """Return the one-line error for a failed collective: a timeout, or a peer that went away."""
+def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> BaseException:
+    """Return the one-line error for a failed collective: a timeout, or a peer that went away.
+
+    A peer that said why it stopped (``_tell_others``) is taken at its word: its error,
+    printed there (``PeerFailure``), or the signal that stopped it (``Interrupted``).
+    """
+    told = _first_told()
+    if told is not None and told["rank"] != rank:
+        if "signal" in told:
+            return Interrupted(told["signal"], rank=told["rank"])
+        return PeerFailure(told["rank"], told["line"], told["code"])
     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
         return CollectiveFailure(
             f"rank {rank} waited {timeout_s:g} s for the other ranks and gave up",
@@ -311,6 +339,54 @@ def _lost_contact(exc: BaseException, rank: int, timeout_s: float) -> Collective
         f"rank {rank} lost contact with another rank ({_backend_cause(exc)})",
         hint="another rank died; its error, if it printed one, is above",
     )
+
+
+_FIRST_STOP = "shardckpt/first-stop"
+"""The store's key for why the first rank that stopped on its own did (``_tell_others``)."""
+
+
+def _tell_others(exc: BaseException, rank: int) -> None:
+    """Write why this rank stops into the launch's store, unless another rank did first.
+
+    Marks ``exc`` with what this rank prints: its error only if it was the first to stop
+    (``first_to_fail``; the same error seen by every rank is printed once); nothing for a
+    signal the agent sent because another rank failed (``quiet``). Without a store
+    nothing is marked, and rank 0 reports as it would standalone.
+    """
+    signalled = in_chain(exc, Interrupted)
+    if signalled is not None and signalled.complete:
+        return  # DST is in place: no failure to tell
+    said = (
+        {"rank": rank, "signal": signalled.signum}
+        if signalled is not None
+        else {"rank": rank, "line": _one_line(exc), "code": _exit_code(exc)}
+    )
+    store = default_store()
+    if store is None:
+        return
+    record = json.dumps(said)
+    try:
+        first = store.compare_set(_FIRST_STOP, "", record).decode() == record
+    except Exception:  # noqa: BLE001 - the store is a courtesy; rank 0 reports without it
+        return
+    if signalled is None:
+        exc.first_to_fail = first  # type: ignore[attr-defined]
+        return
+    told = None if first else _first_told()
+    signalled.quiet = told is not None and "signal" not in told  # type: ignore[attr-defined]
+
+
+def _first_told() -> dict | None:
+    """Return what the first rank to stop wrote into the launch's store (``_tell_others``), if one did."""
+    store = default_store()
+    if store is None:
+        return None
+    try:
+        if not store.check([_FIRST_STOP]):
+            return None
+        return json.loads(store.get(_FIRST_STOP))
+    except Exception:  # noqa: BLE001 - a store gone with its host tells nothing
+        return None
 
 
 # gloo's messages start with the source line that raised them ("[.../pair.cc:537] ").

@@ -80,6 +80,18 @@ class CollectiveFailure(IOFailure):
     """
 
 
+class PeerFailure(CollectiveFailure):
+    """A collective failed because another rank stopped first and said why (exit: that rank's code).
+
+    That rank prints its own line; this one, which only lost contact, prints nothing.
+    """
+
+    def __init__(self, rank: int, line: str, exit_code: int):
+        self.rank = rank
+        self.exit_code = exit_code
+        super().__init__(f"rank {rank} failed: {line}")
+
+
 class DestinationExistsError(ShardckptError):
     """DST is already there and --overwrite was not given (exit 5)."""
 

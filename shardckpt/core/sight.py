@@ -10,13 +10,23 @@ rank that needs them over the collective (``shardckpt.engine.exchange``).
 
 Call order (all ranks): ``look(src, runtime)``; then the reader's calls of
 ``Sight.shared``, each made by every rank in the same order.
+
+Ranks that each read a file for themselves must read the same bytes: a node's copy of
+SRC of the same size but other content would plan DST from other metadata there, and a
+DST would mix both. The sizes are compared by ``look``; the metadata each rank read (every
+pickle a reader checks, DCP's ``.metadata`` and each ``torch.save`` file's among them) is
+noted by file with its BLAKE2b digest (``note_metadata``, inside ``noting_metadata``) and
+the digests compared before any data moves (``agree_on_metadata``). Tensor data files are
+trusted to be the same bytes where their sizes agree: digesting them would read them twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -149,4 +159,58 @@ def look(src: str | os.PathLike, runtime) -> Sight:
     )
 
 
-__all__ = ["Sight", "listing", "look"]
+_METADATA: ContextVar[dict[str, set[bytes]] | None] = ContextVar("shardckpt_metadata", default=None)
+
+
+@contextlib.contextmanager
+def noting_metadata() -> Iterator[None]:
+    """Note the metadata this process reads inside (``note_metadata``), for ``agree_on_metadata``."""
+    if _METADATA.get() is not None:  # a command inside another: the outer one notes
+        yield
+        return
+    token = _METADATA.set({})
+    try:
+        yield
+    finally:
+        _METADATA.reset(token)
+
+
+def note_metadata(path: str | os.PathLike, digest: bytes) -> None:
+    """Note that this process read metadata of BLAKE2b ``digest`` from file ``path``."""
+    noted = _METADATA.get()
+    if noted is not None:
+        noted.setdefault(os.path.abspath(path), set()).add(digest)
+
+
+def agree_on_metadata(runtime, src: str | os.PathLike) -> None:
+    """Raise, the same error on every rank, when two ranks read other metadata from one file of ``src``.
+
+    Every rank calls it, in step, once each read SRC's metadata (a collective). Only files
+    inside ``src`` are compared: an existing DST read for ``--overwrite`` may differ by node.
+    """
+    if not runtime.distributed:
+        return
+    root = os.path.abspath(src)
+    noted = _METADATA.get() or {}
+    mine = {
+        path: sorted(digests)
+        for path, digests in noted.items()
+        if path == root or path.startswith(root + os.sep)
+    }
+    first: dict[str, tuple[int, list[bytes]]] = {}
+    for rank, seen in enumerate(runtime.all_gather(mine)):
+        for path in sorted(seen):
+            other = first.setdefault(path, (rank, seen[path]))
+            if other[1] != seen[path]:
+                error = BadInputError(
+                    f"holds other metadata on rank {rank} than on rank {other[0]}, which "
+                    "read another copy of it: a DST planned from both would mix them",
+                    path=path,
+                    hint="the ranks' copies of SRC differ; copy it again from where the job "
+                    "saved it",
+                )
+                error.everywhere = True  # every rank raises it; rank 0 reports it
+                raise error
+
+
+__all__ = ["Sight", "agree_on_metadata", "listing", "look", "note_metadata", "noting_metadata"]

@@ -25,10 +25,12 @@ class Interrupted(BaseException):
     may swallow it.
     """
 
-    def __init__(self, signum: int, complete: str | None = None):
+    def __init__(self, signum: int, complete: str | None = None, rank: int | None = None):
         self.signum = signum
         self.complete = complete
         """What the run had finished when the signal came (``'out.pt'``): then it is no failure."""
+        self.rank = rank
+        """Under torchrun, the other rank the signal stopped (this one lost contact with it)."""
         self.exit_code = 0 if complete else 128 + signum
         super().__init__(signal.Signals(signum).name)
 
@@ -39,14 +41,16 @@ class Interrupted(BaseException):
 
 
 # What the run has finished (its DST, in place), signals held meanwhile, and whether
-# signals are held at all: while DST is moved into place every signal waits.
+# signals are held at all: while DST is moved into place every signal waits, and while
+# a step that must not be cut in two runs (``sheltered``).
 _complete: list[str] = []
 _held: list[int] = []
 _holding: list[bool] = []
+_sheltering: list[bool] = []
 
 
 def _raise(signum: int, _frame) -> None:
-    if _holding or (_complete and not _held):
+    if _sheltering or (_holding and not _complete) or (_complete and not _held):
         # Moving DST into place, or the first signal once it is there: it waits.
         _held.append(signum)
         return
@@ -59,17 +63,45 @@ def committing(what: str) -> Iterator[None]:
 
     A signal in the middle of the renames would leave DST moved aside, or a finished DST
     reported as not written. If the block fails, a signal held meanwhile is raised.
+    Blocks nest (every rank holds signals from the agreement to commit until DST is in
+    place; the rank that renames holds them again inside): the outermost decides.
     """
     _holding.append(True)
     try:
         yield
     except BaseException as exc:
-        _holding.clear()
-        if _held and not _complete:
+        _holding.pop()
+        if not _holding and _held and not _complete:
             raise Interrupted(_held.pop(0)) from exc
         raise
-    _holding.clear()
+    _holding.pop()
     completed(what)
+
+
+@contextlib.contextmanager
+def sheltered(raising: bool = True) -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while the block runs; raise the first held once it is done.
+
+    For the steps a signal must not cut in two: taking DST's lock and writing who holds
+    it, removing a partial output and giving the lock back, the process group's teardown.
+    A signal there would leave the lock file, or half of the partial output, behind.
+    When the block fails, its own error goes on and a signal held meanwhile only waits.
+    ``raising=False``: for the steps of a run that is ending either way (failing, or
+    with DST complete): a signal held meanwhile changes nothing, so the error on its way
+    out (under torchrun, the first failing rank's line) is still the one reported.
+    """
+    before = len(_held)
+    _sheltering.append(True)
+    try:
+        yield
+    finally:
+        _sheltering.pop()
+    if not raising or _sheltering or _holding or len(_held) == before:
+        return  # none came, or an outer block decides what a held signal does
+    if not _complete:
+        raise Interrupted(_held.pop(before))
+    if len(_held) > 1:  # DST is in place: the first waits for the summary, a second ends the run
+        raise Interrupted(_held[-1], _complete[0])
 
 
 def completed(what: str) -> None:
@@ -126,6 +158,7 @@ def interruptible() -> Iterator[None]:
     _complete.clear()
     _held.clear()
     _holding.clear()
+    _sheltering.clear()
     try:
         for sig in HANDLED:
             # An ignored signal stays ignored: `nohup` ignores SIGHUP so the run survives logout.

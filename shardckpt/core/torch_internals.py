@@ -68,6 +68,19 @@ def fake_tensor_mode(need: str = WRITE_TORCH_FILES) -> Any:
     return private("torch._subclasses.fake_tensor", "FakeTensorMode", need)()
 
 
+def default_store() -> Any | None:
+    """Return the key-value store the default process group was made with, or None.
+
+    Under torchrun it is the agent's, so it outlives any rank. None where this torch has
+    no ``_get_default_store`` or no group is up: the ranks then learn nothing through it.
+    """
+    found = lookup("torch.distributed.distributed_c10d", "_get_default_store")
+    try:
+        return found() if found is not None else None
+    except Exception:  # noqa: BLE001 - no group (torch raises ValueError or RuntimeError)
+        return None
+
+
 # --- torch.save's storage bookkeeping, mirrored by zip_skeleton --------------------------
 
 

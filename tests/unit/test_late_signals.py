@@ -15,6 +15,7 @@ import signal
 import pytest
 import torch
 
+from shardckpt.api import conversion
 from shardckpt.cli.app import run
 from shardckpt.core import destination
 
@@ -82,13 +83,14 @@ def test_signals_while_dst_is_moved_into_place_wait_for_it(capsys, monkeypatch, 
 
 
 def test_a_signal_before_dst_is_complete_still_stops_the_run(capsys, monkeypatch, src, tmp_path):
-    original = destination.Destination.commit
+    # The last step before the ranks agree to put DST in place (from then on signals wait).
+    original = conversion.check_reads
 
-    def signal_first(self):
+    def then_signal(*args):
+        original(*args)
         os.kill(os.getpid(), signal.SIGINT)
-        original(self)
 
-    monkeypatch.setattr(destination.Destination, "commit", signal_first)
+    monkeypatch.setattr(conversion, "check_reads", then_signal)
     dst = tmp_path / "out.pt"
     code, out, err = converted(capsys, src, dst)
     assert (code, out, err) == (

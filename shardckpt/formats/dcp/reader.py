@@ -176,7 +176,7 @@ def _read_metadata(
         raw = file.read_bytes()
     except OSError as exc:
         raise os_error(exc, file) from None
-    check_pickle(raw, file)
+    check_pickle(raw, file, metadata=True)
     try:
         stream = io.BytesIO(raw)
         with collector_paused():

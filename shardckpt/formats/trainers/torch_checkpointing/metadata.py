@@ -297,7 +297,7 @@ def read_metadata(root: Path) -> Metadata:
         raw = source_file(path, root).read_bytes()
     except OSError as exc:
         raise os_error(exc, path) from None
-    check_pickle(raw, path)
+    check_pickle(raw, path, metadata=True)
     try:
         data = _PlainValues(io.BytesIO(raw)).load()
     except _Named as exc:
