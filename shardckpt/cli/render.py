@@ -295,6 +295,9 @@ def cost_phrase(costs: dict) -> str:
     peak = f"peak RSS {human_bytes(max(peaks))}"
     if len(peaks) > 1:
         peak += f" (largest of {len(peaks)} ranks; smallest {human_bytes(min(peaks))})"
+    charged = [b for b in costs.get("peak_cgroup_bytes") or () if b is not None]
+    if charged:
+        peak += f", cgroup peak {human_bytes(max(charged))}"
     return (
         f"{phases} s; read {human_bytes(costs['read_bytes'])}, wrote "
         f"{human_bytes(costs['written_bytes'])}{rate}; {peak}"

@@ -3,6 +3,13 @@
 Each process keeps its own ``Costs``; the command gathers them to rank 0, which reports
 the phases' wall time as the slowest rank's, the bytes summed over ranks and the peak
 resident memory of each rank (``convert --json``'s ``costs``, the summary line).
+
+Resident memory (``ru_maxrss``) is not what a memory cap counts: a cgroup is charged the
+page cache a process fills too (SRC's pages it read or mapped, DST's it wrote), and not the
+pages of libraries another cgroup loaded first. Where a process runs in a memory cgroup of
+its own (a cap per process, as ``tests/conditions.memory_capped`` and ``scripts/bench.py``
+make), each rank's report also carries that cgroup's peak charge, the number the kernel
+holds against the cap.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PHASES = ("plan", "frame", "write", "flush", "finish", "verify")
 """The phases of a conversion, in order: open SRC and plan; lay DST out; fill it; flush it to
@@ -22,6 +30,40 @@ disk; checksums and what comes last (DCP's ``.metadata``); ``--verify``."""
 def peak_rss_bytes() -> int:
     """Return this process's peak resident memory so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cgroup_peak_bytes() -> int | None:
+    """Return the peak charge of this process's memory cgroup, None unless the cgroup is its own.
+
+    Its own: no process in it but this one and its children (a cap per process). v1's
+    ``memory.max_usage_in_bytes`` or v2's ``memory.peak``.
+    """
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                group, counter = Path("/sys/fs/cgroup/memory" + path), "memory.max_usage_in_bytes"
+                break
+        else:
+            path = next(ln.split(":", 2)[2] for ln in lines if ln.startswith("0::"))
+            group, counter = Path("/sys/fs/cgroup" + path), "memory.peak"
+        if path == "/" or not _all_mine((group / "cgroup.procs").read_text().split()):
+            return None
+        return int((group / counter).read_text())
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _all_mine(pids: list[str]) -> bool:
+    """Return whether each of ``pids`` is this process or a child of it."""
+    me = os.getpid()
+    for pid in map(int, pids):
+        if pid != me:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) != me:
+                    return False
+    return True
 
 
 def process_seconds() -> float:
@@ -78,13 +120,14 @@ class Costs:
             self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - cpu
 
     def report(self) -> dict:
-        """Return what this process sends rank 0: its phases, bytes and peak resident memory."""
+        """Return what this process sends rank 0: its phases, bytes, peak resident memory and cgroup charge."""
         return {
             "seconds": dict(self.seconds),
             "cpu_seconds": dict(self.cpu_seconds),
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
             "peak_rss_bytes": peak_rss_bytes(),
+            "peak_cgroup_bytes": cgroup_peak_bytes(),
         }
 
 
@@ -115,4 +158,5 @@ def combined(reports: list[dict], wall: float) -> dict:
         "written_bytes": written,
         "write_gb_per_s": round(written / moving / 1e9, 3) if moving > 0 else None,
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in reports],
+        "peak_cgroup_bytes": [r.get("peak_cgroup_bytes") for r in reports],
     }

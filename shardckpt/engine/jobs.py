@@ -4,8 +4,10 @@ A job (``state.regions.FileJob``) is laid out only when the queue reaches it. Ea
 takes the segments of one or more jobs until their regions reach the read buffer (a job
 bigger than the buffer goes over several steps, a region bigger than it cut at row
 boundaries); the step's regions are read at once (``rows.read_regions``), and each job's
-bytes are put together in order and written with as few ``pwrite`` calls as the buffer
-allows. Every zip record's CRC-32 is taken over the bytes as they are written and put
+bytes are put together in order and written at the end of the step. A region's bytes of a
+MiB or more are written from the step's read buffer where they lie, not copied into the
+job's own: the process holds one buffer of tensor data (``--buffer-size``), not two, and
+nothing of a step's reads is held past it. Every zip record's CRC-32 is taken over the bytes as they are written and put
 into its fields before those are written (or, for a field already written, right after):
 no checksum is left to patch at the end, and nothing passes between ranks.
 """
@@ -28,6 +30,10 @@ from shardckpt.state.tree import TensorMeta
 # A step holds at most this many regions, so that a process writing many small files
 # (a thousand target ranks' worth) holds a bounded number of them at a time.
 STEP_REGIONS = 65536
+WRITTEN_IN_PLACE = 1 << 20
+"""Region bytes from this many on are written from the read buffer, not copied (a pwrite each)."""
+COPIED = 32 << 20
+"""A job writes out what it copied (headers, small regions) once it holds this many bytes of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,15 +53,17 @@ class _Close:
 Segment = bytes | Region | Blob | _Open | _Close
 
 
-def _put_blob(buffer: bytearray, blob: Blob, data, crc: int) -> None:
-    """Append ``blob``'s bytes to ``buffer``, its data ``data`` and its CRC-32 fields ``crc``."""
-    start = len(buffer)
-    buffer += blob.head
-    buffer += data
-    buffer += blob.tail
+def _blob_ends(blob: Blob, length: int, crc: int) -> tuple[bytearray, bytearray]:
+    """Return ``blob``'s bytes before and after its ``length`` bytes of data, its CRC-32 fields ``crc``."""
+    head, tail = bytearray(blob.head), bytearray(blob.tail)
     packed = struct.pack("<I", crc)
     for at in blob.crc_at:
-        buffer[start + at : start + at + 4] = packed
+        if at < len(head):
+            head[at : at + 4] = packed
+        else:
+            at -= len(head) + length
+            tail[at : at + 4] = packed
+    return head, tail
 
 
 class JobWriter:
@@ -70,8 +78,12 @@ class JobWriter:
         self._records: deque[Record] = deque(records)
         self._pending: deque[Segment] = deque()
         self._fd = files.create(job.file)
-        self._buffer = bytearray()
-        self._base = 0  # the file offset of the buffer's first byte
+        # What is to be written next, in order: bytes copied here (bytearrays) and views
+        # of the step's read buffer (WRITTEN_IN_PLACE).
+        self._pieces: list[bytearray | memoryview] = []
+        self._length = 0  # of the pieces
+        self._copied = 0  # of the pieces, in bytearrays
+        self._base = 0  # the file offset of the first piece's first byte
         self._crc = 0  # of the current record's bytes written so far
         self._crc_at = 0  # how far into the file the current record's CRC has reached
         self._patches: dict[int, bytes] = {}  # CRC fields not written yet, by offset
@@ -141,21 +153,26 @@ class JobWriter:
             return out, taken
 
     def write(self, segments: Sequence[Segment], lookup: Callable[[Region], memoryview]) -> None:
-        """Write ``segments`` at the end of what this job wrote, with the source bytes ``lookup`` gives."""
-        buffer = self._buffer
+        """Write ``segments`` at the end of what this job wrote, with the source bytes ``lookup`` gives.
+
+        Everything is written before returning: the views of the step's reads go with it.
+        """
         for segment in segments:
             kind = type(segment)
             if kind is bytes:
-                buffer += segment
+                self._put(segment, copy=True)
             elif kind is Blob:
                 region = segment.region
                 data = lookup(region) if region.stop > region.start else b""
-                _put_blob(buffer, segment, data, isal_zlib.crc32(data))
+                head, tail = _blob_ends(segment, len(data), isal_zlib.crc32(data))
+                self._put(head, copy=True)
+                self._put(data)
+                self._put(tail, copy=True)
             elif kind is _Open:
-                self._running, self._blob_at = 0, self._base + len(buffer)
-                buffer += segment.blob.head
+                self._running, self._blob_at = 0, self._base + self._length
+                self._put(segment.blob.head, copy=True)
             elif kind is _Close:
-                buffer += segment.blob.tail
+                self._put(segment.blob.tail, copy=True)
                 # Its fields may lie in what is written already (a local header): patched after.
                 packed = struct.pack("<I", self._running)
                 for at in segment.blob.crc_at:
@@ -163,28 +180,49 @@ class JobWriter:
                 self._running = None
             elif segment.stop > segment.start:
                 data = lookup(segment)
-                buffer += data
+                self._put(data)
                 if self._running is not None:
                     self._running = isal_zlib.crc32(data, self._running)
-            if len(buffer) >= self.limit:
+            if self._copied >= COPIED:
                 self._flush()
-                buffer = self._buffer
-            if len(self._buffer) >= self.limit:
-                self._flush()
+        self._flush()
         if self.done:
-            self._flush()
             self._finish()
 
+    def _put(self, data, copy: bool = False) -> None:
+        """Append ``data`` to what is to be written: copied, unless it is region bytes of a MiB or more."""
+        if not data:
+            return
+        if not copy and len(data) >= WRITTEN_IN_PLACE:
+            self._pieces.append(memoryview(data))
+        else:
+            if not self._pieces or type(self._pieces[-1]) is not bytearray:
+                self._pieces.append(bytearray())
+            self._pieces[-1] += data
+            self._copied += len(data)
+        self._length += len(data)
+
+    def _spans(self, lo: int, hi: int) -> Iterator[memoryview]:
+        """Yield the pieces' bytes from file offset ``lo`` to ``hi``, in order."""
+        at = self._base
+        for piece in self._pieces:
+            end = at + len(piece)
+            if end > lo and at < hi:
+                yield memoryview(piece)[max(lo, at) - at : min(hi, end) - at]
+            if end >= hi:
+                return
+            at = end
+
     def _flush(self) -> None:
-        """Write the buffer out, with the CRC-32 of every record it completes put in place."""
-        buffer, base = self._buffer, self._base
-        end = base + len(buffer)
+        """Write the pieces out, with the CRC-32 of every record they complete put in place."""
+        base = self._base
+        end = base + self._length
         while self._records and self._records[0].start < end:
             record = self._records[0]
             stop = record.start + record.length
             lo, hi = max(record.start, self._crc_at), min(stop, end)
-            if hi > lo:
-                self._crc = isal_zlib.crc32(memoryview(buffer)[lo - base : hi - base], self._crc)
+            for span in self._spans(lo, hi) if hi > lo else ():
+                self._crc = isal_zlib.crc32(span, self._crc)
             self._crc_at = hi
             if hi < stop:
                 break
@@ -197,17 +235,21 @@ class JobWriter:
         for at in [a for a in self._patches if a < end]:
             packed = self._patches.pop(at)
             if at >= base:
-                buffer[at - base : at - base + 4] = packed
+                (field,) = self._spans(at, at + 4)  # in a header: copied, so writable
+                field[:] = packed
             else:
                 late.append((at, packed))
         path = self.files.path(self.job.file)
         with writing(path):
-            pwrite_all(self._fd, memoryview(buffer), base)
+            at = base
+            for piece in self._pieces:
+                pwrite_all(self._fd, memoryview(piece), at)
+                at += len(piece)
             for at, packed in late:
                 pwrite_all(self._fd, memoryview(packed), at)
-        self.written += len(buffer)
+        self.written += self._length
         self._base = end
-        self._buffer = bytearray()
+        self._pieces, self._length, self._copied = [], 0, 0
 
     def _finish(self) -> None:
         if self._records or self._patches:

@@ -33,6 +33,9 @@ from shardckpt.state.checksums import active
 
 SLICE = 4 << 20
 """Bytes CRC'd and then copied at a time: they are still in the CPU's cache when copied."""
+WINDOW = 64 << 20
+"""The most bytes of a run mapped at a time: a chunk of GBs is mapped, copied and unmapped
+a window after another, so the source pages a process has mapped stay under this."""
 MIN_RUN = 1 << 20
 """The fewest bytes a region's runs hold on average for it to be copied here.
 
@@ -54,7 +57,7 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
     """
     ledger = active()
     crc = 0
-    for run in runs:
+    for run in _windows(runs):
         with _mapped(run) as (src_fd, view):
             run_crc = _copy_checked(src_fd, view, run.offset, fd, offset, dst)
             if ledger is not None and run.written is not None:
@@ -63,6 +66,14 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
         crc = isal_zlib.crc32_combine(crc, run_crc, run.length)
         offset += run.length
     return crc
+
+
+def _windows(runs: Sequence[StoredRun]) -> Iterator[StoredRun]:
+    """Yield ``runs`` cut into runs of at most ``WINDOW`` bytes, in order."""
+    for run in runs:
+        for at in range(0, run.length, WINDOW):
+            length = min(WINDOW, run.length - at)
+            yield StoredRun(run.path, run.offset + at, length, run.written)
 
 
 def _copy_checked(

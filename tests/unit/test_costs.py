@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
+import pytest
 import torch
+from conditions import memory_capped
 
 from shardckpt import api
 from shardckpt.cli.app import run
@@ -89,4 +93,39 @@ def test_ranks_costs_combine_as_the_slowest_phase_the_summed_bytes_and_each_rank
         "written_bytes": 4 * 10**9,
         "write_gb_per_s": 2.0,
         "peak_rss_bytes": [300, 400],
+        "peak_cgroup_bytes": [None, None],
     }
+
+
+@pytest.mark.launches
+def test_a_process_in_a_memory_cgroup_of_its_own_reports_what_the_cgroup_was_charged(tmp_path):
+    src = _source(tmp_path)
+    big = tmp_path / "big.pt"
+    torch.save({"w": torch.ones(64, 2**20, dtype=torch.uint8)}, big)  # 64 MiB: page cache
+    argv = [sys.executable, "-m", "shardckpt", "convert", "--json", "--to", "full"]
+    with memory_capped(2**40) as cap:
+        done = subprocess.run(
+            [*cap.prefix, *argv, str(big), str(tmp_path / "b.safetensors")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        peak = cap.peak()
+    costs = json.loads(done.stdout)["costs"]
+    (charged,) = costs["peak_cgroup_bytes"]
+    # Read by the process before it ended: at most the cgroup's peak, and it counts the
+    # page cache of the 64 MiB read and written that resident memory leaves out.
+    assert charged is not None and charged <= peak
+    assert charged >= peak - 32 * 2**20
+    # Not alone in a cgroup (this test's process shares pytest's): no figure, not the group's.
+    doc = json.loads(
+        subprocess.run(
+            [*argv, str(src), str(tmp_path / "c.safetensors")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    assert doc["costs"]["peak_cgroup_bytes"] == [None]

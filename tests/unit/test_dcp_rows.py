@@ -186,3 +186,27 @@ def test_where_the_kernel_cannot_copy_between_the_files_the_mapped_rows_are_pwri
     api.convert(api.ConvertRequest(src=src, dst=out, to="full", buffer_bytes=64))
     assert refused
     assert out.read_bytes() == (tmp_path / "kernel.safetensors").read_bytes()
+
+
+def test_a_run_longer_than_the_window_is_mapped_a_window_at_a_time_and_writes_the_same_bytes(
+    tmp_path, monkeypatch
+):
+    src, _ = _source(tmp_path)
+    monkeypatch.setattr(stored_copy, "MIN_RUN", 1)
+    whole = tmp_path / "whole.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=whole, to="full"))
+    mapped = []
+    original = stored_copy._mapped
+
+    def spy(run):
+        mapped.append(run.length)
+        return original(run)
+
+    monkeypatch.setattr(stored_copy, "_mapped", spy)
+    monkeypatch.setattr(stored_copy, "WINDOW", 64, raising=False)
+    out = tmp_path / "windows.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=out, to="full"))
+    # 'w' is one run of 740 bytes: twelve windows of 64 and one of 36.
+    assert max(mapped) == 64 and mapped.count(64) >= 11
+    assert out.read_bytes() == whole.read_bytes()
+    assert read_digests(out).crcs == read_digests(whole).crcs

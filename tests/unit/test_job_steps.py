@@ -9,6 +9,7 @@ buffer. The source is written by torch's own ``dcp.save``.
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,26 @@ def test_a_record_larger_than_the_buffer_is_read_in_steps_and_written_the_same(
     dcp.load({"model": got}, checkpoint_id=tmp_path / "small", no_dist=True)
     for name, value in state().items():
         assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_steps_rows_are_written_from_where_they_were_read_not_copied_into_a_second_buffer(
+    tmp_path, world_size
+):
+    # 8 MiB of rows a step: a writer that put them together in a buffer of its own before
+    # writing them held each step twice. Python's allocator sees such a buffer (torch's
+    # tensors, the rows read, it does not).
+    big = torch.arange(2**22, dtype=torch.float32).reshape(4096, 1024)
+    dcp.save({"model": {"w": big}}, checkpoint_id=tmp_path / "src", no_dist=True)
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "sharded"]
+    argv += ["--world-size", str(world_size), "--buffer-size", "8MiB", "--quiet"]
+    tracemalloc.start()
+    try:
+        assert run(argv) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.1f} MiB held by Python beside the rows read"
+    got = {"w": torch.empty_like(big)}
+    dcp.load({"model": got}, checkpoint_id=tmp_path / "out", no_dist=True)
+    assert torch.equal(got["w"], big)
