@@ -14,12 +14,32 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
 from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError, in_chain
+
+
+class OutOfDescriptors(IOFailure):
+    """The process (EMFILE) or the system (ENFILE) has no file descriptor left (exit 4)."""
+
+
+def kept_open() -> int:
+    """Return how many files a cache of descriptors keeps open: a quarter of the process's limit, at most 4,096.
+
+    A quarter, never more: SRC's data files a reader keeps open and DST's files a writer
+    keeps open are two such caches, and the rest is torch's and the files opened per use
+    (at ``ulimit -n 64``, 16 each).
+    """
+    soft = _open_files_limit()
+    return 4096 if soft == resource.RLIM_INFINITY else min(4096, soft // 4)
+
+
+def _open_files_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) -> ShardckptError:
@@ -40,6 +60,12 @@ def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) ->
             hint="check the permissions of the directory DST goes in"
             if writing
             else "check the file's permissions; shardckpt needs to read it",
+        )
+    if code in (errno.EMFILE, errno.ENFILE):
+        return OutOfDescriptors(
+            f"too many open files (the limit is {_open_files_limit()})",
+            path=path,
+            hint="raise the limit of open files (ulimit -n) and run again",
         )
     if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return IOFailure(

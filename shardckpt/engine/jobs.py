@@ -69,7 +69,8 @@ class JobWriter:
         self._segments = iter(segments)
         self._records: deque[Record] = deque(records)
         self._pending: deque[Segment] = deque()
-        self._fd = files.create(job.file)
+        self._fd: int | None = None
+        """Created at the first write: a step hands out many small jobs, written one at a time."""
         self._buffer = bytearray()
         self._base = 0  # the file offset of the buffer's first byte
         self._crc = 0  # of the current record's bytes written so far
@@ -201,6 +202,8 @@ class JobWriter:
             else:
                 late.append((at, packed))
         path = self.files.path(self.job.file)
+        if self._fd is None:
+            self._fd = self.files.create(self.job.file)
         with writing(path):
             pwrite_all(self._fd, memoryview(buffer), base)
             for at, packed in late:
