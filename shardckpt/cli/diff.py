@@ -21,6 +21,7 @@ from shardckpt.cli.options import (
     emit_notes,
     only_option,
     parse_size,
+    will_emit,
 )
 from shardckpt.core.errors import EXIT_DIFFERENT
 
@@ -117,6 +118,8 @@ def diff(
     from shardckpt.core.progress import Progress
 
     applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
+    if not quiet:
+        will_emit()
     with launch(device) as runtime:
         request = api.DiffRequest(
             a=a,

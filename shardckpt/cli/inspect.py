@@ -9,7 +9,16 @@ import typer
 
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
-from shardckpt.cli.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
+from shardckpt.cli.options import (
+    Filters,
+    JsonOut,
+    SrcFormat,
+    TrustPickle,
+    Version,
+    Wraps,
+    emit,
+    will_emit,
+)
 
 EPILOG = examples(
     "shardckpt inspect .demo/ckpt-dcp",
@@ -62,6 +71,7 @@ def inspect(
     from shardckpt.core.dist import launch
     from shardckpt.core.progress import Progress
 
+    will_emit()
     request = api.InspectRequest(
         src=src,
         format=fmt,

@@ -9,7 +9,16 @@ import typer
 
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
-from shardckpt.cli.options import DeviceOpt, JsonOut, Quiet, SrcFormat, TrustPickle, Version, emit
+from shardckpt.cli.options import (
+    DeviceOpt,
+    JsonOut,
+    Quiet,
+    SrcFormat,
+    TrustPickle,
+    Version,
+    emit,
+    will_emit,
+)
 from shardckpt.core.errors import BadInputError
 
 EPILOG = (
@@ -45,6 +54,8 @@ def verify(
     from shardckpt.core.progress import Progress
 
     applies.check(applies.VERIFY_RULES, applies.Choice(quiet=quiet, json_out=json_out))
+    if not quiet:
+        will_emit()
     request = api.VerifyRequest(src=src, format=fmt, trust_pickle=trust_pickle)
     with launch(device.value if device else None) as runtime:
         bar = runtime.coordinator and not quiet and not json_out
