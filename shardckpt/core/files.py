@@ -169,6 +169,33 @@ def open_source(path: str | os.PathLike) -> int:
     return fd
 
 
+SRC_CHANGED = (
+    "SRC changed during the run; convert a checkpoint that no process is writing, moving or cutting"
+)
+"""The hint for a source file that no longer holds what it held when the run checked it."""
+
+
+def read_exactly(fd: int, data: memoryview, at: int, path: str | os.PathLike, what: str) -> None:
+    """Fill ``data`` from byte ``at`` of ``fd`` (file ``path``); raise (exit 3) where the file ends first.
+
+    For bytes SRC held when the run checked it: a file that ends early now was cut short
+    while it was read. ``what`` names the bytes in the line (``the data of 'w'``).
+    """
+    done = 0
+    while done < len(data):
+        try:
+            n = os.preadv(fd, [data[done:]], at + done)
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        if n == 0:
+            raise BadInputError(
+                f"truncated while it was read: it now ends at byte {at + done}, inside {what}",
+                path=path,
+                hint=SRC_CHANGED,
+            )
+        done += n
+
+
 def source_file(path: str | os.PathLike, within: str | os.PathLike | None = None) -> Path:
     """Return ``path`` when it is a readable regular file inside ``within``; else raise one line.
 

@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.core.files import os_error, read_head, source_file, writing
+from shardckpt.core.files import SRC_CHANGED, os_error, read_head, source_file, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.hf.digests import (
     DIGESTS_KEY,
@@ -123,7 +123,7 @@ class SafetensorsReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
-        with safe_open(self.src, framework="pt") as f:
+        with opened(self.src, SRC_CHANGED) as f:
             return [read_rows(f, meta, r, self.digests) for meta, r in zip(metas, rows)]
 
     def tensor_digests(self) -> dict[str, int]:

@@ -22,14 +22,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.core.files import has_file, os_error, writing
+from shardckpt.core.files import SRC_CHANGED, has_file, os_error, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
-from shardckpt.formats.hf.safetensors_file import framed, layout, opened, read_rows, tensor_meta
+from shardckpt.formats.hf.safetensors_file import (
+    framed,
+    layout,
+    opened,
+    read_rows,
+    tensor_meta,
+)
 from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -234,7 +239,7 @@ class HfReader(Reader):
         for i, meta in enumerate(metas):
             by_file.setdefault(self._file[meta.key], []).append(i)
         for file, positions in by_file.items():
-            with safe_open(self.src / file, framework="pt") as f:
+            with opened(self.src / file, SRC_CHANGED) as f:
                 for i in positions:
                     out[i] = read_rows(f, metas[i], rows[i], self._digests[file])
         return out  # type: ignore[return-value]
