@@ -192,9 +192,9 @@ def convert(
     from shardckpt.core.dist import launch
     from shardckpt.core.progress import Progress
 
-    if json_out or not quiet or dry_run:
-        will_emit()
     with launch(device) as runtime:
+        if json_out or not quiet or dry_run:
+            runtime.check(will_emit)
         request = api.ConvertRequest(
             src=src,
             dst=dst,

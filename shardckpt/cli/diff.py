@@ -118,9 +118,9 @@ def diff(
     from shardckpt.core.progress import Progress
 
     applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
-    if not quiet:
-        will_emit()
     with launch(device) as runtime:
+        if not quiet:
+            runtime.check(will_emit)
         request = api.DiffRequest(
             a=a,
             b=b,

@@ -71,7 +71,6 @@ def inspect(
     from shardckpt.core.dist import launch
     from shardckpt.core.progress import Progress
 
-    will_emit()
     request = api.InspectRequest(
         src=src,
         format=fmt,
@@ -82,6 +81,7 @@ def inspect(
         verify=verify,
     )
     with launch("cpu") as runtime:
+        runtime.check(will_emit)
         bar = Progress(enabled=runtime.coordinator and not json_out, desc="inspect --verify")
         result = api.inspect(request, runtime, bar)
     emit(

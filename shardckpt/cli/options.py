@@ -178,7 +178,10 @@ def emit(text: str, finished: str = "") -> None:
 
 
 def will_emit() -> None:
-    """Raise (exit 4) at once when stdout is closed on rank 0: the command has output to print."""
+    """Raise (exit 4) when stdout is closed on rank 0: the command has output to print there.
+
+    A ``Runtime.check``, run before any work: every rank stops with the one line.
+    """
     if env_rank() == 0 and streams.stdout_closed():
         raise IOFailure(
             "is closed",

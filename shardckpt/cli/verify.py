@@ -54,10 +54,10 @@ def verify(
     from shardckpt.core.progress import Progress
 
     applies.check(applies.VERIFY_RULES, applies.Choice(quiet=quiet, json_out=json_out))
-    if not quiet:
-        will_emit()
     request = api.VerifyRequest(src=src, format=fmt, trust_pickle=trust_pickle)
     with launch(device.value if device else None) as runtime:
+        if not quiet:
+            runtime.check(will_emit)
         bar = runtime.coordinator and not quiet and not json_out
         result = api.verify(request, runtime, Progress(enabled=bar, desc="verify"))
     if not quiet:

