@@ -11,6 +11,7 @@ writes what it would without the limit.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -165,3 +166,26 @@ def test_out_of_descriptors_is_one_line_naming_the_file_and_the_limit(tmp_path):
         f"'{tmp_path / 'x.distcp'}': too many open files (the limit is {soft}): raise the "
         "limit of open files (ulimit -n) and run again",
     )
+
+
+def test_dst_files_keep_their_share_open_and_a_pinned_file_stays(tmp_path, monkeypatch):
+    from shardckpt.engine import dst_files
+
+    monkeypatch.setattr(dst_files, "kept_open", lambda: 2)
+    names = [f"f{i}" for i in range(8)]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    out = dst_files.DstFiles(tmp_path)
+    pinned = out.pin("f0")  # a copy writes through it on another thread
+    for i, name in enumerate(names[1:], 1):
+        os.pwrite(out.fd(name), bytes([i]) * i, 0)
+        out.written(name, 0, i)
+        assert len(out._fds) <= 3  # two kept, and the pinned one
+    os.pwrite(pinned, b"pinned", 0)  # still open, still f0's
+    assert out.crowded is False
+    out.unpin()
+    assert out.count == len(names)  # each flushed by sync, open or not
+    out.sync()
+    out.close()
+    assert (tmp_path / "f0").read_bytes() == b"pinned"
+    assert [(tmp_path / n).read_bytes() for n in names[1:]] == [bytes([i]) * i for i in range(1, 8)]
