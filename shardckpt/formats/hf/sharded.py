@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.core.files import SRC_CHANGED, has_file, os_error, writing
+from shardckpt.core.files import has_file, os_error, writing
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
 from shardckpt.formats.hf.safetensors_file import (
+    data_starts,
     framed,
     layout,
     opened,
@@ -137,6 +138,7 @@ class HfReader(Reader):
         self._file: dict[str, str] = {}
         self._metas: dict[str, TensorMeta] = {}
         self._digests: dict[str, Digests | None] = {}
+        self._starts: dict[str, dict[str, int]] = {}
         for file in sorted(set(weight_map.values())):
             wanted = {name for name, f in weight_map.items() if f == file}
             for name, meta in self._read_shard(file, wanted):
@@ -206,6 +208,7 @@ class HfReader(Reader):
             keys = list(f.offset_keys())
             present = [k for k in keys if k in wanted]
             metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
+        self._starts[file] = data_starts(path)
         missing = sorted(wanted - set(present))
         if missing:
             raise BadInputError(
@@ -239,9 +242,15 @@ class HfReader(Reader):
         for i, meta in enumerate(metas):
             by_file.setdefault(self._file[meta.key], []).append(i)
         for file, positions in by_file.items():
-            with opened(self.src / file, SRC_CHANGED) as f:
-                for i in positions:
-                    out[i] = read_rows(f, metas[i], rows[i], self._digests[file])
+            got = read_rows(
+                self.src / file,
+                self._starts[file],
+                [metas[i] for i in positions],
+                [rows[i] for i in positions],
+                self._digests[file],
+            )
+            for i, tensor in zip(positions, got):
+                out[i] = tensor
         return out  # type: ignore[return-value]
 
     def tensor_digests(self) -> dict[str, int]:
