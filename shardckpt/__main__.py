@@ -13,8 +13,10 @@ import sys
 def main() -> None:
     """Run the CLI; a signal while it starts up ends it as soon as it can act on it."""
     try:
-        from shardckpt.core import signals
+        from shardckpt.core import signals, streams
 
+        # First: a closed stderr must not become the first file opened (see streams).
+        streams.plug()
         signals.defer()
         from shardckpt.cli.app import main as cli_main
     except KeyboardInterrupt:  # before defer() took over: a fraction of a millisecond

@@ -49,6 +49,19 @@ def cap_address_space(budget_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def close_stream(fd: int) -> None:
+    """Start as an interpreter started with descriptor ``fd`` (1 or 2) closed (a ``setup``): ``>&-``, ``2>&-``."""
+    os.close(fd)
+    setattr(sys, "stdout" if fd == 1 else "stderr", None)
+
+
+def stream_to(fd: int, path: str) -> None:
+    """Send descriptor ``fd`` (1 or 2) to ``path`` (a ``setup``): ``>/dev/full``, ``2>/dev/full``."""
+    target = os.open(path, os.O_WRONLY)
+    os.dup2(target, fd)
+    os.close(target)
+
+
 def drop_to_nobody() -> None:
     """Become ``nobody``:``nogroup`` with no other groups (a ``setup``; needs root)."""
     import grp

@@ -32,6 +32,7 @@ from shardckpt.core.errors import (
 )
 from shardckpt.core.rank_env import env_rank
 from shardckpt.core.signals import Interrupted, behind, held, interruptible
+from shardckpt.core.streams import plug, say
 
 app = typer.Typer(
     name="shardckpt",
@@ -77,7 +78,7 @@ def report(error: ShardckptError) -> None:
     reported_here = getattr(error, "agreed", False) or isinstance(error, CollectiveFailure)
     if env_rank() != 0 and not reported_here:
         return
-    print(f"shardckpt: error: {error.line()}", file=sys.stderr)
+    say(f"shardckpt: error: {error.line()}")
 
 
 def _record_for_torchrun(error: ShardckptError) -> None:
@@ -183,15 +184,14 @@ def _interrupted(exc: Interrupted, also: tuple[str, ...] | list[str] = ()) -> in
     if getattr(exc, "quiet", False):
         return exc.exit_code
     if env_rank() == 0 and exc.complete:
-        print(
+        say(
             f"shardckpt: note: {exc.name} came after {exc.complete} was complete: "
-            "the conversion finished, exit 0",
-            file=sys.stderr,
+            "the conversion finished, exit 0"
         )
     elif env_rank() == 0:
         notes = "".join(f": {n}" for n in [*getattr(exc, "__notes__", ()), *also])
         where = "" if exc.rank is None else f" on rank {exc.rank}"
-        print(f"shardckpt: interrupted by {exc.name}{where}{notes}", file=sys.stderr)
+        say(f"shardckpt: interrupted by {exc.name}{where}{notes}")
     return exc.exit_code
 
 
@@ -212,6 +212,7 @@ def _unexpected(exc: Exception) -> ShardckptError:
 
 def main() -> None:
     """Console-script entry point; under torchrun, its ``@record`` names a crashing rank's traceback."""
+    plug()
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         _leave(run(whole_process=True))
     # Only torchrun sets the error file, and its launch has imported torch already:

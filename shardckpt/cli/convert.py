@@ -27,6 +27,7 @@ from shardckpt.cli.options import (
     in_given_order,
     output_formats,
     parse_size,
+    will_emit,
 )
 from shardckpt.core.errors import UsageError
 from shardckpt.state.choices import LAYOUTS, OPTIM_KEYS
@@ -192,6 +193,8 @@ def convert(
     from shardckpt.core.progress import Progress
 
     with launch(device) as runtime:
+        if json_out or not quiet or dry_run:
+            runtime.check(will_emit)
         request = api.ConvertRequest(
             src=src,
             dst=dst,
@@ -231,10 +234,12 @@ def convert(
     # The command's wall time (the shardckpt command's from the process's start): what a
     # user waited for.
     wall = command_seconds()
+    # Printed once DST is in place: a lost summary does not take DST back.
+    finished = "" if dry_run else f"the conversion finished and '{dst}' is in place"
     if json_out:
-        emit(json.dumps(render.convert_json(result, wall)))
+        emit(json.dumps(render.convert_json(result, wall)), finished)
     elif not quiet or dry_run:
-        emit(render.convert_text(result, wall))
+        emit(render.convert_text(result, wall), finished)
     return 0
 
 

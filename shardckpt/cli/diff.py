@@ -22,6 +22,7 @@ from shardckpt.cli.options import (
     only_option,
     parse_size,
     source_format_option,
+    will_emit,
 )
 from shardckpt.core.errors import EXIT_DIFFERENT
 
@@ -117,6 +118,8 @@ def diff(
 
     applies.check(applies.DIFF_RULES, applies.Choice(quiet=quiet, json_out=json_out))
     with launch(device) as runtime:
+        if not quiet:
+            runtime.check(will_emit)
         request = api.DiffRequest(
             a=a,
             b=b,

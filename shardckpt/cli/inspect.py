@@ -9,7 +9,16 @@ import typer
 
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
-from shardckpt.cli.options import Filters, JsonOut, SrcFormat, TrustPickle, Version, Wraps, emit
+from shardckpt.cli.options import (
+    Filters,
+    JsonOut,
+    SrcFormat,
+    TrustPickle,
+    Version,
+    Wraps,
+    emit,
+    will_emit,
+)
 
 EPILOG = examples(
     "shardckpt inspect .demo/ckpt-dcp",
@@ -72,6 +81,7 @@ def inspect(
         verify=verify,
     )
     with launch("cpu") as runtime:
+        runtime.check(will_emit)
         bar = Progress(enabled=runtime.coordinator and not json_out, desc="inspect --verify")
         result = api.inspect(request, runtime, bar)
     emit(

@@ -9,7 +9,8 @@ import typer
 
 from shardckpt import __version__
 from shardckpt.cli.help import HelpCommand
-from shardckpt.core.errors import UsageError, notice
+from shardckpt.core import streams
+from shardckpt.core.errors import IOFailure, UsageError, notice
 from shardckpt.core.rank_env import env_rank
 from shardckpt.core.words import closest
 from shardckpt.formats import FORMATS
@@ -167,10 +168,40 @@ HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 """``-h`` is ``--help`` for the app and every command."""
 
 
-def emit(text: str) -> None:
-    """Print on stdout from rank 0 only (SPEC: only rank 0 prints)."""
-    if env_rank() == 0:
-        typer.echo(text)
+def emit(text: str, finished: str = "") -> None:
+    """Print on stdout from rank 0 only (SPEC: only rank 0 prints); raise (exit 4) when it cannot.
+
+    ``finished``: what the run did that stands, said when the output is lost.
+    """
+    if env_rank() != 0:
+        return
+    try:
+        streams.out(text)
+    except OSError as exc:
+        raise IOFailure(
+            f"the output could not be written ({exc.strerror or type(exc).__name__})",
+            path=STDOUT,
+            hint=f"{finished}: only what it printed is lost"
+            if finished
+            else "write stdout where there is room, or run again",
+        ) from None
+
+
+def will_emit() -> None:
+    """Raise (exit 4) when stdout is closed on rank 0: the command has output to print there.
+
+    A ``Runtime.check``, run before any work: every rank stops with the one line.
+    """
+    if env_rank() == 0 and streams.stdout_closed():
+        raise IOFailure(
+            "is closed",
+            path=STDOUT,
+            hint="run it with stdout open (not `>&-`), or with -q where it has one",
+        )
+
+
+STDOUT = "<stdout>"
+"""What an error about the standard output names as its file."""
 
 
 def emit_notes(notes) -> None:

@@ -9,7 +9,16 @@ import typer
 
 from shardckpt.cli import library
 from shardckpt.cli.help import examples
-from shardckpt.cli.options import DeviceOpt, JsonOut, Quiet, SrcFormat, TrustPickle, Version, emit
+from shardckpt.cli.options import (
+    DeviceOpt,
+    JsonOut,
+    Quiet,
+    SrcFormat,
+    TrustPickle,
+    Version,
+    emit,
+    will_emit,
+)
 from shardckpt.core.errors import BadInputError
 
 EPILOG = (
@@ -47,6 +56,8 @@ def verify(
     applies.check(applies.VERIFY_RULES, applies.Choice(quiet=quiet, json_out=json_out))
     request = api.VerifyRequest(src=src, format=fmt, trust_pickle=trust_pickle)
     with launch(device.value if device else None) as runtime:
+        if not quiet:
+            runtime.check(will_emit)
         bar = runtime.coordinator and not quiet and not json_out
         result = api.verify(request, runtime, Progress(enabled=bar, desc="verify"))
     if not quiet:

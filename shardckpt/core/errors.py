@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
+
+from shardckpt.core.streams import say
 
 _Found = TypeVar("_Found", bound=BaseException)
 
@@ -127,7 +128,7 @@ def in_chain(exc: BaseException, kind: type[_Found]) -> _Found | None:
 
 def notice(message: str) -> None:
     """Print a one-line notice on stderr: something the user should know that is not an error."""
-    print(f"shardckpt: note: {message}", file=sys.stderr)
+    say(f"shardckpt: note: {message}")
 
 
 @contextmanager

@@ -14,12 +14,32 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
 from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError, in_chain
+
+
+class OutOfDescriptors(IOFailure):
+    """The process (EMFILE) or the system (ENFILE) has no file descriptor left (exit 4)."""
+
+
+def kept_open() -> int:
+    """Return how many files a cache of descriptors keeps open: a quarter of the process's limit, at most 4,096.
+
+    A quarter, never more: SRC's data files a reader keeps open and DST's files a writer
+    keeps open are two such caches, and the rest is torch's and the files opened per use
+    (at ``ulimit -n 64``, 16 each).
+    """
+    soft = _open_files_limit()
+    return 4096 if soft == resource.RLIM_INFINITY else min(4096, soft // 4)
+
+
+def _open_files_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) -> ShardckptError:
@@ -40,6 +60,12 @@ def os_error(exc: OSError, path: str | os.PathLike, *, writing: bool = False) ->
             hint="check the permissions of the directory DST goes in"
             if writing
             else "check the file's permissions; shardckpt needs to read it",
+        )
+    if code in (errno.EMFILE, errno.ENFILE):
+        return OutOfDescriptors(
+            f"too many open files (the limit is {_open_files_limit()})",
+            path=path,
+            hint="raise the limit of open files (ulimit -n) and run again",
         )
     if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return IOFailure(
@@ -141,6 +167,33 @@ def open_source(path: str | os.PathLike) -> int:
             hint="put the checkpoint's own file in its place",
         )
     return fd
+
+
+SRC_CHANGED = (
+    "SRC changed during the run; convert a checkpoint that no process is writing, moving or cutting"
+)
+"""The hint for a source file that no longer holds what it held when the run checked it."""
+
+
+def read_exactly(fd: int, data: memoryview, at: int, path: str | os.PathLike, what: str) -> None:
+    """Fill ``data`` from byte ``at`` of ``fd`` (file ``path``); raise (exit 3) where the file ends first.
+
+    For bytes SRC held when the run checked it: a file that ends early now was cut short
+    while it was read. ``what`` names the bytes in the line (``the data of 'w'``).
+    """
+    done = 0
+    while done < len(data):
+        try:
+            n = os.preadv(fd, [data[done:]], at + done)
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        if n == 0:
+            raise BadInputError(
+                f"truncated while it was read: it now ends at byte {at + done}, inside {what}",
+                path=path,
+                hint=SRC_CHANGED,
+            )
+        done += n
 
 
 def source_file(path: str | os.PathLike, within: str | os.PathLike | None = None) -> Path:

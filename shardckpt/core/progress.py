@@ -14,6 +14,8 @@ import threading
 
 from tqdm import tqdm
 
+from shardckpt.core.streams import say
+
 
 def human_bytes(n: float) -> str:
     """Return ``n`` bytes as a short human string (``1.5 MiB``)."""
@@ -35,6 +37,7 @@ class Progress:
         # CI logs are not terminals, but some CI runners fake one; CI=true keeps them clean too.
         self.enabled = (
             enabled
+            and sys.stderr is not None
             and sys.stderr.isatty()
             and os.environ.get("CI", "").lower() not in ("1", "true")
         )
@@ -74,7 +77,7 @@ class Progress:
                 self._say(self._status)
 
     def _say(self, text: str) -> None:
-        print(f"shardckpt: {text}...", file=sys.stderr, flush=True)
+        say(f"shardckpt: {text}...")
 
     def _end_status(self) -> None:
         """Stop a pending status line: a bar (or the end of the run) is what shows now."""

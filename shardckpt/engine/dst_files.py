@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from shardckpt.core.files import writing
+from shardckpt.core.files import kept_open, writing
 
 Progress = Callable[[int], None]
 
@@ -45,15 +45,23 @@ _START_WRITEBACK = _sync_file_range()
 class DstFiles:
     """The DST files this process writes into under ``root`` (``""`` is ``root`` itself, a one-file DST).
 
-    A file framing created stays open until ``sync``; one written whole (a file job) is
-    closed when done and only named for ``sync``, so a process writing a thousand target
-    ranks' files never holds a thousand descriptors.
+    A file framing created stays open while it is used, the ``kept_open()`` used last at
+    most; one written whole (a file job) is closed when done. A file closed is only named
+    for ``sync``, so a process writing a thousand target ranks' files never holds a
+    thousand descriptors (at ``ulimit -n 64``, a 100-file DCP output holds 16).
     """
 
     def __init__(self, root: Path):
         self.root = root
         self._fds: dict[str, int] = {}
-        self._done: list[str] = []
+        """Open files, the least recently used first."""
+        self._jobs: set[str] = set()
+        """File jobs' files: open until ``done``."""
+        self._pinned: set[str] = set()
+        """Files a copy is writing into: open until ``unpin``."""
+        self._limit = max(1, kept_open())
+        self._done: dict[str, None] = {}
+        """Files closed since they were written into, in order."""
         self._writeback: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self._flusher: threading.Thread | None = None
 
@@ -62,34 +70,73 @@ class DstFiles:
         return self.root / file if file else self.root
 
     def fd(self, file: str) -> int:
-        """Return a descriptor of ``file`` for reading and writing (it exists: framing made it)."""
-        if file not in self._fds:
+        """Return a descriptor of ``file`` for reading and writing (it exists: framing made it).
+
+        Valid until the next call of ``fd`` or ``create`` (which may close it to make room),
+        unless ``pin`` keeps it open.
+        """
+        fd = self._fds.pop(file, None)
+        if fd is None:
+            self._make_room()
             with writing(self.path(file)):
-                self._fds[file] = os.open(self.path(file), os.O_RDWR)
-        return self._fds[file]
+                fd = os.open(self.path(file), os.O_RDWR | os.O_CLOEXEC)
+        self._fds[file] = fd  # now the most recently used
+        return fd
 
     def create(self, file: str) -> int:
-        """Return a descriptor of ``file``, created empty (or emptied) for a file job."""
+        """Return a descriptor of ``file``, created empty (or emptied) for a file job; open until ``done``."""
+        self._make_room()
         with writing(self.path(file)):
             self._fds[file] = os.open(
                 self.path(file), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
             )
+        self._jobs.add(file)
         return self._fds[file]
 
     def done(self, file: str) -> None:
         """Close ``file``, written whole; ``sync`` flushes it later."""
+        self._jobs.discard(file)
+        self._close(file)
+
+    def pin(self, file: str) -> int:
+        """Return ``fd(file)``, kept open until ``unpin`` (another thread writes through it)."""
+        fd = self.fd(file)
+        self._pinned.add(file)
+        return fd
+
+    @property
+    def crowded(self) -> bool:
+        """Return whether as many files are pinned as may be kept open: ``unpin`` before pinning more."""
+        return len(self._pinned) >= self._limit
+
+    def unpin(self) -> None:
+        """Let every file ``pin`` kept open be closed again."""
+        self._pinned.clear()
+
+    def _make_room(self) -> None:
+        """Close the least recently used files not pinned, so one more stays within the limit."""
+        unpinned = [f for f in self._fds if f not in self._pinned and f not in self._jobs]
+        if len(unpinned) < self._limit:
+            return
+        # A writeback hint may name a descriptor about to close (and reused at once).
+        self._stop_hints()
+        for file in unpinned[: len(unpinned) - self._limit + 1]:
+            self._close(file)
+
+    def _close(self, file: str) -> None:
+        """Close ``file`` if open; ``sync`` flushes it later."""
         fd = self._fds.pop(file, None)
         if fd is not None:
             os.close(fd)
-        self._done.append(file)
+        self._done[file] = None
 
     def written(self, file: str, offset: int, length: int) -> None:
         """Have ``length`` bytes at ``offset`` of ``file`` (open) written to disk soon, without waiting.
 
         Only a hint: where it fails or is missing, ``sync`` writes them all the same.
         """
-        if _START_WRITEBACK is None or not length:
-            return
+        if _START_WRITEBACK is None or not length or file not in self._fds:
+            return  # a file closed since (to make room) is flushed by ``sync``
         if self._flusher is None:
             flusher = threading.Thread(target=self._flush_hints, daemon=True)
             # Kept only once started: a signal that interrupts start() (Ctrl-C, SIGTERM)
@@ -114,7 +161,7 @@ class DstFiles:
     @property
     def count(self) -> int:
         """Return how many files this process has written into."""
-        return len(self._fds) + len(self._done)
+        return len(self._fds.keys() | self._done.keys())
 
     def sync(self, progress: Progress = lambda n: None) -> None:
         """Flush every file written to disk (on a shared filesystem, each rank its own writes)."""
@@ -123,7 +170,7 @@ class DstFiles:
             with writing(self.path(file)):
                 os.fsync(fd)
             progress(1)
-        for file in self._done:
+        for file in [f for f in self._done if f not in self._fds]:
             with writing(self.path(file)):
                 fd = os.open(self.path(file), os.O_RDONLY | os.O_CLOEXEC)
                 try:

@@ -162,7 +162,13 @@ def _fill(
         for region in batch:
             runs = reader.stored_runs(metas[region.key], region.start, region.stop)
             if runs is not None and worth_copying(runs):
-                fd, path = files.fd(region.file), files.path(region.file)
+                if files.crowded:
+                    # Each copy holds its DST file open: past the descriptors DST may
+                    # keep (a quarter of ``ulimit -n``), the copies so far finish first.
+                    for copy in copies.values():
+                        copy.result()
+                    files.unpin()
+                fd, path = files.pin(region.file), files.path(region.file)
                 # In this thread's context: the copy notes what it read in the command's ledger.
                 run = contextvars.copy_context().run
                 copies[region] = copier.submit(
@@ -174,6 +180,7 @@ def _fill(
         costs.read_bytes += read
         crcs = {r: _write_read(r, lookup, files) for r in batch if r not in copies}
         crcs.update({r: copy.result() for r, copy in copies.items()})
+        files.unpin()
     pieces = []
     moved = 0
     for region in batch:

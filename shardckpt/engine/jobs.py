@@ -77,7 +77,8 @@ class JobWriter:
         self._segments = iter(segments)
         self._records: deque[Record] = deque(records)
         self._pending: deque[Segment] = deque()
-        self._fd = files.create(job.file)
+        self._fd: int | None = None
+        """Created at the first write: a step hands out many small jobs, written one at a time."""
         # What is to be written next, in order: bytes copied here (bytearrays) and views
         # of the step's read buffer (WRITTEN_IN_PLACE).
         self._pieces: list[bytearray | memoryview] = []
@@ -240,6 +241,8 @@ class JobWriter:
             else:
                 late.append((at, packed))
         path = self.files.path(self.job.file)
+        if self._fd is None:
+            self._fd = self.files.create(self.job.file)
         with writing(path):
             at = base
             for piece in self._pieces:

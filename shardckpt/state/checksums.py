@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from isal import isal_zlib
 
+from shardckpt.core.files import open_source, read_exactly
+
 Key = tuple[str, int]
 """A written span by the file it is in and the offset of its first byte."""
 Span = tuple[int, int, int]
@@ -130,18 +132,31 @@ class Ledger:
             self._mapped[storage.data_ptr()] = (key, storage)
 
     def note_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Note the bytes ``tensor`` views, when it views a mapped storage; return ``tensor``.
+        """Return ``tensor``, or where it views a mapped storage its bytes read from the file and noted.
 
+        Read (``pread``), not touched through the mapping: a file cut short since it was
+        mapped gives a short read, exit 3 naming it, where touching the mapping past the
+        file's new end kills the process (SIGBUS) with its partial output left behind.
         A view whose bytes are not one run in memory (a transposed tensor) is not noted.
         """
         if tensor.device.type != "cpu" or not tensor.numel() or not tensor.is_contiguous():
             return tensor
         storage = tensor.untyped_storage()
         mapped = self._mapped.get(storage.data_ptr())
-        if mapped is not None:
-            (file, start), _ = mapped
-            self.note(file, start, tensor.data_ptr() - storage.data_ptr(), raw_bytes(tensor))
-        return tensor
+        if mapped is None:
+            return tensor
+        (file, start), _ = mapped
+        offset = tensor.data_ptr() - storage.data_ptr()
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+        data = raw_bytes(copy)
+        fd = open_source(file)
+        try:
+            what = f"the data of {self._written[(file, start)].where}"
+            read_exactly(fd, data, start + offset, file, what)
+        finally:
+            os.close(fd)
+        self.note(file, start, offset, data)
+        return copy
 
     def note(self, file: str, start: int, offset: int, data, crc: int | None = None) -> None:
         """CRC ``data``, read at ``offset`` into the span at (``file``, ``start``), if it is one.

@@ -188,25 +188,28 @@ def test_where_the_kernel_cannot_copy_between_the_files_the_mapped_rows_are_pwri
     assert out.read_bytes() == (tmp_path / "kernel.safetensors").read_bytes()
 
 
-def test_a_run_longer_than_the_window_is_mapped_a_window_at_a_time_and_writes_the_same_bytes(
+def test_a_run_longer_than_a_slice_is_read_a_slice_at_a_time_and_writes_the_same_bytes(
     tmp_path, monkeypatch
 ):
+    """A stored run is read (pread) and copied a slice at a time: memory per run is one
+    slice, whatever the run's length, and the bytes and CRCs are those of one piece."""
     src, _ = _source(tmp_path)
     monkeypatch.setattr(stored_copy, "MIN_RUN", 1)
     whole = tmp_path / "whole.safetensors"
     api.convert(api.ConvertRequest(src=src, dst=whole, to="full"))
-    mapped = []
-    original = stored_copy._mapped
+    read = []
+    original = stored_copy._read_slice
 
-    def spy(run):
-        mapped.append(run.length)
-        return original(run)
+    def spy(*args):
+        part = original(*args)
+        read.append(len(part))
+        return part
 
-    monkeypatch.setattr(stored_copy, "_mapped", spy)
-    monkeypatch.setattr(stored_copy, "WINDOW", 64, raising=False)
-    out = tmp_path / "windows.safetensors"
+    monkeypatch.setattr(stored_copy, "_read_slice", spy)
+    monkeypatch.setattr(stored_copy, "SLICE", 64)
+    out = tmp_path / "slices.safetensors"
     api.convert(api.ConvertRequest(src=src, dst=out, to="full"))
-    # 'w' is one run of 740 bytes: twelve windows of 64 and one of 36.
-    assert max(mapped) == 64 and mapped.count(64) >= 11
+    # 'w' is one run of 740 bytes: eleven slices of 64 and one of 36.
+    assert max(read) == 64 and read.count(64) >= 11
     assert out.read_bytes() == whole.read_bytes()
     assert read_digests(out).crcs == read_digests(whole).crcs

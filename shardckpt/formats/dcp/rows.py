@@ -23,12 +23,11 @@ from __future__ import annotations
 import io
 import math
 import os
-import resource
 import sys
 import weakref
 import zipfile
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from shardckpt.codecs.pickle_scan import first_line
 from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
-from shardckpt.core.files import open_source, os_error
+from shardckpt.core.files import OutOfDescriptors, kept_open, open_source, os_error
 from shardckpt.core.torch_internals import stored_offset
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import Written, active
@@ -159,19 +158,22 @@ class StoredRows:
                 return False
             parts.append((placed, offsets, sizes, lo, hi))
         ledger = active()
-        with ExitStack() as files:
-            fds: dict[str, int] = {}
-            for placed, offsets, sizes, lo, hi in parts:
-                if placed.file not in fds:
-                    fds[placed.file] = files.enter_context(self._files.opened(placed.file))
-                row_bytes = math.prod(sizes[1:]) * target.element_size()
-                at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
-                dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
-                check = ledger is not None and placed.written is not None
-                read, crc = self._read(fds[placed.file], dest, at, key, placed.file, check)
-                if check:
-                    ledger.expect(placed.written, [key])
-                    ledger.note(*placed.written.key, at - placed.written.start, read, crc)
+        by_file: dict[str, list[tuple]] = {}
+        for part in parts:
+            by_file.setdefault(part[0].file, []).append(part)
+        # One file open at a time: a tensor split over a 1,024-rank save's files must not
+        # hold 1,024 descriptors at once (``ulimit -n`` is often 1,024, or lower).
+        for file, in_file in by_file.items():
+            with self._files.opened(file) as fd:
+                for placed, offsets, sizes, lo, hi in in_file:
+                    row_bytes = math.prod(sizes[1:]) * target.element_size()
+                    at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
+                    dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
+                    check = ledger is not None and placed.written is not None
+                    read, crc = self._read(fd, dest, at, key, file, check)
+                    if check:
+                        ledger.expect(placed.written, [key])
+                        ledger.note(*placed.written.key, at - placed.written.start, read, crc)
         return True
 
     def _read(
@@ -415,7 +417,7 @@ class _OpenFiles:
         if fd is not None:
             yield fd
             return
-        fd = open_source(self.path(file))
+        fd = self._open(file)
         if len(self._fds) < self._limit:
             self._fds[file] = fd
             yield fd
@@ -425,13 +427,18 @@ class _OpenFiles:
         finally:
             os.close(fd)
 
-
-def kept_open() -> int:
-    """Return how many of SRC's files a reader keeps open: a quarter of the process's limit, 64 to 4,096."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 4096
-    return max(64, min(4096, soft // 4))
+    def _open(self, file: str) -> int:
+        """Return a new descriptor of ``file``; the kept ones are given up first when none is left."""
+        try:
+            return open_source(self.path(file))
+        except OutOfDescriptors:
+            if not self._fds:
+                raise
+        # Other files hold the rest of the limit (a writer's, torch's): reading one file
+        # at a time is slower, never a failed run.
+        self._limit = 0
+        _close_all(self._fds)
+        return open_source(self.path(file))
 
 
 def _close_all(fds: dict[str, int]) -> None:

@@ -15,8 +15,10 @@ padded to 8 bytes, then data).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +29,15 @@ from safetensors import safe_open
 
 from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_tree
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
-from shardckpt.core.files import os_error, read_head, source_file, writing
+from shardckpt.core.files import (
+    SRC_CHANGED,
+    open_source,
+    os_error,
+    read_exactly,
+    read_head,
+    source_file,
+    writing,
+)
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.hf.digests import (
     DIGESTS_KEY,
@@ -36,6 +46,7 @@ from shardckpt.formats.hf.digests import (
     placeholder,
     read_digests,
 )
+from shardckpt.state.checksums import raw_bytes
 from shardckpt.state.regions import Record, Region, spread, whole
 from shardckpt.state.tree import TensorMeta, dotted, too_deep, walk
 
@@ -103,6 +114,7 @@ class SafetensorsReader(Reader):
             self._metas = {k: tensor_meta(self.src, k, f.get_slice(k)) for k in f.keys()}
             self._header_metadata = f.metadata() or {}
         self.digests = read_digests(self.src)
+        self._starts = data_starts(self.src)
 
     def index(self) -> Index:
         encoded = self._header_metadata.get(TREE_KEY)
@@ -123,19 +135,67 @@ class SafetensorsReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
-        with safe_open(self.src, framework="pt") as f:
-            return [read_rows(f, meta, r, self.digests) for meta, r in zip(metas, rows)]
+        return read_rows(self.src, self._starts, metas, rows, self.digests)
 
     def tensor_digests(self) -> dict[str, int]:
         return dict(self.digests.crcs) if self.digests else {}
 
 
-def read_rows(f, meta: TensorMeta, rows: Rows, digests: Digests | None) -> torch.Tensor:
-    """Return rows of tensor ``meta`` from the open file ``f``, checked against its digest if it has one."""
-    whole_tensor = rows is None or not meta.shape
-    out = f.get_tensor(meta.key) if whole_tensor else f.get_slice(meta.key)[rows[0] : rows[1]]
-    if digests is not None:
-        digests.note(meta.key, 0 if whole_tensor else rows[0], out)
+def data_starts(path: Path) -> dict[str, int]:
+    """Return the byte of ``path`` where each tensor's data starts (the header ``opened`` just checked)."""
+    head = read_head(path, 8)
+    size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    try:
+        header = json.loads(read_head(path, 8 + size)[8:])
+        return {
+            key: 8 + size + int(entry["data_offsets"][0])
+            for key, entry in header.items()
+            if key != "__metadata__"
+        }
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise BadInputError(
+            f"not a readable safetensors file ({type(exc).__name__}: {exc})",
+            path=path,
+            hint=SRC_CHANGED,
+        ) from None
+
+
+def read_rows(
+    path: Path,
+    starts: dict[str, int],
+    metas: Sequence[TensorMeta],
+    rows: Sequence[Rows],
+    digests: Digests | None,
+) -> list[torch.Tensor]:
+    """Return the rows of each tensor of ``metas`` from ``path``, checked against its digest if it has one.
+
+    Read with ``pread``, never through a mapping (the safetensors library maps the file):
+    a file cut short since it was opened gives a short read, exit 3 naming it, where a
+    mapping would fault (SIGBUS) and kill the process with its partial output left.
+    """
+    if sys.byteorder != "little":
+        raise UsageError(
+            f"safetensors data is little-endian and this machine is {sys.byteorder}-endian",
+            path=path,
+            hint="convert on a little-endian machine",
+        )
+    out = []
+    fd = open_source(path)
+    try:
+        for meta, r in zip(metas, rows):
+            first, stop = (0, 0) if r is None or not meta.shape else r
+            shape = meta.shape if r is None or not meta.shape else (stop - first, *meta.shape[1:])
+            tensor = torch.empty(shape, dtype=meta.dtype)
+            row = math.prod(meta.shape[1:]) * meta.dtype.itemsize if meta.shape else 0
+            data = raw_bytes(tensor)
+            read_exactly(
+                fd, data, starts[meta.key] + first * row, path, f"the data of {meta.key!r}"
+            )
+            if digests is not None:
+                digests.note(meta.key, first, tensor)
+            out.append(tensor)
+    finally:
+        os.close(fd)
     return out
 
 

@@ -26,7 +26,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
@@ -34,7 +33,14 @@ from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Write
 from shardckpt.formats.dcp import hf_storage
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
-from shardckpt.formats.hf.safetensors_file import framed, layout, opened, read_rows, tensor_meta
+from shardckpt.formats.hf.safetensors_file import (
+    data_starts,
+    framed,
+    layout,
+    opened,
+    read_rows,
+    tensor_meta,
+)
 from shardckpt.formats.hf.tied import source_ties, with_ties
 from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
 
@@ -152,6 +158,7 @@ class HfReader(Reader):
         self._file: dict[str, str] = {}
         self._metas: dict[str, TensorMeta] = {}
         self._digests: dict[str, Digests | None] = {}
+        self._starts: dict[str, dict[str, int]] = {}
         for file in sorted(set(weight_map.values())):
             wanted = {name for name, f in weight_map.items() if f == file}
             for name, meta in self._read_shard(file, wanted):
@@ -259,6 +266,7 @@ class HfReader(Reader):
             keys = list(f.offset_keys())
             present = [k for k in keys if k in wanted]
             metas = [(k, tensor_meta(path, k, f.get_slice(k))) for k in present]
+        self._starts[file] = data_starts(path)
         missing = sorted(wanted - set(present))
         if missing:
             raise BadInputError(
@@ -302,15 +310,24 @@ class HfReader(Reader):
         for i, meta in enumerate(metas):
             by_file.setdefault(self._file[self._tied.get(meta.key, meta.key)], []).append(i)
         for file, positions in by_file.items():
-            with safe_open(self.src / file, framework="pt") as f:
-                for i in positions:
-                    meta = metas[i]
-                    if meta.key in self._tied:
-                        # Its weight's bytes, checked where that weight is read itself.
-                        meta = replace(meta, key=self._tied[meta.key])
-                        out[i] = read_rows(f, meta, rows[i], None)
-                    else:
-                        out[i] = read_rows(f, meta, rows[i], self._digests[file])
+            own = [i for i in positions if metas[i].key not in self._tied]
+            # A tied name's rows are its weight's bytes, checked where that weight is read itself.
+            tied = [i for i in positions if metas[i].key in self._tied]
+            for chosen, checked in ((own, self._digests[file]), (tied, None)):
+                if not chosen:
+                    continue
+                got = read_rows(
+                    self.src / file,
+                    self._starts[file],
+                    [
+                        replace(metas[i], key=self._tied.get(metas[i].key, metas[i].key))
+                        for i in chosen
+                    ],
+                    [rows[i] for i in chosen],
+                    checked,
+                )
+                for i, tensor in zip(chosen, got):
+                    out[i] = tensor
         return out  # type: ignore[return-value]
 
     def tensor_digests(self) -> dict[str, int]:
