@@ -246,7 +246,11 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
     runtime = Runtime(rank=rank, world_size=world_size, timeout_s=timeout.total_seconds())
     try:
         with_gpu = _count_ranks(runtime, has_gpu)
-        dev_type = device_for(device, with_gpu, world_size)
+        try:
+            dev_type = device_for(device, with_gpu, world_size)
+        except UsageError as exc:
+            exc.everywhere = True  # from agreed counts: every rank raises it; rank 0 reports it
+            raise
         if device is None and 0 < with_gpu < world_size and runtime.coordinator:
             notice(
                 f"running on CPU: {with_gpu} of the {world_size} ranks have a GPU of their own "
