@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -14,12 +13,10 @@ from shardckpt.core.progress import Progress
 from shardckpt.engine.compare import DiffResult, compare
 from shardckpt.engine.read_checks import check_reads
 from shardckpt.formats import format_named, open_reader
-from shardckpt.formats.base import Reader
 from shardckpt.formats.dcp.reader import as_stored
 from shardckpt.plan.selection import Selection, lift_model, select
 from shardckpt.state.checksums import checking
 from shardckpt.state.tree import (
-    TensorMeta,
     dotted,
     find_optimizers,
     model_prefix,
@@ -95,7 +92,6 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
                 rtol=request.rtol,
                 cast=request.cast,
                 progress=progress,
-                same=_same_digests(ra, rb) if request.atol == request.rtol == 0 else None,
                 buffer_bytes=request.buffer_bytes,
             )
         finally:
@@ -106,24 +102,6 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
     if not result.equal and request.only == "all" and not _rerooted(request):
         notes = (*notes, *_hint(tree_a, tree_b, result))
     return DiffReport(**{f.name: getattr(result, f.name) for f in fields(result)}, notes=notes)
-
-
-def _same_digests(a: Reader, b: Reader) -> Callable[[TensorMeta, TensorMeta], bool] | None:
-    """Return a test of whether two tensors' digests, written by shardckpt into both sources, agree.
-
-    Equal digests are taken for equal bytes, so such tensors are not read: the chance that
-    bytes that differ have the same CRC-32 is 1 in 2^32 for damage, but a CRC is no
-    defence against bytes made to match one; ``--atol``/``--rtol`` read every tensor.
-    """
-    digests_a, digests_b = a.tensor_digests(), b.tensor_digests()
-    if not digests_a or not digests_b:
-        return None
-
-    def same(x: TensorMeta, y: TensorMeta) -> bool:
-        crc = digests_a.get(x.key)
-        return crc is not None and crc == digests_b.get(y.key)
-
-    return same
 
 
 def _rerooted(request: DiffRequest) -> bool:

@@ -335,8 +335,6 @@ def diff_json(result: DiffResult) -> dict:
             }
             for c, n in result.casts.items()
         ]
-    if result.by_digest:
-        doc["by_digest"] = result.by_digest
     return doc
 
 
@@ -349,27 +347,19 @@ def _cast_lines(result: DiffResult) -> list[str]:
     ]
 
 
-def _by_digest(result: DiffResult) -> str:
-    """Return how many tensors the sources' digests showed equal unread, as a note ('' if none)."""
-    if not result.by_digest:
-        return ""
-    return f" ({counted(result.by_digest, 'tensor')} equal by the digests both carry, not read)"
-
-
 def diff_text(result: DiffResult) -> str:
     """Return the readable ``diff`` report: 'equal', or each differing path."""
     if result.equal:
         return "\n".join(
             [
                 *_cast_lines(result),
-                f"equal: {counted(result.compared, 'leaf', 'leaves')} compared{_by_digest(result)}",
+                f"equal: {counted(result.compared, 'leaf', 'leaves')} compared",
             ]
         )
     n = len(result.differences)
     lines = [
         *_cast_lines(result),
-        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}"
-        f"{_by_digest(result)}:",
+        f"{n} of {counted(result.compared, 'leaf', 'leaves')} {'differs' if n == 1 else 'differ'}:",
     ]
     for d in result.differences:
         extra = f", max abs diff {d.max_abs_diff:g}" if d.max_abs_diff is not None else ""

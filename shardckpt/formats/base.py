@@ -167,14 +167,6 @@ class Reader(ABC):
         """
         return {}
 
-    def tensor_digests(self) -> dict[str, int]:
-        """Return the CRC-32 of each tensor's bytes written in the source itself, by reader key.
-
-        Only files shardckpt wrote carry them (a safetensors header's digests): ``diff``
-        reads a tensor's bytes only where two sides' digests differ or are missing.
-        """
-        return {}
-
     def notes(self) -> list[str]:
         """Return what ``inspect`` should warn about this source that its index cannot show."""
         return []

@@ -178,21 +178,20 @@ def test_a_flipped_byte_in_a_shardckpt_hf_export_stops_convert_and_diff(
     assert_clean(capsys, "verify", export, "-q")
 
 
-def test_diff_of_two_hf_exports_compares_their_digests_and_reads_no_tensor_they_agree_on(
+def test_diff_of_two_hf_exports_reads_every_tensor_and_finds_a_damaged_one(
     fsdp2_ckpt, tmp_path, capsys
 ):
     hf = ["--to", "full", "--format", "hf", "-q"]
     assert_clean(capsys, "convert", fsdp2_ckpt.dcp, tmp_path / "a", *hf)
     assert_clean(capsys, "convert", fsdp2_ckpt.dcp, tmp_path / "b", *hf, "--max-shard-size", "20KB")
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert (code, out) == (0, "equal: 25 leaves compared\n")
     flipped = damage.flip_in_safetensors(
         tmp_path / "b" / "model-00002-of-00003.safetensors", "norm.weight"
     )
-    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
-    # The flipped tensor's digest still agrees: diff does not read it; verify does.
-    assert (code, out) == (
-        0,
-        "equal: 25 leaves compared (25 tensors equal by the digests both carry, not read)\n",
-    )
+    # The flipped tensor's digest still agrees with A's: diff reads it all the same (issue
+    # 30), so the damage is found, as verify finds it, never called equal.
+    assert_damaged(capsys, flipped, "diff", tmp_path / "a", tmp_path / "b")
     assert_damaged(capsys, flipped, "verify", tmp_path / "b", "-q")
     code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b", "--atol", "1e-30")
     assert (code, out) == (3, "")

@@ -8,6 +8,16 @@ writes its own rows of each tensor, and only a CRC combines from pieces
 (``crc32_combine``) without a pass over the finished file. The digits are written as
 zeros with the header and patched in once every rank has written
 (``Record.as_text``), so the header's size is known before any data moves.
+
+A CRC-32 of a tensor's bytes is bound to a byte range, not to the tensor's name, dtype
+or shape: swapped ``data_offsets``, a dtype or shape that lies, or the tree in
+``__metadata__`` re-pointed would read other bytes, or the same bytes otherwise, with
+every range's CRC still right. So the header itself carries a checksum too, under
+``shardckpt.header_crc32``: the CRC-32 of the header as canonical JSON (sorted keys, no
+spaces), every tensor's entry and ``__metadata__`` included, less the two checksum keys
+(the digests are patched in after the header is written). A file an earlier shardckpt
+wrote has the tensors' digests without it: its bytes are checked as before
+(``Digests.bound`` is False), its names, dtypes and shapes are not.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from isal import isal_zlib
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error
@@ -26,6 +37,7 @@ from shardckpt.state.checksums import Written, active, raw_bytes
 from shardckpt.state.regions import Record
 
 DIGESTS_KEY = "shardckpt.crc32"
+HEADER_KEY = "shardckpt.header_crc32"
 _WIDTH = 8
 _HEX = re.compile(r"[0-9a-f]*")
 
@@ -33,6 +45,22 @@ _HEX = re.compile(r"[0-9a-f]*")
 def placeholder(count: int) -> str:
     """Return the digests entry of ``count`` tensors before their CRCs are known."""
     return "0" * (_WIDTH * count)
+
+
+def header_crc(header: dict) -> str:
+    """Return the checksum of a safetensors ``header`` (its JSON as a dict), as 8 hex digits.
+
+    Over every tensor's entry and ``__metadata__``, less the digests (patched in later)
+    and this checksum itself.
+    """
+    metadata = {
+        k: v
+        for k, v in (header.get("__metadata__") or {}).items()
+        if k not in (DIGESTS_KEY, HEADER_KEY)
+    }
+    canonical = {**header, "__metadata__": metadata}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return f"{isal_zlib.crc32(text.encode('utf-8')):08x}"
 
 
 def digest_records(raw: bytes, spans: list[tuple[int, int]], file: str) -> list[Record]:
@@ -58,6 +86,9 @@ class Digests:
     spans: dict[str, tuple[int, int]]
     """Each tensor's data as (file offset, length)."""
     crcs: dict[str, int]
+    bound: bool = True
+    """Whether the header's own checksum covers each tensor's name, dtype, shape and place
+    (False: a file an earlier shardckpt wrote, whose digests cover bytes only)."""
 
     def written(self, name: str) -> Written:
         """Return tensor ``name``'s data as a span with its checksum."""
@@ -103,8 +134,16 @@ def read_digests(path: Path) -> Digests | None:
             path=path,
             hint="the file was altered after shardckpt wrote it; re-copy it",
         )
+    stored = meta.get(HEADER_KEY)
+    if stored is not None and stored != header_crc(head):
+        raise BadInputError(
+            "its header does not match the checksum written with it: a tensor's name, "
+            "dtype, shape or place, or the tree, was changed after shardckpt wrote it",
+            path=path,
+            hint="the file was altered after it was written; re-copy it",
+        )
     spans = {name: (start + a, b - a) for (a, b), name in entries}
     crcs = {
         name: int(text[_WIDTH * i : _WIDTH * (i + 1)], 16) for i, (_, name) in enumerate(entries)
     }
-    return Digests(path, spans, crcs)
+    return Digests(path, spans, crcs, bound=stored is not None)

@@ -41,8 +41,10 @@ from shardckpt.core.files import (
 from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
 from shardckpt.formats.hf.digests import (
     DIGESTS_KEY,
+    HEADER_KEY,
     Digests,
     digest_records,
+    header_crc,
     placeholder,
     read_digests,
 )
@@ -136,9 +138,6 @@ class SafetensorsReader(Reader):
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
         return read_rows(self.src, self._starts, metas, rows, self.digests)
-
-    def tensor_digests(self) -> dict[str, int]:
-        return dict(self.digests.crcs) if self.digests else {}
 
 
 def data_starts(path: Path) -> dict[str, int]:
@@ -240,7 +239,7 @@ def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str 
     """Return the layout of a file of ``entries`` (name, meta) in order; refuse what it cannot store.
 
     The header's ``__metadata__`` gets a CRC-32 per tensor (``formats.hf.digests``),
-    zeros until the data is in.
+    zeros until the data is in, and the CRC-32 of the header itself.
     """
     header: dict = {"__metadata__": {**metadata, DIGESTS_KEY: placeholder(len(entries))}}
     offset = 0
@@ -256,6 +255,7 @@ def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str 
             "data_offsets": [offset, offset + meta.nbytes],
         }
         offset += meta.nbytes
+    header["__metadata__"][HEADER_KEY] = header_crc(header)
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw = struct.pack("<Q", len(raw) + (-len(raw) % 8)) + raw + b" " * (-len(raw) % 8)
     spans = [(len(raw) + header[name]["data_offsets"][0], meta.nbytes) for name, meta in entries]

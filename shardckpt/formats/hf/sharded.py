@@ -330,13 +330,6 @@ class HfReader(Reader):
                     out[i] = tensor
         return out  # type: ignore[return-value]
 
-    def tensor_digests(self) -> dict[str, int]:
-        return {
-            name: digests.crcs[name]
-            for name, file in self._file.items()
-            if (digests := self._digests[file]) is not None
-        }
-
 
 def is_hf_dir(path: Path) -> bool:
     """Return whether ``path`` holds what ``from_pretrained`` reads: ``model.safetensors`` or an index."""
