@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.formats.trainers.deepspeed import names
+from shardckpt.formats.trainers.deepspeed.agreement import check_model_states, check_optim_states
 from shardckpt.formats.trainers.deepspeed.lone_file import refuse_lone_file
 from shardckpt.formats.trainers.deepspeed.states import (
     ModelStates,
@@ -107,4 +108,6 @@ def _model_files(files: names.TagFiles, optims: tuple[OptimStates, ...]) -> tupl
             path=models[0].path,
             hint=RECOPY,
         )
+    check_model_states(models)
+    check_optim_states(optims, models[0])
     return models

@@ -174,6 +174,9 @@ class OptimStates:
     param_groups: tuple[dict, ...]
     scaler: dict
     """The loss scaler's attributes and DeepSpeed's flags (``dynamic_loss_scale``, ...)."""
+    ds_config: object = None
+    """The job's config, as every file of a save carries it."""
+    ds_version: object = None
 
 
 def _int_list(path: Path, field: str, value: object) -> tuple[int, ...]:
@@ -246,6 +249,25 @@ def scaler_of(osd: dict) -> dict:
     return values
 
 
+def _fp32(path: Path, field: str, flat: tuple[torch.Tensor, ...], state: dict) -> None:
+    """Refuse partitions, or the base optimizer's moments of them, that are not fp32.
+
+    DeepSpeed keeps its master weights and their optimizer state in fp32 whatever the
+    module trains in; anything else would be cast silently on the way to DST.
+    """
+    for t in flat:
+        if t.dtype != torch.float32:
+            raise bad(path, f"'{field}' holds {t.dtype} partitions, where DeepSpeed keeps fp32")
+    for index, values in state.items():
+        for name, value in values.items() if isinstance(values, dict) else ():
+            if isinstance(value, torch.Tensor) and name != "step" and value.dtype != torch.float32:
+                raise bad(
+                    path,
+                    f"the base optimizer's '{name}' of flat group {index} is {value.dtype}, "
+                    "where DeepSpeed keeps fp32",
+                )
+
+
 def read_optim_states(path: Path) -> OptimStates:
     """Return one rank's optimizer file at ``path``, read with stand-ins and checked."""
     sd = load_dict_file(path)
@@ -278,6 +300,9 @@ def read_optim_states(path: Path) -> OptimStates:
             path=path,
             hint="shardckpt reads ZeRO stages 1, 2 and 3",
         )
+    _fp32(
+        path, "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups", flat, state
+    )
     return OptimStates(
         path=path,
         stage=1 if stage is None else stage,
@@ -290,4 +315,6 @@ def read_optim_states(path: Path) -> OptimStates:
         state=state,
         param_groups=groups,
         scaler=scaler_of(osd),
+        ds_config=sd.get("ds_config"),
+        ds_version=sd.get("ds_version"),
     )

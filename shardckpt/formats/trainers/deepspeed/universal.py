@@ -22,6 +22,7 @@ from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import check_separate, has_file, source_entry, source_file, source_stat
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.trainers.deepspeed import names
+from shardckpt.formats.trainers.deepspeed.agreement import check_model_states
 from shardckpt.formats.trainers.deepspeed.assemble import (
     Sources,
     Stored,
@@ -98,6 +99,7 @@ class UniversalReader(Reader):
         self.stage = common.get("zero_stage") or 1
         self.files = files = names.tag_files(self.dir, self.src)
         models = [read_model_states(files.model[r]) for r in sorted(files.model)]
+        check_model_states(models)
         self.world_size = _world_size(common_path, common, files, models[0])
         groups = common.get("param_groups")
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
