@@ -455,7 +455,10 @@ def _plan(
     """Return the frozen plan of DST in ``form``: the selected tree, its tensors, who writes what."""
     index = reader.index()
     carried = [p.file for p in index.parts if p.key is None]
-    if carried and not form.carries_files and runtime.coordinator:
+    # A DST of model weights alone (hf, --only model) has no use for a job's RNG states,
+    # sampler or the like: naming them there would only say what nobody lost.
+    weights_only = form.name == "hf" or selection.only == "model"
+    if carried and not form.carries_files and not weights_only and runtime.coordinator:
         notice(
             f"not in DST: {', '.join(carried)} ({counted(len(carried), 'file')} SRC "
             f"carries unread; `shardckpt inspect SRC` says what each holds): copy "

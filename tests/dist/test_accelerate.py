@@ -113,6 +113,18 @@ def test_inspect_shows_every_part_and_names_the_files_it_does_not_read(saved, na
     ]
 
 
+@pytest.mark.parametrize("only", [["--format", "hf"], ["--only", "model"]])
+def test_a_weights_only_export_says_nothing_of_the_rng_files_it_has_no_use_for(
+    saved, only, tmp_path, capsys
+):
+    """An hf export, or --only model, of a save_state directory holds the model's weights:
+    the job's RNG states mean nothing there, and no note names them (issue 35, item 7)."""
+    src = saved / next(iter(VARIANTS))
+    dst = tmp_path / ("hf" if "hf" in only else "model.safetensors")
+    assert run(["convert", str(src), str(dst), "--to", "full", *only, "--quiet"]) == 0
+    assert "random_states" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_full_output_equals_merge_weights_and_torchs_full_optimizer(saved, name, tmp_path, capsys):
     from accelerate.utils import merge_fsdp_weights
