@@ -52,7 +52,7 @@ from shardckpt.core.errors import (
     notice,
 )
 from shardckpt.core.rank_env import env_rank
-from shardckpt.core.signals import Interrupted, sheltered
+from shardckpt.core.signals import Interrupted, ending, sheltered
 from shardckpt.core.torch_internals import default_store
 
 T = TypeVar("T")
@@ -128,12 +128,14 @@ class Runtime:
         error = _first_failure(self.all_gather((socket.gethostname(), _failure_of(fn))))
         if error is not None:
             error.everywhere = True  # every rank raises it; rank 0 reports it
+            ending()
             raise error
 
     def raise_if_any_failed(self, error: BaseException | None) -> None:
         """Share ``error`` with all ranks; re-raise the lowest failing rank's error everywhere."""
         if not self.distributed:
             if error is not None:
+                ending()
                 raise error
             return
         mine = None if error is None else (self.rank, _one_line(error), _exit_code(error))
@@ -143,6 +145,7 @@ class Runtime:
         failures = [f for f in everyone if f is not None]
         if not failures:
             return
+        ending()  # every rank fails now; the agent's SIGTERM must not cut off the line
         first_rank, line, code = min(failures)
         if first_rank == self.rank and error is not None:
             error.agreed = True  # every rank knows; this rank is the one that reports it
@@ -265,6 +268,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
         # may have left the others in a collective, and a barrier would wait for them.
         in_step = known_everywhere(exc)
         failing = True
+        ending()
         if not in_step and not isinstance(exc, CollectiveFailure):
             _tell_others(exc, rank)
         raise

@@ -41,15 +41,20 @@ class Interrupted(BaseException):
 
 
 # What the run has finished (its DST, in place), signals held meanwhile, and whether
-# signals are held at all: while DST is moved into place every signal waits, and while
-# a step that must not be cut in two runs (``sheltered``).
+# signals are held at all: while DST is moved into place every signal waits, while a
+# step that must not be cut in two runs (``sheltered``), and once the run is failing
+# (``ending``).
 _complete: list[str] = []
 _held: list[int] = []
 _holding: list[bool] = []
 _sheltering: list[bool] = []
+_ending: list[bool] = []
 
 
 def _raise(signum: int, _frame) -> None:
+    if _ending:
+        _held.append(signum)  # the run ends with its own error; the signal changes nothing
+        return
     if _sheltering or (_holding and not _complete) or (_complete and not _held):
         # Moving DST into place, or the first signal once it is there: it waits.
         _held.append(signum)
@@ -71,7 +76,7 @@ def committing(what: str) -> Iterator[None]:
         yield
     except BaseException as exc:
         _holding.pop()
-        if not _holding and _held and not _complete:
+        if not _holding and _held and not _complete and not _ending:
             raise Interrupted(_held.pop(0)) from exc
         raise
     _holding.pop()
@@ -96,12 +101,26 @@ def sheltered(raising: bool = True) -> Iterator[None]:
         yield
     finally:
         _sheltering.pop()
-    if not raising or _sheltering or _holding or len(_held) == before:
+    if not raising or _ending or _sheltering or _holding or len(_held) == before:
         return  # none came, or an outer block decides what a held signal does
     if not _complete:
         raise Interrupted(_held.pop(before))
     if len(_held) > 1:  # DST is in place: the first waits for the summary, a second ends the run
         raise Interrupted(_held[-1], _complete[0])
+
+
+def ending() -> None:
+    """Say the run is failing with an error it has yet to report: from now on signals only wait.
+
+    Under torchrun the agent sends SIGTERM to every rank as soon as one exits, which can
+    be while another rank still unwinds from the failure every rank agreed on, before
+    it printed the line that says what went wrong. That line, and the error's exit
+    code, are what the run ends with; a signal raised in its place would lose them.
+    The unwinding left (the partial output's removal, the process group's teardown,
+    each bounded by ``SHARDCKPT_TIMEOUT``) is short.
+    """
+    if not _ending:
+        _ending.append(True)
 
 
 def completed(what: str) -> None:
@@ -159,6 +178,7 @@ def interruptible() -> Iterator[None]:
     _held.clear()
     _holding.clear()
     _sheltering.clear()
+    _ending.clear()
     try:
         for sig in HANDLED:
             # An ignored signal stays ignored: `nohup` ignores SIGHUP so the run survives logout.

@@ -38,11 +38,29 @@ exec unshare -m --propagation private bash -c '
 
 # Imported by each rank's interpreter at start-up (site.py): at step POINT of the run, the
 # rank RANK sends SIGTERM to WHOM (itself, the other ranks, or torchrun's agent), once.
+# With SHARDCKPT_TEST_LINGER=RANK:SECONDS, that rank waits so long once every rank has
+# agreed the run failed, before it unwinds: the signal then reaches it on its way out.
 SIGNAL_HOOK = """\
-import contextlib, os, signal
+import contextlib, os, signal, time
 
 point, rank, whom = os.environ["SHARDCKPT_TEST_SIGNAL"].split(":")
 fired = []
+
+if "SHARDCKPT_TEST_LINGER" in os.environ:
+    from shardckpt.core import dist
+
+    lingering, seconds = os.environ["SHARDCKPT_TEST_LINGER"].split(":")
+    agree = dist.Runtime.raise_if_any_failed
+
+    def lingered(self, error):
+        try:
+            return agree(self, error)
+        except BaseException:
+            if os.environ.get("RANK") == lingering:
+                time.sleep(float(seconds))
+            raise
+
+    dist.Runtime.raise_if_any_failed = lingered
 
 
 def fire():
@@ -136,6 +154,7 @@ class Launch:
         at: Path | None = None,
         read_only: int | None = None,
         signal_at: str | None = None,
+        linger: str | None = None,
     ) -> subprocess.CompletedProcess:
         """Return torchrun's run of ``shardckpt ARGS``, finished."""
         cmd = ["--standalone", "--nproc-per-node=2", "--no-python", "bash"]
@@ -149,6 +168,8 @@ class Launch:
                 SHARDCKPT_TEST_SIGNAL=signal_at,
                 PYTHONPATH=f"{hook}{os.pathsep}{env.get('PYTHONPATH', '')}",
             )
+            if linger is not None:
+                env["SHARDCKPT_TEST_LINGER"] = linger
         return warm_cli.run_torchrun(cmd, env=env, timeout=150)
 
     def said(self, rank: int) -> list[str]:
@@ -398,8 +419,15 @@ def test_sigterm_while_a_failed_run_removes_its_partial_output_leaves_neither_it
     fsdp2_ckpt, tmp_path, to, whom
 ):
     # What torchrun does once a rank fails: SIGTERM to the others, which are cleaning up.
+    # The failing rank lingers after the failure is agreed, so the agent's SIGTERM (sent
+    # once rank 0 or the agent is stopped) comes before it printed its line, every time.
     launch, dst, proc = converting(
-        tmp_path, fsdp2_ckpt.dcp, to, read_only=1, signal_at=f"cleanup:0:{whom}"
+        tmp_path,
+        fsdp2_ckpt.dcp,
+        to,
+        read_only=1,
+        signal_at=f"cleanup:0:{whom}",
+        linger="1:3",
     )
     out = dst.parent
     assert proc.returncode == 1, proc.stderr

@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from shardckpt.core.destination import Destination
-from shardckpt.core.signals import Interrupted, completed, interruptible, sheltered
+from shardckpt.core.signals import Interrupted, completed, ending, interruptible, sheltered
 
 
 def test_a_signal_in_a_sheltered_step_is_raised_once_the_step_is_done():
@@ -32,6 +32,31 @@ def test_a_signal_in_the_last_steps_of_a_failing_run_leaves_its_error_to_be_repo
         finally:
             with sheltered(raising=False):
                 os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_once_the_run_is_failing_leaves_its_error_to_be_reported():
+    # Under torchrun the agent's SIGTERM can reach a rank still unwinding from a failure
+    # every rank agreed on, before it printed its line; it is the error that ends the run.
+    unwound = []
+    with interruptible(), pytest.raises(OSError, match="read-only"):
+        try:
+            ending()
+            raise OSError("read-only")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            unwound.append("past the signal")
+            with sheltered():  # a sheltered step on the way out raises no held signal either
+                os.kill(os.getpid(), signal.SIGINT)
+            unwound.append("past the sheltered step")
+    assert unwound == ["past the signal", "past the sheltered step"]
+
+
+def test_a_run_after_a_failing_one_is_interruptible_again():
+    with interruptible(), pytest.raises(OSError):
+        ending()
+        raise OSError("failed")
+    with interruptible(), pytest.raises(Interrupted):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_a_second_signal_in_a_sheltered_step_after_dst_is_complete_still_exits_0():
