@@ -135,8 +135,7 @@ class Runtime:
         """Share ``error`` with all ranks; re-raise the lowest failing rank's error everywhere."""
         if not self.distributed:
             if error is not None:
-                ending()
-                raise error
+                raise error  # alone: no launcher stops this process for another's failure
             return
         mine = None if error is None else (self.rank, _one_line(error), _exit_code(error))
         everyone: list[tuple[int, str, int] | None] = [None] * self.world_size

@@ -112,7 +112,8 @@ def sheltered(raising: bool = True) -> Iterator[None]:
 def ending() -> None:
     """Say the run is failing with an error it has yet to report: from now on signals only wait.
 
-    Under torchrun the agent sends SIGTERM to every rank as soon as one exits, which can
+    For ranks under torchrun (a process alone is stopped by a signal as it comes): the
+    agent sends SIGTERM to every rank as soon as one exits, which can
     be while another rank still unwinds from the failure every rank agreed on, before
     it printed the line that says what went wrong. That line, and the error's exit
     code, are what the run ends with; a signal raised in its place would lose them.
