@@ -4,7 +4,7 @@ At ``ulimit -n 64`` the DCP reader kept all 64 descriptors open for SRC's data f
 floor of 64 on "a quarter of the limit"), and a 100-file DCP export failed with "Too
 many open files"; a DCP or per-rank output at a world size of 100 held every DST file
 open. Here each command that reads or writes many files runs in a process of its own
-under a limit of 64 and under 12 (Python and torch start at 8): every one succeeds and
+under a limit of 12 (Python and torch start at 8): every one succeeds and
 writes what it would without the limit.
 """
 
@@ -75,7 +75,10 @@ def leftovers(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if ".shardckpt-" in p.name)
 
 
-@pytest.mark.parametrize("limit", [64, 12])
+# 12 only: every path under 64 is also under 12, with a cache of 3 descriptors instead
+# of 16 (test_a_cache_of_descriptors_keeps_a_quarter_of_the_limit); the issue's own
+# export at 64 runs from a shell below. The eleven commands take half a minute.
+@pytest.mark.parametrize("limit", [12])
 def test_every_many_file_command_succeeds_under_a_low_limit(sources, tmp_path, limit):
     full, src = sources / "full.pt", sources / "dcp100"
     out = tmp_path
