@@ -1,7 +1,8 @@
 """Source bytes written as they lie: checked as they are read, copied by the kernel.
 
 Where a region's bytes lie in SRC exactly as they are to be written
-(``Reader.stored_runs``: a DCP chunk's rows, no cast), reading them into a step's buffer
+(``Reader.stored_runs``: a DCP chunk's rows, a safetensors tensor's elements, no cast),
+reading them into a step's buffer
 and writing them from it would hold a batch of them in user space. Here each run is read
 a slice at a time into one small buffer (``pread``) and CRC'd there, and
 ``os.copy_file_range`` then copies that slice from SRC's page cache into DST's file: the

@@ -12,6 +12,7 @@ source opened and mapped, nothing read yet), at several lengths.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,6 +103,22 @@ def test_a_dcp_file_cut_during_the_kernels_copy_is_exit_3(sources, tmp_path, out
         f"shardckpt: error: '{data}': truncated while it was read: it now ends at byte {at}, "
         f"inside the data of 'model.big': {SRC_CHANGED}\n"
     )
+    assert_nothing_left(tmp_path, dst)
+
+
+@pytest.mark.parametrize("out", ["full.pt", "full.safetensors"])
+@pytest.mark.parametrize("size", [100, 6_000_000])
+def test_a_safetensors_file_cut_during_the_kernels_copy_is_exit_3(sources, tmp_path, out, size):
+    # Its large tensor is copied as it lies, a slice at a time, as a DCP chunk is.
+    src = copy_of(sources / "src.safetensors", tmp_path)
+    dst = tmp_path / out
+    done = cut_while_converting(src, src, "copy", size, dst)
+    assert done.returncode == 3, done.stderr
+    assert re.fullmatch(
+        rf"shardckpt: error: '{re.escape(str(src))}': truncated while it was read: it now ends "
+        rf"at byte \d+, inside the data of 'big': {re.escape(SRC_CHANGED)}\n",
+        done.stderr,
+    ), done.stderr
     assert_nothing_left(tmp_path, dst)
 
 

@@ -38,7 +38,7 @@ from shardckpt.core.files import (
     source_file,
     writing,
 )
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, StoredRun, Writer
 from shardckpt.formats.hf.digests import (
     DIGESTS_KEY,
     HEADER_KEY,
@@ -139,6 +139,11 @@ class SafetensorsReader(Reader):
     ) -> list[torch.Tensor]:
         return read_rows(self.src, self._starts, metas, rows, self.digests)
 
+    def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
+        """Return where elements [start, stop) of ``meta`` lie in the file: one run, as they are."""
+        stored = self._metas.get(meta.key)
+        return stored_run(self.src, self._starts, stored, meta, start, stop, self.digests)
+
 
 def data_starts(path: Path) -> dict[str, int]:
     """Return the byte of ``path`` where each tensor's data starts (the header ``opened`` just checked)."""
@@ -196,6 +201,31 @@ def read_rows(
     finally:
         os.close(fd)
     return out
+
+
+def stored_run(
+    path: Path,
+    starts: dict[str, int],
+    stored: TensorMeta | None,
+    meta: TensorMeta,
+    start: int,
+    stop: int,
+    digests: Digests | None,
+) -> list[StoredRun] | None:
+    """Return where elements [start, stop) of ``meta`` lie in ``path``, as tensor ``stored``.
+
+    Safetensors data is each tensor's bytes whole, little-endian, in row-major order: a
+    tensor's elements are one run of the file, copied as they lie (``engine.stored_copy``)
+    and checked against ``digests`` as ``read_rows`` checks them. None where they are not
+    what is to be written: another dtype or shape, or a big-endian machine.
+    """
+    if stored is None or (stored.dtype, stored.shape) != (meta.dtype, meta.shape):
+        return None
+    if sys.byteorder != "little":
+        return None  # read_rows says why, naming the file
+    size = meta.dtype.itemsize
+    written = None if digests is None else digests.written(stored.key)
+    return [StoredRun(path, starts[stored.key] + start * size, (stop - start) * size, written)]
 
 
 def tensor_names(tree: dict) -> dict[tuple, str]:

@@ -29,7 +29,7 @@ import torch
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
-from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, Writer
+from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, StoredRun, Writer
 from shardckpt.formats.dcp import hf_storage
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
@@ -39,6 +39,7 @@ from shardckpt.formats.hf.safetensors_file import (
     layout,
     opened,
     read_rows,
+    stored_run,
     tensor_meta,
 )
 from shardckpt.formats.hf.tied import source_ties, with_ties
@@ -301,6 +302,19 @@ class HfReader(Reader):
         configs = hf_config(self.src).files if (self.src / CONFIG_FILE).exists() else ()
         index = () if self.single else (INDEX_FILE,)
         return frozenset({*index, *self._file.values(), *configs})
+
+    def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
+        """Return where elements [start, stop) of ``meta`` lie in its shard: one run, as they are.
+
+        A tied name's run is its weight's bytes, checked where that weight is read itself.
+        """
+        name = self._tied.get(meta.key, meta.key)
+        file = self._file.get(name)
+        if file is None:
+            return None
+        digests = None if meta.key in self._tied else self._digests[file]
+        stored = self._metas.get(name)
+        return stored_run(self.src / file, self._starts[file], stored, meta, start, stop, digests)
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
