@@ -1,7 +1,8 @@
 """Source bytes written as they lie: checked as they are read, copied by the kernel.
 
 Where a region's bytes lie in SRC exactly as they are to be written
-(``Reader.stored_runs``: a DCP chunk's rows, a safetensors tensor's elements, no cast),
+(``Reader.stored_runs``: a DCP chunk's rows, a safetensors tensor's elements, a
+``torch.save`` tensor's in its storage's record, no cast),
 reading them into a step's buffer
 and writing them from it would hold a batch of them in user space. Here each run is read
 a slice at a time into one small buffer (``pread``) and CRC'd there, and
@@ -59,17 +60,19 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
     buffer = memoryview(bytearray(SLICE))
     crc = 0
     for run in runs:
+        names = [key] if run.names is None else list(run.names)
+        what = "the data of " + " and ".join(map(repr, names))
         src_fd = open_source(run.path)
         try:
             run_crc = 0
             with writing(dst):
                 for at in range(0, run.length, SLICE):
-                    part = _read_slice(src_fd, buffer, run, at, key)
+                    part = _read_slice(src_fd, buffer, run, at, what)
                     part_crc = isal_zlib.crc32(part)
                     run_crc = isal_zlib.crc32_combine(run_crc, part_crc, len(part))
                     _copy_slice(src_fd, part, run.offset + at, fd, offset + at)
                     if ledger is not None and run.written is not None:
-                        ledger.expect(run.written, [key])
+                        ledger.expect(run.written, names)
                         where = run.offset + at - run.written.start
                         ledger.note(*run.written.key, where, part, part_crc)
         finally:
@@ -79,7 +82,7 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
     return crc
 
 
-def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, key: str) -> memoryview:
+def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, what: str) -> memoryview:
     """Read the slice of ``run`` from byte ``at`` into ``buffer``; return it, whole, or raise (exit 3).
 
     ``pread``, not a mapping: a source cut short while it is read gives a short read
@@ -87,7 +90,7 @@ def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, key: s
     with the partial output and the lock left behind.
     """
     part = buffer[: min(SLICE, run.length - at)]
-    read_exactly(src_fd, part, run.offset + at, run.path, f"the data of {key!r}")
+    read_exactly(src_fd, part, run.offset + at, run.path, what)
     return part
 
 

@@ -66,6 +66,8 @@ class StoredRun:
     length: int
     written: Written | None
     """The record (a DCP item's storage) they lie in, whose CRC-32 they are checked against."""
+    names: tuple[str, ...] | None = None
+    """The tensors that record holds, as errors name them; None: the tensor written from it."""
 
 
 @dataclass

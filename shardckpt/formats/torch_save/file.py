@@ -29,8 +29,8 @@ from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
-from shardckpt.formats.base import Frame, Index, Reader, Rows, Writer
-from shardckpt.formats.torch_save.mapped import expect_mapped
+from shardckpt.formats.base import Frame, Index, Reader, Rows, StoredRun, Writer
+from shardckpt.formats.torch_save.mapped import expect_mapped, mapped_records
 from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
 from shardckpt.state.checksums import checked
 from shardckpt.state.regions import Region, spread
@@ -140,6 +140,7 @@ class TorchReader(Reader):
             self._tree = map_leaves(obj, self._describe)
         except RecursionError:
             raise too_deep(self.src) from None
+        self._records = mapped_records(self.src, obj)
 
     def _describe(self, path, leaf):
         if not isinstance(leaf, torch.Tensor):
@@ -165,6 +166,26 @@ class TorchReader(Reader):
             t = self._tensors[meta.key]
             out.append(checked(t if r is None else t[r[0] : r[1]]))
         return out
+
+    def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
+        """Return where elements [start, stop) of ``meta`` lie in the file: one run of its record.
+
+        A whole tensor's elements lie in its storage's zip record, stored uncompressed, in
+        order: copied as they lie (``engine.stored_copy``), not through the mapping. None
+        for a tensor that is not one run there (a transposed view) or not placed.
+        """
+        t = self._tensors[meta.key]
+        storage = t.untyped_storage()
+        record = self._records.get(storage.data_ptr())
+        if (
+            record is None
+            or not t.is_contiguous()
+            or (t.dtype, tuple(t.shape)) != (meta.dtype, meta.shape)
+        ):
+            return None
+        size = t.element_size()
+        offset = record.written.start + t.data_ptr() - storage.data_ptr() + start * size
+        return [StoredRun(self.src, offset, (stop - start) * size, record.written, record.names)]
 
 
 def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ import torch
 
 from shardckpt.codecs.pickle_scan import DamagedZip
 from shardckpt.codecs.zip_records import ZipRecord, zip_records
-from shardckpt.state.checksums import Ledger, Written, active
+from shardckpt.state.checksums import Written, active
 from shardckpt.state.tree import dotted, walk
 
 _CANDIDATES = 8
@@ -34,6 +34,14 @@ class _Mapped:
     names: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class MappedRecord:
+    """The zip record a memory-mapped storage's bytes lie in, and the tensors viewing it."""
+
+    written: Written
+    names: tuple[str, ...]
+
+
 def expect_mapped(path: Path, obj: object) -> None:
     """Tell the active ledger the record, CRC-32 and tensors of each memory-mapped storage of ``obj``.
 
@@ -44,30 +52,43 @@ def expect_mapped(path: Path, obj: object) -> None:
     ledger = active()
     if ledger is None:
         return
+    for storage, record in _placed(path, obj).values():
+        ledger.expect(record.written, record.names)
+        ledger.map_storage(storage, record.written.key)
+
+
+def mapped_records(path: Path, obj: object) -> dict[int, MappedRecord]:
+    """Return the record of each memory-mapped storage of ``obj`` (``torch.load``'s of ``path``), by address.
+
+    Empty where they cannot be placed (a file in the other byte order, one torch could
+    not map): its tensors are then read through the mapping, as ``expect_mapped`` says.
+    """
+    return {ptr: record for ptr, (_, record) in _placed(path, obj).items()}
+
+
+def _placed(path: Path, obj: object) -> dict[int, tuple[torch.UntypedStorage, MappedRecord]]:
+    """Return each memory-mapped storage of ``obj`` that could be placed, with its record, by address."""
     try:
         storages = _storages(obj)
     except RecursionError:
-        return
+        return {}
     if not storages:
-        return
+        return {}
     try:
         records = _records(path)
     except (OSError, DamagedZip):
-        return
+        return {}
     if records is None:
-        return
+        return {}
     placed = _place(storages, records)
+    out = {}
     for ptr, mapped in storages.items():
         record = placed.get(ptr)
         if record is not None:
-            _expect(ledger, path, record, mapped)
-
-
-def _expect(ledger: Ledger, path: Path, record: ZipRecord, mapped: _Mapped) -> None:
-    where = f"record '{record.name}' at byte {record.start}"
-    written = Written(str(path), record.start, record.length, record.crcs, where)
-    ledger.expect(written, mapped.names)
-    ledger.map_storage(mapped.storage, written.key)
+            where = f"record '{record.name}' at byte {record.start}"
+            written = Written(str(path), record.start, record.length, record.crcs, where)
+            out[ptr] = (mapped.storage, MappedRecord(written, tuple(mapped.names)))
+    return out
 
 
 def _storages(obj: object) -> dict[int, _Mapped]:

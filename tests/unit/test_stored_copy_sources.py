@@ -1,10 +1,11 @@
-"""A safetensors or hf source's large tensors are copied as they lie, checked as they are read.
+"""A safetensors, hf or torch.save source's large tensors are copied as they lie, checked as read.
 
-A tensor's bytes in a safetensors file are what a ``.pt``, safetensors or hf output holds:
+A tensor's bytes in a safetensors file, or in its storage's record of a ``torch.save``
+zip, are what a ``.pt``, safetensors or hf output holds:
 a run of a MiB or more is read a slice at a time and copied by the kernel
 (``engine.stored_copy``), as DCP chunks are, instead of being read whole into a fresh
 tensor of the step (a 1 GB safetensors export to ``.pt`` peaked at 600 MB of RSS, against
-330 MB since). The checks stay: a flipped byte under a digest shardckpt wrote is exit 3
+330 MB since; from ``.pt`` to safetensors, 590 MB against 300 MB). The checks stay: a flipped byte under a digest shardckpt wrote is exit 3
 naming the file, with nothing left at DST.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from damage import copy, flip_in_safetensors
+from damage import copy, flip_in_safetensors, flip_in_torch_file
 from safetensors.torch import load_file, save_file
 
 from shardckpt.cli.app import run
@@ -111,5 +112,46 @@ def test_a_flipped_byte_in_a_copied_tensor_of_our_own_export_is_exit_3(
     dst = tmp_path / "out.pt"
     assert cli(capsys, "convert", src, dst, "--to", "full") == (3, [flipped.line()])
     assert damaged in copies  # found where it was copied, not by another read
+    assert not dst.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".shardckpt-" in p.name] == []
+
+
+def torch_tree() -> dict:
+    """Return a tree whose large tensors are whole, a view at an offset, tied, and transposed."""
+    t = tensors()
+    base = torch.randn(BIG + 1000, generator=torch.Generator().manual_seed(1))
+    return {
+        "model": {**t, "tied": t["big"]},
+        # A view 4,000 bytes into its storage: the coordinator reads those to judge the record.
+        "offset_view": base[1000:],
+        "transposed": torch.randn(600, 1024, generator=torch.Generator().manual_seed(2)).t(),
+    }
+
+
+@pytest.mark.parametrize("out", ["out.safetensors", "out.pt"])
+def test_a_torch_files_large_tensors_are_copied_from_their_records_bit_exact(
+    tmp_path, capsys, copies, out
+):
+    src = tmp_path / "src.pt"
+    torch.save(torch_tree(), src)
+    dst = tmp_path / out
+    assert cli(capsys, "convert", src, dst, "--to", "full", "-q") == (0, [])
+    # Each whole run is copied; the transposed view is not one run: read and laid out.
+    assert sorted(copies) == ["0", "1", "3", "4"], copies
+    got = flat(torch.load(dst, weights_only=True)) if out.endswith(".pt") else load_file(dst)
+    for key, want in flat(torch_tree()).items():
+        assert got[key].dtype == want.dtype and torch.equal(got[key], want), key
+
+
+@pytest.mark.parametrize("damaged", ["model.big", "model.wide", "offset_view"])
+def test_a_flipped_byte_in_a_copied_record_of_a_torch_file_is_exit_3(
+    tmp_path, capsys, copies, damaged
+):
+    src = tmp_path / "src.pt"
+    torch.save(torch_tree(), src)
+    flipped = flip_in_torch_file(src, damaged)
+    dst = tmp_path / "out.safetensors"
+    assert cli(capsys, "convert", src, dst, "--to", "full") == (3, [flipped.line()])
+    assert copies  # the damage is found by the copy
     assert not dst.exists()
     assert [p.name for p in tmp_path.iterdir() if ".shardckpt-" in p.name] == []
