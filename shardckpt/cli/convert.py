@@ -18,6 +18,7 @@ from shardckpt.cli.options import (
     Nest,
     OnlyOpt,
     Quiet,
+    StorageOptions,
     TrustPickle,
     Unnest,
     Version,
@@ -181,6 +182,7 @@ def convert(
     json_out: JsonOut = False,
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
+    storage_options: StorageOptions = None,
     device: DeviceOpt = None,
     version: Version = False,
 ) -> int:
@@ -226,6 +228,7 @@ def convert(
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
             src_local=src_local,
             hf_config=hf_config,
+            storage_options=storage_options or (),
         )
         progress = Progress(
             enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

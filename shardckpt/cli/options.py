@@ -104,6 +104,15 @@ BufferSize = Annotated[
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
+StorageOptions = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        help="An option of the fsspec filesystem behind a URL SRC or DST (s3://bucket/prefix); "
+        "repeatable. Credentials come from the store's own environment (docs/storage.md).",
+    ),
+]
 TrustPickle = Annotated[
     bool,
     typer.Option(

@@ -1,0 +1,194 @@
+"""SRC and DST given as URLs (``s3://bucket/prefix``): each command runs on local paths standing for them.
+
+For now a URL SRC is copied into a private temporary directory of each process (removed
+when the command ends) and a URL DST is written under a staging directory on this node,
+named for the URL (so every rank of a ``torchrun`` on one node writes the same one), then
+uploaded by the coordinator with the commit objects last (``core.storage.upload``).
+Errors and results name the URLs, never the local paths standing for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shardckpt.core import storage
+from shardckpt.core.dist import Runtime
+from shardckpt.core.errors import ShardckptError, UsageError
+
+R = TypeVar("R")
+
+
+def _rename(exc: BaseException, names: dict[str, str]) -> None:
+    """Put the URL where ``exc``'s line (and notes) name a local path standing for it."""
+
+    def swap(text: str | None) -> str | None:
+        if text is None:
+            return None
+        for local, url in names.items():
+            text = text.replace(local, url)
+        return text
+
+    if isinstance(exc, ShardckptError):
+        exc.path, exc.message, exc.hint = swap(exc.path), swap(exc.message), swap(exc.hint)
+        exc.args = (exc.line(),)
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        exc.__notes__ = [swap(n) for n in notes]
+
+
+def _named(result: R, names: dict[str, str]) -> R:
+    """Return ``result`` with every string field that names a local stand-in naming its URL."""
+    if not hasattr(result, "__dataclass_fields__"):
+        return result
+    changes: dict[str, Any] = {}
+    for f in fields(result):  # type: ignore[arg-type]
+        value = getattr(result, f.name)
+        if not f.init:
+            continue
+        if isinstance(value, str):
+            for local, url in names.items():
+                value = value.replace(local, url)
+            changes[f.name] = value
+        elif hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+            changes[f.name] = _named(value, names)
+    return replace(result, **changes)  # type: ignore[type-var]
+
+
+def _staging(url: str) -> Path:
+    """Return the directory a URL DST is written in on this node: the same for every rank of a run."""
+    key = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "shardckpt-staging" / key
+
+
+def _refuse_same(src: str, dst: str) -> None:
+    a, b = src.rstrip("/"), dst.rstrip("/")
+    if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+        raise UsageError(
+            "DST is SRC, inside it or around it",
+            path=dst,
+            hint="name a prefix beside the checkpoint for the output",
+        )
+
+
+class OnStorage:
+    """The local paths a command runs on for the URLs of one request, and what is done with them."""
+
+    def __init__(
+        self,
+        request: Any,
+        runtime: Runtime,
+        srcs: Sequence[str],
+        dst: str | None,
+        commits: Sequence[str],
+    ):
+        self.asked = request
+        """The request as given, URLs and all."""
+        self.request = request
+        """The request the command runs: local paths standing for the URLs."""
+        self.commits = commits
+        """The objects of DST written last (the output format's ``commit_last``)."""
+        self.runtime = runtime
+        self.srcs = [n for n in srcs if storage.is_url(getattr(request, n))]
+        self.dst_url = (
+            getattr(request, dst) if dst and storage.is_url(getattr(request, dst)) else None
+        )
+        self.dst_field = dst
+        self.names: dict[str, str] = {}
+        self.dst_store: storage.Store | None = None
+        self.staged: Path | None = None
+
+    def local_request(self, stack: contextlib.ExitStack) -> Any:
+        """Return the request on local paths: SRCs fetched, DST staged (and checked where it is)."""
+        request, runtime = self.asked, self.runtime
+        changes = {
+            n: storage.local_form(getattr(request, n))
+            for n in (*self.srcs, self.dst_field)
+            if n and isinstance(getattr(request, n), str)
+        }
+        if not self.srcs and not self.dst_url:
+            return replace(request, **changes)
+        options = runtime.agreed(lambda: storage.parse_options(request.storage_options))
+        if self.srcs:
+            if self.dst_url:
+                for n in self.srcs:
+                    _refuse_same(getattr(request, n), self.dst_url)
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shardckpt-src-")))
+
+            def fetch() -> dict[str, Path]:
+                fetched = {}
+                for n in self.srcs:
+                    store = storage.open_store(getattr(request, n), options)
+                    (tmp / n).mkdir()
+                    fetched[n] = storage.download(store, tmp / n)
+                    self.names[str(fetched[n])] = store.url
+                return fetched
+
+            changes |= runtime.agreed(fetch)
+        if self.dst_url:
+            store = runtime.agreed(lambda: storage.open_store(self.dst_url, options))
+            self.dst_store = store
+            staging = _staging(store.url)
+            self.staged = staging / store.name
+            self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
+            self.names[str(self.staged)] = store.url
+
+            def check() -> None:
+                staging.mkdir(parents=True, exist_ok=True)
+                if runtime.coordinator and not getattr(request, "dry_run", False):
+                    storage.clear_leftovers(store, self.commits)
+                    storage.check_dst(store, overwrite=request.overwrite)
+
+            runtime.agreed(check)
+            changes[self.dst_field] = str(self.staged)  # type: ignore[index]
+            # The staged copy is this run's own: a leftover of a killed run is replaced.
+            changes["overwrite"] = True
+        return replace(request, **changes)
+
+    def publish(self) -> None:
+        """Upload the staged DST (coordinator), the commit objects last; every rank agrees on the outcome."""
+        if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
+            return
+        store, staged = self.dst_store, self.staged
+
+        def send() -> None:
+            if self.runtime.coordinator:
+                storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
+
+        self.runtime.agreed(send)
+
+    def cleanup(self) -> None:
+        if self.staged is not None and self.runtime.coordinator:
+            shutil.rmtree(self.staged.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def on_storage(
+    request: Any,
+    runtime: Runtime,
+    srcs: Sequence[str] = ("src",),
+    dst: str | None = None,
+    commits: Sequence[str] = (),
+) -> Iterator[OnStorage]:
+    """Yield the run's ``OnStorage``; errors raised inside name the URLs, not the local paths."""
+    run = OnStorage(request, runtime, srcs, dst, commits)
+    try:
+        with contextlib.ExitStack() as stack:
+            run.request = run.local_request(stack)
+            yield run
+    except BaseException as exc:
+        _rename(exc, run.names)
+        raise
+    finally:
+        run.cleanup()
+
+
+def named(result: R, run: OnStorage) -> R:
+    """Return ``result`` naming the URLs where it names their local stand-ins."""
+    return _named(result, run.names) if run.names else result
