@@ -43,22 +43,18 @@ def _rename(exc: BaseException, names: dict[str, str]) -> None:
         exc.__notes__ = [swap(n) for n in notes]
 
 
-def _named(result: R, names: dict[str, str]) -> R:
-    """Return ``result`` with every string field that names a local stand-in naming its URL."""
-    if not hasattr(result, "__dataclass_fields__"):
-        return result
-    changes: dict[str, Any] = {}
-    for f in fields(result):  # type: ignore[arg-type]
-        value = getattr(result, f.name)
-        if not f.init:
-            continue
-        if isinstance(value, str):
-            for local, url in names.items():
-                value = value.replace(local, url)
-            changes[f.name] = value
-        elif hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
-            changes[f.name] = _named(value, names)
-    return replace(result, **changes)  # type: ignore[type-var]
+def _named(value: R, names: dict[str, str]) -> R:
+    """Return ``value`` (a result) with every string in it that names a local stand-in naming its URL."""
+    if isinstance(value, str):
+        for local, url in names.items():
+            value = value.replace(local, url)  # type: ignore[assignment]
+        return value
+    if isinstance(value, list):
+        return [_named(v, names) for v in value]  # type: ignore[return-value]
+    if not hasattr(value, "__dataclass_fields__") or isinstance(value, type):
+        return value
+    changes = {f.name: _named(getattr(value, f.name), names) for f in fields(value) if f.init}  # type: ignore[arg-type]
+    return replace(value, **changes)  # type: ignore[type-var]
 
 
 def _staging(url: str) -> Path:

@@ -17,6 +17,7 @@ writing it, so the next run knows what it finds there for a killed run's leftove
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -36,6 +37,7 @@ from shardckpt.core.errors import (
     UsageError,
     notice,
 )
+from shardckpt.core.signals import committing, reopened
 
 _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
 
@@ -307,6 +309,7 @@ def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool
     over new data. A failure aborts the open multipart uploads and leaves no commit
     object; the next run clears the rest (``clear_leftovers``).
     """
+    reopened()  # the local output was only DST's stand-in: a signal stops the upload
     fs, marker = store.fs, _marker(store)
     retried(lambda: fs.pipe_file(marker, b""), store.url, writing=True)
     if overwrite and (old := retried(lambda: _under(store), store.url)):
@@ -316,19 +319,28 @@ def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool
             files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
             first = [f for f in files if f not in commits]
             last = [f for f in commits if f in files]
-            for batch in (first, last):
-                for name in batch:
-                    retried(
-                        lambda name=name: fs.put_file(str(local / name), store.child(name)),
-                        f"{store.url}/{name}",
-                        writing=True,
-                    )
         else:
-            retried(lambda: fs.put_file(str(local), store.path), store.url, writing=True)
+            first, last = [], [""]
+        _put(local, store, first)
+        # The commit: once it starts, a signal waits until DST is committed (then exit 0).
+        with committing(f"'{store.url}'"):
+            _put(local, store, last)
+            retried(lambda: fs.rm(marker), store.url, writing=True)
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):  # best effort: the next run aborts what is left
             _abort_uploads(store)
-        except Exception:  # best effort: the next run aborts what is left
-            pass
         raise
-    retried(lambda: fs.rm(marker), store.url, writing=True)
+
+
+def _put(local: Path, store: Store, names: Sequence[str]) -> None:
+    """Upload ``names`` under ``local`` (``""``: the file ``local`` itself), several at a time.
+
+    One request for the filesystem (s3fs sends the files side by side, each large one as a
+    multipart upload); a failure names the object when there is one, else DST.
+    """
+    if not names:
+        return
+    sources = [str(local / name) if name else str(local) for name in names]
+    targets = [store.child(name) if name else store.path for name in names]
+    url = store.url if len(names) > 1 or not names[0] else f"{store.url}/{names[0]}"
+    retried(lambda: store.fs.put(sources, targets), url, writing=True)
