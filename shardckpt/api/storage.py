@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
@@ -20,7 +21,9 @@ from typing import Any, TypeVar
 
 from shardckpt.core import storage
 from shardckpt.core.dist import Runtime
-from shardckpt.core.errors import ShardckptError, UsageError
+from shardckpt.core.errors import IOFailure, ShardckptError, UsageError
+from shardckpt.core.lock import FileLock, LockBusy
+from shardckpt.core.signals import sheltered
 
 R = TypeVar("R")
 
@@ -91,6 +94,8 @@ class OnStorage:
         self.commits = commits
         """The objects of DST written last (the output format's ``commit_last``)."""
         self.runtime = runtime
+        self.paths = [*srcs, *([dst] if dst else [])]
+        """The request's fields that name a checkpoint."""
         self.srcs = [n for n in srcs if storage.is_url(getattr(request, n))]
         self.dst_url = (
             getattr(request, dst) if dst and storage.is_url(getattr(request, dst)) else None
@@ -99,14 +104,15 @@ class OnStorage:
         self.names: dict[str, str] = {}
         self.dst_store: storage.Store | None = None
         self.staged: Path | None = None
+        self.url_lock: FileLock | None = None
 
     def local_request(self, stack: contextlib.ExitStack) -> Any:
         """Return the request on local paths: SRCs fetched, DST staged (and checked where it is)."""
         request, runtime = self.asked, self.runtime
         changes = {
             n: storage.local_form(getattr(request, n))
-            for n in (*self.srcs, self.dst_field)
-            if n and isinstance(getattr(request, n), str)
+            for n in self.paths
+            if isinstance(getattr(request, n), str)
         }
         if not self.srcs and not self.dst_url:
             return replace(request, **changes)
@@ -135,9 +141,19 @@ class OnStorage:
             self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
             self.names[str(self.staged)] = store.url
 
+            hosts = set(runtime.all_gather(socket.gethostname())) if runtime.distributed else ()
+
             def check() -> None:
+                if len(hosts) > 1:
+                    raise UsageError(
+                        f"the ranks run on {len(hosts)} nodes, and a URL DST is uploaded from "
+                        "one node's staging copy",
+                        path=self.dst_url,
+                        hint="run the ranks on one node, or write DST to a shared filesystem",
+                    )
                 staging.mkdir(parents=True, exist_ok=True)
                 if runtime.coordinator and not getattr(request, "dry_run", False):
+                    self._lock(staging / f".{store.name}.shardckpt-url-lock")
                     storage.clear_leftovers(store, self.commits)
                     storage.check_dst(store, overwrite=request.overwrite)
 
@@ -146,6 +162,24 @@ class OnStorage:
             # The staged copy is this run's own: a leftover of a killed run is replaced.
             changes["overwrite"] = True
         return replace(request, **changes)
+
+    def _lock(self, path: Path) -> None:
+        """Hold the node's lock on the URL for the run: another run here would take our objects for leftovers.
+
+        Runs on other machines are not seen (object stores have no lock to take); the
+        marker beside DST tells what they left, not whether they still run.
+        """
+        lock = FileLock(path)
+        try:
+            with sheltered():
+                lock.acquire(wait_s=1.0)
+                self.url_lock = lock
+        except LockBusy as busy:
+            raise IOFailure(
+                f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
+                path=self.dst_url,
+                hint="wait for that run to finish, or write to another DST",
+            ) from None
 
     def publish(self) -> None:
         """Upload the staged DST (coordinator), the commit objects last; every rank agrees on the outcome."""
@@ -160,8 +194,18 @@ class OnStorage:
         self.runtime.agreed(send)
 
     def cleanup(self) -> None:
-        if self.staged is not None and self.runtime.coordinator:
-            shutil.rmtree(self.staged.parent, ignore_errors=True)
+        """Remove the staged DST and give the lock back (the coordinator, when it took the lock)."""
+        if self.staged is None or self.url_lock is None:
+            return  # another run's staged DST is not this run's to remove
+        with sheltered(raising=False):
+            if self.staged.is_dir():
+                shutil.rmtree(self.staged, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    self.staged.unlink()
+            self.url_lock.release()
+            with contextlib.suppress(OSError):
+                self.staged.parent.rmdir()  # unless another run stages there now
 
 
 @contextlib.contextmanager

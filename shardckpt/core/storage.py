@@ -53,8 +53,10 @@ T = TypeVar("T")
 
 
 def is_url(text: str | os.PathLike) -> bool:
-    """Return whether ``text`` is a URL (``s3://b/x``) rather than a local path."""
-    return isinstance(text, str) and _URL.match(text) is not None
+    """Return whether ``text`` is a URL (``s3://b/x``) rather than a local path (``file://`` is one)."""
+    if not isinstance(text, str) or (found := _URL.match(text)) is None:
+        return False
+    return found.group("protocol").lower() != "file"
 
 
 def local_form(text: str | os.PathLike) -> str | os.PathLike:
@@ -117,7 +119,6 @@ class Store:
 
 def open_store(url: str, options: dict[str, Any]) -> Store:
     """Return the ``Store`` of ``url``; one line when its protocol has no implementation here."""
-    url = url.rstrip("/")
     protocol = _URL.match(url).group("protocol").lower()  # type: ignore[union-attr]
     package = _PACKAGES.get(protocol)
     extra = EXTRAS.get(protocol)
@@ -147,10 +148,10 @@ def open_store(url: str, options: dict[str, Any]) -> Store:
             path=url,
             hint="pass only options its filesystem takes",
         ) from None
-    path = cls._strip_protocol(url)
-    if not path.strip("/"):
+    path = cls._strip_protocol(url).rstrip("/")
+    if not path:
         raise UsageError("names no bucket", path=url, hint="write it as s3://bucket/prefix")
-    return Store(url, fs, path.rstrip("/"))
+    return Store(url.rstrip("/"), fs, path)
 
 
 def _status(exc: BaseException) -> str:
@@ -290,14 +291,18 @@ def clear_leftovers(store: Store, commits: Sequence[str]) -> None:
 
 def check_dst(store: Store, *, overwrite: bool) -> None:
     """Raise when DST holds objects and --overwrite was not given; a missing bucket is one line."""
-    bucket = store.path.split("/", 1)[0]
+    bucket, _, key = store.path.partition("/")
+    if not key:
+        raise UsageError(
+            "names a whole bucket", path=store.url, hint="name a prefix inside it for DST"
+        )
     if not retried(lambda: store.fs.exists(bucket), store.url, writing=True):
         raise store_error(FileNotFoundError(bucket), store.url, writing=True)
     if not overwrite and retried(lambda: _under(store), store.url):
         raise DestinationExistsError(
-            "already exists (objects are stored under it)",
+            "already exists",
             path=store.url,
-            hint="pass --overwrite to replace every object under it, or name another prefix",
+            hint="pass --overwrite to replace it (every object under it), or name another DST",
         )
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,9 +77,11 @@ def assert_equal(a, b) -> None:
 
 
 def no_leftovers(s3: S3, bucket: str) -> None:  # noqa: F811
-    """Assert nothing of shardckpt's is left in the bucket, nor in the node's staging directory."""
+    """Assert nothing of shardckpt's is left in the bucket, nor in this node's staging directory."""
     assert not [k for k in s3.keys(bucket) if "shardckpt-" in k]
     assert s3.open_uploads(bucket) == []
+    staging = Path(tempfile.gettempdir()) / "shardckpt-staging"
+    assert not staging.exists() or not any(staging.glob("*/*"))
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +181,8 @@ def test_an_existing_s3_dst_is_exit_5_and_overwrite_replaces_it(s3, src, tmp_pat
     code, err = cli(capsys, *argv)
     assert code == 5
     assert err == [
-        f"shardckpt: error: '{dst}': already exists (objects are stored under it): "
-        "pass --overwrite to replace every object under it, or name another prefix"
+        f"shardckpt: error: '{dst}': already exists: "
+        "pass --overwrite to replace it (every object under it), or name another DST"
     ]
     assert s3.keys(f"{bucket}/out") == [f"{bucket}/out/notes.txt"]
     code, err = cli(capsys, *argv, "--overwrite")
@@ -208,6 +212,39 @@ def test_a_missing_bucket_or_object_is_one_line(s3, src, tmp_path, capsys):  # n
     ]
 
 
+@pytest.mark.slow
+def test_a_second_run_on_the_same_url_is_refused_and_leaves_the_first_alone(s3, big, capsys):  # noqa: F811
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    first = warm_cli.start(argv)
+    deadline = time.monotonic() + 120
+    while not s3.fs.exists(f"{bucket}/.out.shardckpt-partial"):  # the first run uploads
+        s3.fs.invalidate_cache()
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    code, err = cli(capsys, *argv)
+    assert code == 4
+    assert len(err) == 1
+    assert err[0].startswith(f"shardckpt: error: '{dst}': is being written by another shardckpt")
+    assert err[0].endswith(": wait for that run to finish, or write to another DST")
+    assert first.wait(120) == 0
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+
+
+def test_a_whole_bucket_as_dst_is_refused(s3, src, capsys):  # noqa: F811
+    bucket = s3.bucket()
+    argv = ["convert", src, f"s3://{bucket}", "--to", "sharded", "--world-size", "1"]
+    code, err = cli(capsys, *argv)
+    assert code == 2
+    assert err == [
+        f"shardckpt: error: 's3://{bucket}': names a whole bucket: name a prefix inside it for DST"
+    ]
+    assert s3.keys(bucket) == []
+
+
 def test_dst_inside_src_on_s3_is_refused(s3, src, capsys):  # noqa: F811
     code, err = cli(capsys, "convert", src, f"{src}/inner", "--to", "sharded", "--world-size", "1")
     assert code == 2
@@ -230,37 +267,25 @@ def test_storage_options_reach_the_filesystem(s3, src, capsys, monkeypatch):  # 
     ]
 
 
-def test_a_protocol_whose_library_is_missing_names_the_extra(tmp_path):
+def test_a_protocol_whose_library_is_missing_names_the_extra():
+    urls = ["s3://bucket/ckpt", "gs://bucket/ckpt", "nosuch://bucket/ckpt"]
     script = (
         "import sys; sys.modules['s3fs'] = None; sys.modules['gcsfs'] = None\n"
         "from shardckpt.cli.app import run\n"
-        "sys.exit(run(sys.argv[1:]))\n"
+        "print([run(['inspect', url]) for url in sys.argv[1:]])\n"
     )
-    for url, line in (
-        (
-            "s3://bucket/ckpt",
-            "'s3://bucket/ckpt': reading and writing s3:// needs s3fs, which is not installed: "
-            "install it (pip install 'shardckpt[s3]')",
-        ),
-        (
-            "gs://bucket/ckpt",
-            "'gs://bucket/ckpt': reading and writing gs:// needs gcsfs, which is not installed: "
-            "install it (pip install gcsfs)",
-        ),
-        (
-            "nosuch://bucket/ckpt",
-            "'nosuch://bucket/ckpt': nosuch:// is not a protocol fsspec knows: write a local "
-            "path, or a URL such as s3://bucket/prefix",
-        ),
-    ):
-        proc = __import__("subprocess").run(
-            [sys.executable, "-c", script, "inspect", url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.strip().splitlines() == [f"shardckpt: error: {line}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *urls], capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip() == "[2, 2, 2]", proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "shardckpt: error: 's3://bucket/ckpt': reading and writing s3:// needs s3fs, which is "
+        "not installed: install it (pip install 'shardckpt[s3]')",
+        "shardckpt: error: 'gs://bucket/ckpt': reading and writing gs:// needs gcsfs, which is "
+        "not installed: install it (pip install gcsfs)",
+        "shardckpt: error: 'nosuch://bucket/ckpt': nosuch:// is not a protocol fsspec knows: "
+        "write a local path, or a URL such as s3://bucket/prefix",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +297,7 @@ def big(tmp_path_factory) -> tuple[Path, dict]:
     return local, sd
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big, sig):  # noqa: F811
     local, sd = big
@@ -302,6 +328,7 @@ def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big
     no_leftovers(s3, bucket)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_s3_to_s3_loads_equal(s3, src):  # noqa: F811
     bucket = src[5:].split("/")[0]
     dst = f"s3://{bucket}/run/at-2-torchrun"

@@ -1,0 +1,150 @@
+"""URLs as SRC and DST (``core/storage.py``): parsing, options, retries, and what a failed request says.
+
+The failures are the ones s3fs itself raises: botocore's ``ClientError`` for the S3 error
+codes, turned into Python exceptions by s3fs's own ``translate_boto_error``.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from shardckpt.core import storage
+from shardckpt.core.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_IO,
+    EXIT_USAGE,
+    BadInputError,
+    IOFailure,
+    UsageError,
+)
+from shardckpt.core.storage import is_url, local_form, parse_options, retried, store_error
+
+
+def s3_error(code: str, status: int) -> OSError:
+    """Return what s3fs raises for an S3 error ``code`` answered with HTTP ``status``."""
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+    from botocore.exceptions import ClientError
+
+    response = {
+        "Error": {"Code": code, "Message": f"{code} said the server"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return s3fs_errors.translate_boto_error(ClientError(response, "GetObject"))
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("s3://bucket/run/step-100", True),
+        ("gs://b/x", True),
+        ("memory://x", True),
+        ("/local/path", False),
+        ("relative/dir", False),
+        ("s3:/bucket/x", False),
+        ("c:/windows", False),
+        ("file:///tmp/ckpt", False),
+    ],
+)
+def test_a_url_is_told_from_a_path(text, url):
+    assert is_url(text) is url
+
+
+def test_a_file_url_is_the_local_path_it_names():
+    assert local_form("file:///tmp/ckpt") == "/tmp/ckpt"
+    assert local_form("s3://b/x") == "s3://b/x"
+    assert local_form("/tmp/x") == "/tmp/x"
+
+
+def test_storage_options_are_json_values_and_dotted_keys_nest():
+    options = parse_options(
+        ["anon=true", "default_block_size=8388608", "client_kwargs.region_name=eu-west-1", "x=a=b"]
+    )
+    assert options == {
+        "anon": True,
+        "default_block_size": 8388608,
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "x": "a=b",
+    }
+
+
+@pytest.mark.parametrize("pair", ["anon", "=true", ""])
+def test_a_storage_option_that_is_not_key_value_is_a_usage_error(pair):
+    with pytest.raises(UsageError) as caught:
+        parse_options([pair])
+    assert caught.value.exit_code == EXIT_USAGE
+    assert caught.value.line() == (
+        f"--storage-option {pair!r} is not KEY=VALUE: write it like --storage-option anon=true"
+    )
+
+
+def test_a_request_that_fails_then_succeeds_is_retried():
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise s3_error("SlowDown", 503)
+        return "done"
+
+    assert retried(flaky, "s3://b/x", pause=0) == "done"
+    assert len(calls) == 3
+
+
+def test_a_request_that_keeps_failing_is_tried_a_bounded_number_of_times_then_one_line():
+    calls = []
+
+    def failing() -> None:
+        calls.append(1)
+        raise s3_error("InternalError", 500)
+
+    with pytest.raises(IOFailure) as caught:
+        retried(failing, "s3://b/run/__0_0.distcp", writing=True, pause=0)
+    assert len(calls) == storage.RETRIES + 1
+    assert caught.value.exit_code == EXIT_IO
+    assert caught.value.line() == (
+        f"'s3://b/run/__0_0.distcp': writing failed after {storage.RETRIES + 1} tries "
+        "(500 InternalError): check the endpoint (AWS_ENDPOINT_URL) and the network, and run again"
+    )
+
+
+def test_access_denied_is_not_retried_and_is_exit_4():
+    calls = []
+
+    def denied() -> None:
+        calls.append(1)
+        raise s3_error("AccessDenied", 403)
+
+    with pytest.raises(IOFailure) as caught:
+        retried(denied, "s3://b/x", pause=0)
+    assert len(calls) == 1
+    assert caught.value.exit_code == EXIT_IO
+    assert caught.value.line().startswith("'s3://b/x': access denied (403 AccessDenied): check")
+
+
+def test_a_missing_source_is_exit_3_and_a_missing_bucket_for_dst_exit_4():
+    missing = s3_error("NoSuchKey", 404)
+    read = store_error(missing, "s3://b/x")
+    assert isinstance(read, BadInputError) and read.exit_code == EXIT_BAD_INPUT
+    assert read.line() == (
+        "'s3://b/x': no such object or prefix (404 NoSuchKey): check the URL of the "
+        "checkpoint (and the bucket's name)"
+    )
+    write = store_error(s3_error("NoSuchBucket", 404), "s3://b/x", writing=True)
+    assert write.exit_code == EXIT_IO
+    assert write.line().startswith("'s3://b/x': no such bucket (404 NoSuchBucket)")
+
+
+def test_an_os_error_without_a_response_is_named_by_its_text():
+    error = store_error(OSError(errno.ECONNREFUSED, "Connection refused"), "s3://b/x")
+    assert error.exit_code == EXIT_IO
+    assert "reading failed after" in error.line()
+    assert "Connection refused" in error.line()
+
+
+def test_a_url_without_a_bucket_is_a_usage_error():
+    pytest.importorskip("s3fs")
+    with pytest.raises(UsageError) as caught:
+        storage.open_store("s3://", {})
+    assert caught.value.line() == "'s3://': names no bucket: write it as s3://bucket/prefix"
