@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardckpt.core import storage
+from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
-from shardckpt.core.errors import IOFailure, ShardckptError, UsageError
+from shardckpt.core.errors import ShardckptError, UsageError
 from shardckpt.core.lock import FileLock, LockBusy
 from shardckpt.core.signals import sheltered
 
@@ -175,11 +176,7 @@ class OnStorage:
                 lock.acquire(wait_s=1.0)
                 self.url_lock = lock
         except LockBusy as busy:
-            raise IOFailure(
-                f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
-                path=self.dst_url,
-                hint="wait for that run to finish, or write to another DST",
-            ) from None
+            raise written_by_another(busy, self.dst_url) from None
 
     def publish(self) -> None:
         """Upload the staged DST (coordinator), the commit objects last; every rank agrees on the outcome."""

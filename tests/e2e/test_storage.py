@@ -219,11 +219,8 @@ def test_a_second_run_on_the_same_url_is_refused_and_leaves_the_first_alone(s3, 
     dst = f"s3://{bucket}/out"
     argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
     first = warm_cli.start(argv)
-    deadline = time.monotonic() + 120
-    while not s3.fs.exists(f"{bucket}/.out.shardckpt-partial"):  # the first run uploads
-        s3.fs.invalidate_cache()
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
+    marker = f"{bucket}/.out.shardckpt-partial"
+    uploading(first, lambda: s3.fs.invalidate_cache() or s3.fs.exists(marker))
     code, err = cli(capsys, *argv)
     assert code == 4
     assert len(err) == 1
@@ -288,6 +285,15 @@ def test_a_protocol_whose_library_is_missing_names_the_extra():
     ]
 
 
+def uploading(proc: warm_cli.WarmProcess, seen) -> None:
+    """Return once ``seen()`` is true while ``proc`` runs (it uploads); fail if it ends first."""
+    deadline = time.monotonic() + 120
+    while not seen():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> tuple[Path, dict]:
     """A 112 MiB DCP on the local disk: more than s3fs puts in one request (2 x 50 MiB)."""
@@ -305,11 +311,7 @@ def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big
     dst = f"s3://{bucket}/out"
     argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
     proc = warm_cli.start(argv)
-    deadline = time.monotonic() + 120
-    while not s3.open_uploads(bucket):  # caught in the middle of the data object's upload
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    uploading(proc, lambda: s3.open_uploads(bucket))  # in the middle of the data's upload
     proc.send_signal(sig)
     out, err = proc.communicate(60)
     assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -sig), err
