@@ -47,11 +47,18 @@ EPILOG = examples(
 def convert(
     ctx: typer.Context,
     src: Annotated[
-        str, typer.Argument(metavar="SRC", help="Checkpoint to read (format detected, or --from).")
+        str,
+        typer.Argument(
+            metavar="SRC",
+            help="Checkpoint to read (format detected, or --from): a path or a URL (s3://bucket/prefix).",
+        ),
     ],
     dst: Annotated[
         str,
-        typer.Argument(metavar="DST", help="Output, written beside it and renamed when complete."),
+        typer.Argument(
+            metavar="DST",
+            help="Output, written beside it and renamed when complete (a URL: commit last).",
+        ),
     ],
     to: Annotated[
         str,

@@ -40,8 +40,12 @@ EPILOG = examples(
 
 
 def diff(
-    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
-    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
+    a: Annotated[
+        str, typer.Argument(metavar="A", help="First checkpoint (any format; a path or a URL).")
+    ],
+    b: Annotated[
+        str, typer.Argument(metavar="B", help="Second checkpoint (any format; a path or a URL).")
+    ],
     atol: Annotated[
         float,
         typer.Option(

@@ -35,7 +35,7 @@ def inspect(
         typer.Argument(
             metavar="SRC",
             help="Checkpoint: a file (.pt, .bin, .safetensors) or directory (DCP, per-rank "
-            "files, a trainer's).",
+            "files, a trainer's), local or a URL (s3://bucket/prefix).",
         ),
     ],
     fmt: SrcFormat = None,

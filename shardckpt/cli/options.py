@@ -109,8 +109,7 @@ StorageOptions = Annotated[
     typer.Option(
         "--storage-option",
         metavar="KEY=VALUE",
-        help="An option of the fsspec filesystem behind a URL SRC or DST (s3://bucket/prefix); "
-        "repeatable. Credentials come from the store's own environment (docs/storage.md).",
+        help="Option of the filesystem behind a URL (s3://...); repeatable; docs/storage.md.",
     ),
 ]
 TrustPickle = Annotated[

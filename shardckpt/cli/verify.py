@@ -37,7 +37,10 @@ EPILOG = (
 def verify(
     src: Annotated[
         str,
-        typer.Argument(metavar="SRC", help="Checkpoint, in any format shardckpt reads."),
+        typer.Argument(
+            metavar="SRC",
+            help="Checkpoint, in any format shardckpt reads: a path or a URL (s3://bucket/prefix).",
+        ),
     ],
     fmt: SrcFormat = None,
     json_out: JsonOut = False,
