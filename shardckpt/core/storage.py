@@ -291,13 +291,14 @@ def clear_leftovers(store: Store, commits: Sequence[str]) -> None:
 
 def check_dst(store: Store, *, overwrite: bool) -> None:
     """Raise when DST holds objects and --overwrite was not given; a missing bucket is one line."""
-    bucket, _, key = store.path.partition("/")
-    if not key:
-        raise UsageError(
-            "names a whole bucket", path=store.url, hint="name a prefix inside it for DST"
-        )
-    if not retried(lambda: store.fs.exists(bucket), store.url, writing=True):
-        raise store_error(FileNotFoundError(bucket), store.url, writing=True)
+    if store.fs.root_marker == "":  # an object store: the first part of a path is its bucket
+        bucket, _, key = store.path.partition("/")
+        if not key:
+            raise UsageError(
+                "names a whole bucket", path=store.url, hint="name a prefix inside it for DST"
+            )
+        if not retried(lambda: store.fs.exists(bucket), store.url, writing=True):
+            raise store_error(FileNotFoundError(bucket), store.url, writing=True)
     if not overwrite and retried(lambda: _under(store), store.url):
         raise DestinationExistsError(
             "already exists",

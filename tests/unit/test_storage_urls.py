@@ -148,3 +148,36 @@ def test_a_url_without_a_bucket_is_a_usage_error():
     with pytest.raises(UsageError) as caught:
         storage.open_store("s3://", {})
     assert caught.value.line() == "'s3://': names no bucket: write it as s3://bucket/prefix"
+
+
+def test_a_dcp_round_trips_through_fsspecs_memory_store(tmp_path, capsys):
+    """Any fsspec protocol, not only S3: the in-process ``memory://`` store, read back by torch."""
+    import fsspec
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from shardckpt.cli.app import run
+
+    torch.manual_seed(0)
+    sd = {"model": {"w": torch.randn(16, 8), "b": torch.randn(8)}, "step": 7}
+    dcp.save(sd, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    memory = fsspec.filesystem("memory")
+    root = f"memory://shardckpt-test-{tmp_path.name}"
+    argv = ["convert", tmp_path / "ckpt", f"{root}/at-2", "--to", "sharded", "--world-size", "2"]
+    assert run([str(a) for a in [*argv, "-q"]]) == 0
+    names = sorted(p.rsplit("/", 1)[1] for p in memory.find(f"{root}/at-2"))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert memory.find(root) == sorted(memory.find(f"{root}/at-2"))  # no marker left beside
+    back = {"model": {"w": torch.zeros(16, 8), "b": torch.zeros(8)}, "step": 0}
+    dcp.load(back, storage_reader=FsspecReader(f"{root}/at-2"), no_dist=True)
+    assert torch.equal(back["model"]["w"], sd["model"]["w"]) and back["step"] == 7
+    assert run(["convert", f"{root}/at-2", str(tmp_path / "full.pt"), "--to", "full", "-q"]) == 0
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert torch.equal(full["model"]["b"], sd["model"]["b"])
+    assert run(["convert", f"{root}/at-2", f"{root}/at-2", "--to", "full"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"shardckpt: error: '{root}/at-2': DST is SRC, inside it or around it: "
+        "name a prefix beside the checkpoint for the output"
+    ]
+    memory.rm(root, recursive=True)
