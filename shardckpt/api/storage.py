@@ -14,6 +14,7 @@ import hashlib
 import shutil
 import socket
 import tempfile
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -106,8 +107,10 @@ class OnStorage:
         self.dst_store: storage.Store | None = None
         self.staged: Path | None = None
         self.url_lock: FileLock | None = None
+        self.fetched: Path | None = None
+        """The node's copy of the URL SRCs, on the rank that fetched it."""
 
-    def local_request(self, stack: contextlib.ExitStack) -> Any:
+    def local_request(self) -> Any:
         """Return the request on local paths: SRCs fetched, DST staged (and checked where it is)."""
         request, runtime = self.asked, self.runtime
         changes = {
@@ -118,18 +121,30 @@ class OnStorage:
         if not self.srcs and not self.dst_url:
             return replace(request, **changes)
         options = runtime.agreed(lambda: storage.parse_options(request.storage_options))
+        here = socket.gethostname()
+        hosts = runtime.all_gather(here) if runtime.distributed else [here]
         if self.srcs:
             if self.dst_url:
                 for n in self.srcs:
                     _refuse_same(getattr(request, n), self.dst_url)
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shardckpt-src-")))
+            # One copy per node, fetched by the node's lowest rank, read by all its ranks.
+            token = uuid.uuid4().hex
+            if runtime.distributed:
+                token = runtime.broadcast(token)
+            fetcher = hosts.index(here) == runtime.rank
+            tmp = Path(tempfile.gettempdir()) / f"shardckpt-src-{token}"
 
             def fetch() -> dict[str, Path]:
                 fetched = {}
+                if fetcher:
+                    tmp.mkdir(mode=0o700)
+                    self.fetched = tmp
                 for n in self.srcs:
                     store = storage.open_store(getattr(request, n), options)
-                    (tmp / n).mkdir()
-                    fetched[n] = storage.download(store, tmp / n)
+                    if fetcher:
+                        (tmp / n).mkdir()
+                        storage.download(store, tmp / n)
+                    fetched[n] = storage.local_name(store, tmp / n)
                     self.names[str(fetched[n])] = store.url
                 return fetched
 
@@ -142,12 +157,10 @@ class OnStorage:
             self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
             self.names[str(self.staged)] = store.url
 
-            hosts = set(runtime.all_gather(socket.gethostname())) if runtime.distributed else ()
-
             def check() -> None:
-                if len(hosts) > 1:
+                if len(set(hosts)) > 1:
                     raise UsageError(
-                        f"the ranks run on {len(hosts)} nodes, and a URL DST is uploaded from "
+                        f"the ranks run on {len(set(hosts))} nodes, and a URL DST is uploaded from "
                         "one node's staging copy",
                         path=self.dst_url,
                         hint="run the ranks on one node, or write DST to a shared filesystem",
@@ -190,7 +203,18 @@ class OnStorage:
 
         self.runtime.agreed(send)
 
+    def done_reading(self) -> None:
+        """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""
+        if self.srcs and self.runtime.distributed:
+            self.runtime.agreed(lambda: None)
+
     def cleanup(self) -> None:
+        if self.fetched is not None:
+            with sheltered(raising=False):
+                shutil.rmtree(self.fetched, ignore_errors=True)
+        self._unstage()
+
+    def _unstage(self) -> None:
         """Remove the staged DST and give the lock back (the coordinator, when it took the lock)."""
         if self.staged is None or self.url_lock is None:
             return  # another run's staged DST is not this run's to remove
@@ -216,9 +240,9 @@ def on_storage(
     """Yield the run's ``OnStorage``; errors raised inside name the URLs, not the local paths."""
     run = OnStorage(request, runtime, srcs, dst, commits)
     try:
-        with contextlib.ExitStack() as stack:
-            run.request = run.local_request(stack)
-            yield run
+        run.request = run.local_request()
+        yield run
+        run.done_reading()
     except BaseException as exc:
         _rename(exc, run.names)
         raise

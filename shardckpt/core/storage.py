@@ -223,10 +223,15 @@ def retried(request: Callable[[], T], url: str, *, writing: bool = False, pause:
 # ------------------------------------------------------------------ SRC
 
 
+def local_name(store: Store, into: Path) -> Path:
+    """Return the path ``download`` gives SRC's copy in the directory ``into``."""
+    return into / (store.name or "src")
+
+
 def download(store: Store, into: Path) -> Path:
     """Copy SRC (an object, or every object under a prefix) into the directory ``into``; return its path."""
     info = retried(lambda: store.fs.info(store.path), store.url)
-    local = into / (store.name or "src")
+    local = local_name(store, into)
     if info.get("type") == "directory":
         retried(lambda: store.fs.get(store.path + "/", str(local), recursive=True), store.url)
         local.mkdir(exist_ok=True)

@@ -82,6 +82,7 @@ def no_leftovers(s3: S3, bucket: str) -> None:  # noqa: F811
     assert s3.open_uploads(bucket) == []
     staging = Path(tempfile.gettempdir()) / "shardckpt-staging"
     assert not staging.exists() or not any(staging.glob("*/*"))
+    assert not list(Path(tempfile.gettempdir()).glob("shardckpt-src-*"))  # SRC's copies
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +342,11 @@ def test_torchrun_two_ranks_s3_to_s3_loads_equal(s3, src):  # noqa: F811
     names = [k.rsplit("/", 1)[1] for k in s3.keys(dst[5:])]
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+    cmd = ["--standalone", "--nproc-per-node=2", "-m", "shardckpt", "verify", dst]
+    proc = warm_cli.run_torchrun(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"intact: {dst} (dcp, 3 files")
     no_leftovers(s3, bucket)
 
 
