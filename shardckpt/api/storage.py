@@ -1,10 +1,11 @@
 """SRC and DST given as URLs (``s3://bucket/prefix``): each command runs on local paths standing for them.
 
-For now a URL SRC is copied into a private temporary directory of each process (removed
-when the command ends) and a URL DST is written under a staging directory on this node,
-named for the URL (so every rank of a ``torchrun`` on one node writes the same one), then
-uploaded by the coordinator with the commit objects last (``core.storage.upload``).
-Errors and results name the URLs, never the local paths standing for them.
+For now a URL SRC is copied into a private temporary directory, once per node (its lowest
+rank fetches, every rank of the node reads that copy; removed when the command ends), and
+a URL DST is written under a staging directory on this node, named for the URL (so every
+rank of a ``torchrun`` on one node writes the same one), then uploaded by the
+coordinator with the commit objects last (``core.storage.upload``). Errors and results
+name the URLs, never the local paths standing for them.
 """
 
 from __future__ import annotations
@@ -127,55 +128,62 @@ class OnStorage:
             if self.dst_url:
                 for n in self.srcs:
                     _refuse_same(getattr(request, n), self.dst_url)
-            # One copy per node, fetched by the node's lowest rank, read by all its ranks.
-            token = uuid.uuid4().hex
-            if runtime.distributed:
-                token = runtime.broadcast(token)
-            fetcher = hosts.index(here) == runtime.rank
-            tmp = Path(tempfile.gettempdir()) / f"shardckpt-src-{token}"
-
-            def fetch() -> dict[str, Path]:
-                fetched = {}
-                if fetcher:
-                    tmp.mkdir(mode=0o700)
-                    self.fetched = tmp
-                for n in self.srcs:
-                    store = storage.open_store(getattr(request, n), options)
-                    if fetcher:
-                        (tmp / n).mkdir()
-                        storage.download(store, tmp / n)
-                    fetched[n] = storage.local_name(store, tmp / n)
-                    self.names[str(fetched[n])] = store.url
-                return fetched
-
-            changes |= runtime.agreed(fetch)
+            changes |= self._fetch(options, fetcher=hosts.index(here) == runtime.rank)
         if self.dst_url:
-            store = runtime.agreed(lambda: storage.open_store(self.dst_url, options))
-            self.dst_store = store
-            staging = _staging(store.url)
-            self.staged = staging / store.name
-            self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
-            self.names[str(self.staged)] = store.url
-
-            def check() -> None:
-                if len(set(hosts)) > 1:
-                    raise UsageError(
-                        f"the ranks run on {len(set(hosts))} nodes, and a URL DST is uploaded from "
-                        "one node's staging copy",
-                        path=self.dst_url,
-                        hint="run the ranks on one node, or write DST to a shared filesystem",
-                    )
-                staging.mkdir(parents=True, exist_ok=True)
-                if runtime.coordinator and not getattr(request, "dry_run", False):
-                    self._lock(staging / f".{store.name}.shardckpt-url-lock")
-                    storage.clear_leftovers(store, self.commits)
-                    storage.check_dst(store, overwrite=request.overwrite)
-
-            runtime.agreed(check)
-            changes[self.dst_field] = str(self.staged)  # type: ignore[index]
+            changes[self.dst_field] = str(self._stage(options, nodes=len(set(hosts))))  # type: ignore[index]
             # The staged copy is this run's own: a leftover of a killed run is replaced.
             changes["overwrite"] = True
         return replace(request, **changes)
+
+    def _fetch(self, options: dict[str, Any], *, fetcher: bool) -> dict[str, Path]:
+        """Return the local copy of each URL SRC: one per node, fetched by ``fetcher`` (agreed)."""
+        token = uuid.uuid4().hex
+        if self.runtime.distributed:
+            token = self.runtime.broadcast(token)
+        tmp = Path(tempfile.gettempdir()) / f"shardckpt-src-{token}"
+
+        def fetch() -> dict[str, Path]:
+            fetched = {}
+            if fetcher:
+                tmp.mkdir(mode=0o700)
+                self.fetched = tmp
+            for n in self.srcs:
+                store = storage.open_store(getattr(self.asked, n), options)
+                if fetcher:
+                    (tmp / n).mkdir()
+                    storage.download(store, tmp / n)
+                fetched[n] = storage.local_name(store, tmp / n)
+                self.names[str(fetched[n])] = store.url
+            return fetched
+
+        return self.runtime.agreed(fetch)
+
+    def _stage(self, options: dict[str, Any], *, nodes: int) -> Path:
+        """Return where DST is staged on this node; take the URL's lock, clear leftovers, check DST (agreed)."""
+        request, runtime = self.asked, self.runtime
+        store = runtime.agreed(lambda: storage.open_store(self.dst_url, options))
+        self.dst_store = store
+        staging = _staging(store.url)
+        self.staged = staging / store.name
+        self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
+        self.names[str(self.staged)] = store.url
+
+        def check() -> None:
+            if nodes > 1:
+                raise UsageError(
+                    f"the ranks run on {nodes} nodes, and a URL DST is uploaded from one "
+                    "node's staging copy",
+                    path=self.dst_url,
+                    hint="run the ranks on one node, or write DST to a shared filesystem",
+                )
+            staging.mkdir(parents=True, exist_ok=True)
+            if runtime.coordinator and not getattr(request, "dry_run", False):
+                self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                storage.clear_leftovers(store, self.commits)
+                storage.check_dst(store, overwrite=request.overwrite)
+
+        runtime.agreed(check)
+        return self.staged
 
     def _lock(self, path: Path) -> None:
         """Hold the node's lock on the URL for the run: another run here would take our objects for leftovers.
@@ -209,6 +217,7 @@ class OnStorage:
             self.runtime.agreed(lambda: None)
 
     def cleanup(self) -> None:
+        """Remove the node's copy of SRC (on the rank that fetched it) and the staged DST."""
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)
