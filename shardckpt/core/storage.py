@@ -35,6 +35,7 @@ from shardckpt.core.errors import (
     IOFailure,
     ShardckptError,
     UsageError,
+    in_chain,
     notice,
 )
 from shardckpt.core.signals import committing, reopened
@@ -190,8 +191,14 @@ def store_error(exc: BaseException, url: str, *, writing: bool = False) -> Shard
             hint="check the credentials in the environment (AWS_PROFILE, AWS_ACCESS_KEY_ID) "
             "and the bucket's policy",
         )
-    what = "writing" if writing else "reading"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if in_chain(exc, ConnectionError) is not None:
+        return IOFailure(
+            f"cannot reach the store ({text})",
+            path=url,
+            hint="check the endpoint (AWS_ENDPOINT_URL) and the network, and run again",
+        )
+    what = "writing" if writing else "reading"
     return IOFailure(
         f"{what} failed after {RETRIES + 1} tries ({status or text})",
         path=url,
@@ -200,10 +207,16 @@ def store_error(exc: BaseException, url: str, *, writing: bool = False) -> Shard
 
 
 def _final(exc: BaseException) -> bool:
-    """Return whether trying ``exc``'s request again cannot help."""
-    return isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)) or getattr(
-        exc, "errno", None
-    ) in (errno.ENOENT, errno.EACCES, errno.EPERM)
+    """Return whether trying ``exc``'s request again cannot help.
+
+    A store that cannot be reached at all was tried again already, by the filesystem and
+    its client (s3fs and botocore back off for 8 s): a wrong endpoint is said at once.
+    """
+    return (
+        isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError))
+        or getattr(exc, "errno", None) in (errno.ENOENT, errno.EACCES, errno.EPERM)
+        or in_chain(exc, ConnectionError) is not None
+    )
 
 
 def retried(request: Callable[[], T], url: str, *, writing: bool = False, pause: float = 0.5) -> T:

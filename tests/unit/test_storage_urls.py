@@ -136,11 +136,33 @@ def test_a_missing_source_is_exit_3_and_a_missing_bucket_for_dst_exit_4():
     assert write.line().startswith("'s3://b/x': no such bucket (404 NoSuchBucket)")
 
 
+def test_an_unreachable_store_is_said_at_once_not_retried():
+    """What s3fs raises for a refused connection: botocore's error, raised from the OS's."""
+    from botocore.exceptions import EndpointConnectionError
+
+    calls = []
+
+    def refused() -> None:
+        calls.append(1)
+        try:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")
+        except ConnectionRefusedError as exc:
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1/b/x") from exc
+
+    with pytest.raises(IOFailure) as caught:
+        retried(refused, "s3://b/x", pause=0)
+    assert len(calls) == 1
+    assert caught.value.line() == (
+        "'s3://b/x': cannot reach the store (Could not connect to the endpoint URL: "
+        '"http://127.0.0.1:1/b/x"): check the endpoint (AWS_ENDPOINT_URL) and the network, '
+        "and run again"
+    )
+
+
 def test_an_os_error_without_a_response_is_named_by_its_text():
-    error = store_error(OSError(errno.ECONNREFUSED, "Connection refused"), "s3://b/x")
+    error = store_error(OSError(errno.EIO, "Input/output error"), "s3://b/x")
     assert error.exit_code == EXIT_IO
-    assert "reading failed after" in error.line()
-    assert "Connection refused" in error.line()
+    assert error.line().startswith("'s3://b/x': reading failed after 5 tries ([Errno 5] Input")
 
 
 def test_a_url_without_a_bucket_is_a_usage_error():
