@@ -176,8 +176,10 @@ class OnStorage:
                     path=self.dst_url,
                     hint="run the ranks on one node, or write DST to a shared filesystem",
                 )
+            if getattr(request, "dry_run", False):
+                return  # nothing is written: DST is judged as a local one is, not at all
             staging.mkdir(parents=True, exist_ok=True)
-            if runtime.coordinator and not getattr(request, "dry_run", False):
+            if runtime.coordinator:
                 self._lock(staging / f".{store.name}.shardckpt-url-lock")
                 storage.clear_leftovers(store, self.commits)
                 storage.check_dst(store, overwrite=request.overwrite)

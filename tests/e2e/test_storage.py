@@ -131,7 +131,12 @@ def test_a_flipped_byte_in_an_s3_object_is_exit_3_naming_the_object(s3, tmp_path
 def test_s3_dcp_to_s3_dcp_at_3_loads_with_torchs_fsspec_reader(s3, src, capsys):  # noqa: F811
     bucket = src[len("s3://") :].split("/")[0]
     dst = f"s3://{bucket}/run/step-100-at-3"
-    code, err = cli(capsys, "convert", src, dst, "--to", "sharded", "--world-size", "3", "-q")
+    argv = ["convert", src, dst, "--to", "sharded", "--world-size", "3", "-q"]
+    code = run([*argv, "--dry-run"])
+    assert code == 0
+    assert "world size 3" in capsys.readouterr().out
+    assert s3.keys(dst[len("s3://") :]) == []
+    code, err = cli(capsys, *argv, "--verify")
     assert (code, err) == (0, [])
     names = [k.rsplit("/", 1)[1] for k in s3.keys(dst[len("s3://") :])]
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
