@@ -152,6 +152,12 @@ def open_store(url: str, options: dict[str, Any]) -> Store:
     path = cls._strip_protocol(url).rstrip("/")
     if not path:
         raise UsageError("names no bucket", path=url, hint="write it as s3://bucket/prefix")
+    if any(part in (".", "..") for part in path.split("/")):
+        raise UsageError(
+            "has '.' or '..' in its path, which object stores take as part of a name",
+            path=url,
+            hint="write the prefix itself",
+        )
     return Store(url.rstrip("/"), fs, path)
 
 
@@ -246,11 +252,30 @@ def download(store: Store, into: Path) -> Path:
     info = retried(lambda: store.fs.info(store.path), store.url)
     local = local_name(store, into)
     if info.get("type") == "directory":
-        retried(lambda: store.fs.get(store.path + "/", str(local), recursive=True), store.url)
-        local.mkdir(exist_ok=True)
+        keys = retried(lambda: store.fs.find(store.path + "/"), store.url)
+        names = [_object_name(store, key) for key in keys]
+        local.mkdir()
+        targets = [str(local / name) for name in names]
+        retried(lambda: store.fs.get(keys, targets), store.url)
     else:
         retried(lambda: store.fs.get_file(store.path, str(local)), store.url)
     return local
+
+
+def _object_name(store: Store, key: str) -> str:
+    """Return the name of object ``key`` under SRC's prefix; refuse one that is no plain relative path.
+
+    A key is any string: ``run/../../x`` or ``run//x`` would name a file outside SRC's
+    copy, or none, on the local disk.
+    """
+    name = key[len(store.path) + 1 :]
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise BadInputError(
+            f"holds an object named '{name}', which names no file inside the checkpoint",
+            path=store.url,
+            hint="remove or rename that object; shardckpt reads only the objects under SRC",
+        )
+    return name
 
 
 # ------------------------------------------------------------------ DST

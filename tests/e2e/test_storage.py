@@ -248,6 +248,36 @@ def test_a_whole_bucket_as_dst_is_refused(s3, src, capsys):  # noqa: F811
     assert s3.keys(bucket) == []
 
 
+def test_an_object_whose_key_leaves_src_is_refused_and_nothing_is_written_outside(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    bucket = s3.bucket()
+    local = tmp_path / "ckpt"
+    dcp.save(state(), checkpoint_id=local, no_dist=True)
+    s3.put_dir(local, f"{bucket}/run/step-100")
+    name = f"escaped-{bucket}"
+    s3.fs.pipe_file(f"{bucket}/run/step-100/../../../{name}", b"planted")
+    code, err = cli(capsys, "verify", f"s3://{bucket}/run/step-100")
+    assert code == 3
+    assert err == [
+        f"shardckpt: error: 's3://{bucket}/run/step-100': holds an object named "
+        f"'../../../{name}', which names no file inside the checkpoint: remove or rename "
+        "that object; shardckpt reads only the objects under SRC"
+    ]
+    tmp = Path(tempfile.gettempdir())  # where the key's '..'s lead from SRC's copy in it
+    assert not any((where / name).exists() for where in (tmp, tmp.parent, tmp / "shardckpt-src"))
+    assert not list(Path(tempfile.gettempdir()).glob("shardckpt-src-*"))
+    for url in (f"s3://{bucket}/run/..", f"s3://{bucket}/run/./x"):
+        code, err = cli(capsys, "convert", local, url, "--to", "sharded", "--world-size", "1")
+        assert code == 2
+        assert err == [
+            f"shardckpt: error: '{url}': has '.' or '..' in its path, which object stores "
+            "take as part of a name: write the prefix itself"
+        ]
+
+
 def test_dst_inside_src_on_s3_is_refused(s3, src, capsys):  # noqa: F811
     code, err = cli(capsys, "convert", src, f"{src}/inner", "--to", "sharded", "--world-size", "1")
     assert code == 2
