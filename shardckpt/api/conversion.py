@@ -117,6 +117,7 @@ def convert(
     with on_storage(request, runtime, dst="dst", commits=commits) as run:
         with checking(), noting_metadata():
             result = _convert(run.request, runtime, progress)
+        run.commits = format_named(result.format).commit_last  # a trainer's own layout too
         run.publish()
         return named(result, run)
 

@@ -316,7 +316,8 @@ def clear_leftovers(store: Store, commits: Sequence[str]) -> None:
         marker = _marker(store)
         if not store.fs.exists(marker):
             return
-        committed = bool(commits) and all(store.fs.exists(store.child(c)) for c in commits)
+        found = [key[len(store.path) + 1 :] for key in _under(store)]
+        committed = bool(commit_objects(found, commits))  # a commit began: never removed
         if not committed:
             found = _under(store)
             if found:
@@ -350,6 +351,21 @@ def check_dst(store: Store, *, overwrite: bool) -> None:
         )
 
 
+def commit_objects(names: Sequence[str], commits: Sequence[str]) -> list[str]:
+    """Return which of ``names`` (paths under DST) are its commit objects, in the order to put them.
+
+    A commit written with a ``/`` is that path; without one it is that file in any
+    directory (``.metadata``: a trainer's DCP in a subdirectory too), deepest first.
+    """
+    chosen: list[str] = []
+    for commit in commits:
+        found = [
+            n for n in names if n == commit or ("/" not in commit and n.endswith("/" + commit))
+        ]
+        chosen += sorted(found, key=lambda n: (-n.count("/"), n))
+    return list(dict.fromkeys(chosen))
+
+
 def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool) -> None:
     """Upload the complete output ``local`` to DST, the objects named ``commits`` last.
 
@@ -366,8 +382,8 @@ def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool
     try:
         if local.is_dir():
             files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-            first = [f for f in files if f not in commits]
-            last = [f for f in commits if f in files]
+            last = commit_objects(files, commits)
+            first = [f for f in files if f not in last]
         else:
             first, last = [], [""]
         _put(local, store, first)

@@ -203,3 +203,52 @@ def test_a_dcp_round_trips_through_fsspecs_memory_store(tmp_path, capsys):
         "name a prefix beside the checkpoint for the output"
     ]
     memory.rm(root, recursive=True)
+
+
+def test_commit_objects_come_last_at_any_depth_deepest_first():
+    names = [
+        ".metadata",
+        "__0_0.distcp",
+        "model/.metadata",
+        "model/__0_0.distcp",
+        "optim/sub/.metadata",
+        "metadata.json",
+        "notes/x.metadata",
+    ]
+    assert storage.commit_objects(names, (".metadata", "metadata.json")) == [
+        "optim/sub/.metadata",
+        "model/.metadata",
+        ".metadata",
+        "metadata.json",
+    ]
+    assert storage.commit_objects(names, ("model/.metadata",)) == ["model/.metadata"]
+    assert storage.commit_objects(names, ()) == []
+
+
+def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_path, monkeypatch):
+    """The order the objects reach the store in: every ``.metadata`` after every data file."""
+    import fsspec
+
+    local = tmp_path / "out"
+    for name in ("model/__0_0.distcp", "model/.metadata", "optim/__0_0.distcp", "random.pkl"):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(b"x")
+    (local / "optim" / ".metadata").write_bytes(b"m")
+    store = storage.open_store(f"memory://order-{tmp_path.name}/out", {})
+    memory = fsspec.filesystem("memory")
+    order: list[list[str]] = []
+    put = type(memory).put
+    monkeypatch.setattr(
+        type(memory),
+        "put",
+        lambda fs, lpath, rpath, **kw: order.append(rpath) or put(fs, lpath, rpath, **kw),
+    )
+    storage.upload(local, store, (".metadata",), overwrite=False)
+    root = store.path
+    assert order == [
+        [f"{root}/model/__0_0.distcp", f"{root}/optim/__0_0.distcp", f"{root}/random.pkl"],
+        [f"{root}/model/.metadata", f"{root}/optim/.metadata"],
+    ]
+    assert memory.cat_file(f"{root}/optim/.metadata") == b"m"
+    assert not memory.exists(store.beside(".out.shardckpt-partial"))
+    memory.rm(root.rsplit("/", 1)[0], recursive=True)
