@@ -198,6 +198,13 @@ def store_error(exc: BaseException, url: str, *, writing: bool = False) -> Shard
             "and the bucket's policy",
         )
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return IOFailure(
+            "no space left on the local disk for its copy",
+            path=url,
+            hint="free space in $TMPDIR, or point TMPDIR at a larger disk: a URL's checkpoint "
+            "is copied there (docs/storage.md)",
+        )
     if in_chain(exc, ConnectionError) is not None:
         return IOFailure(
             f"cannot reach the store ({text})",
@@ -220,7 +227,8 @@ def _final(exc: BaseException) -> bool:
     """
     return (
         isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError))
-        or getattr(exc, "errno", None) in (errno.ENOENT, errno.EACCES, errno.EPERM)
+        or getattr(exc, "errno", None)
+        in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
         or in_chain(exc, ConnectionError) is not None
     )
 

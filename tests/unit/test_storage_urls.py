@@ -159,6 +159,22 @@ def test_an_unreachable_store_is_said_at_once_not_retried():
     )
 
 
+def test_a_full_local_disk_is_said_at_once_naming_tmpdir():
+    calls = []
+
+    def full() -> None:
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(IOFailure) as caught:
+        retried(full, "s3://b/run", pause=0)
+    assert len(calls) == 1
+    assert caught.value.line() == (
+        "'s3://b/run': no space left on the local disk for its copy: free space in $TMPDIR, "
+        "or point TMPDIR at a larger disk: a URL's checkpoint is copied there (docs/storage.md)"
+    )
+
+
 def test_an_os_error_without_a_response_is_named_by_its_text():
     error = store_error(OSError(errno.EIO, "Input/output error"), "s3://b/x")
     assert error.exit_code == EXIT_IO
