@@ -92,35 +92,35 @@ def test_a_request_that_fails_then_succeeds_is_retried():
     assert len(calls) == 3
 
 
-def test_a_request_that_keeps_failing_is_tried_a_bounded_number_of_times_then_one_line():
+def tries(error: BaseException, url: str, *, writing: bool = False) -> tuple[int, IOFailure]:
+    """Return how many times ``retried`` made a request that always raises ``error``, and its line."""
     calls = []
 
-    def failing() -> None:
+    def request() -> None:
         calls.append(1)
-        raise s3_error("InternalError", 500)
+        raise error
 
     with pytest.raises(IOFailure) as caught:
-        retried(failing, "s3://b/run/__0_0.distcp", writing=True, pause=0)
-    assert len(calls) == storage.RETRIES + 1
-    assert caught.value.exit_code == EXIT_IO
-    assert caught.value.line() == (
-        f"'s3://b/run/__0_0.distcp': writing failed after {storage.RETRIES + 1} tries "
+        retried(request, url, writing=writing, pause=0)
+    return len(calls), caught.value
+
+
+def test_a_request_that_keeps_failing_is_tried_a_bounded_number_of_times_then_one_line():
+    url = "s3://b/run/__0_0.distcp"
+    calls, error = tries(s3_error("InternalError", 500), url, writing=True)
+    assert calls == storage.RETRIES + 1
+    assert error.exit_code == EXIT_IO
+    assert error.line() == (
+        f"'{url}': writing failed after {storage.RETRIES + 1} tries "
         "(500 InternalError): check the endpoint (AWS_ENDPOINT_URL) and the network, and run again"
     )
 
 
 def test_access_denied_is_not_retried_and_is_exit_4():
-    calls = []
-
-    def denied() -> None:
-        calls.append(1)
-        raise s3_error("AccessDenied", 403)
-
-    with pytest.raises(IOFailure) as caught:
-        retried(denied, "s3://b/x", pause=0)
-    assert len(calls) == 1
-    assert caught.value.exit_code == EXIT_IO
-    assert caught.value.line().startswith("'s3://b/x': access denied (403 AccessDenied): check")
+    calls, error = tries(s3_error("AccessDenied", 403), "s3://b/x")
+    assert calls == 1
+    assert error.exit_code == EXIT_IO
+    assert error.line().startswith("'s3://b/x': access denied (403 AccessDenied): check")
 
 
 def test_a_missing_source_is_exit_3_and_a_missing_bucket_for_dst_exit_4():
@@ -140,19 +140,11 @@ def test_an_unreachable_store_is_said_at_once_not_retried():
     """What s3fs raises for a refused connection: botocore's error, raised from the OS's."""
     from botocore.exceptions import EndpointConnectionError
 
-    calls = []
-
-    def refused() -> None:
-        calls.append(1)
-        try:
-            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")
-        except ConnectionRefusedError as exc:
-            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1/b/x") from exc
-
-    with pytest.raises(IOFailure) as caught:
-        retried(refused, "s3://b/x", pause=0)
-    assert len(calls) == 1
-    assert caught.value.line() == (
+    refused = EndpointConnectionError(endpoint_url="http://127.0.0.1:1/b/x")
+    refused.__cause__ = ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")
+    calls, error = tries(refused, "s3://b/x")
+    assert calls == 1
+    assert error.line() == (
         "'s3://b/x': cannot reach the store (Could not connect to the endpoint URL: "
         '"http://127.0.0.1:1/b/x"): check the endpoint (AWS_ENDPOINT_URL) and the network, '
         "and run again"
@@ -160,16 +152,9 @@ def test_an_unreachable_store_is_said_at_once_not_retried():
 
 
 def test_a_full_local_disk_is_said_at_once_naming_tmpdir():
-    calls = []
-
-    def full() -> None:
-        calls.append(1)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with pytest.raises(IOFailure) as caught:
-        retried(full, "s3://b/run", pause=0)
-    assert len(calls) == 1
-    assert caught.value.line() == (
+    calls, error = tries(OSError(errno.ENOSPC, "No space left on device"), "s3://b/run")
+    assert calls == 1
+    assert error.line() == (
         "'s3://b/run': no space left on the local disk for its copy: free space in $TMPDIR, "
         "or point TMPDIR at a larger disk: a URL's checkpoint is copied there (docs/storage.md)"
     )
