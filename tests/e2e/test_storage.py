@@ -155,6 +155,32 @@ def test_s3_dcp_to_a_local_torch_file_is_the_source(s3, src, tmp_path, capsys): 
     assert [p.name for p in tmp_path.iterdir()] == ["full.pt"]
 
 
+def test_torch_save_and_safetensors_files_on_s3_are_read_as_sources(s3, tmp_path, capsys):  # noqa: F811
+    from safetensors.torch import save_file
+
+    bucket = s3.bucket()
+    torch.save(state(), tmp_path / "ckpt.pt")
+    save_file(state()["model"], tmp_path / "model.safetensors")
+    for name in ("ckpt.pt", "model.safetensors"):
+        s3.fs.put_file(str(tmp_path / name), f"{bucket}/in/{name}")
+    code, err = cli(capsys, "verify", f"s3://{bucket}/in/ckpt.pt", "-q")
+    assert (code, err) == (0, [])
+    out = tmp_path / "from-pt"
+    argv = ["convert", f"s3://{bucket}/in/ckpt.pt", out, "--to", "sharded", "--world-size", "2"]
+    code, err = cli(capsys, *argv, "-q")
+    assert (code, err) == (0, [])
+    back = _zeros(state())
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, state())
+    out = tmp_path / "from-safetensors.pt"
+    code, err = cli(
+        capsys, "convert", f"s3://{bucket}/in/model.safetensors", out, "--to", "full", "-q"
+    )
+    assert (code, err) == (0, [])
+    assert_equal(torch.load(out, weights_only=True), state()["model"])
+    no_leftovers(s3, bucket)
+
+
 def test_local_dcp_to_s3_safetensors_and_hf_are_the_source(s3, tmp_path, capsys):  # noqa: F811
     local = tmp_path / "ckpt"
     dcp.save(state(), checkpoint_id=local, no_dist=True)
@@ -176,6 +202,8 @@ def test_local_dcp_to_s3_safetensors_and_hf_are_the_source(s3, tmp_path, capsys)
     for shard in shards:
         got |= load_safetensors(s3.fs.cat_file(f"{hf[5:]}/{shard}"))
     assert_equal(got, state()["model"])
+    code, err = cli(capsys, "diff", hf, one, "--only", "model", "-q")  # both read from S3
+    assert (code, err) == (0, [])
     no_leftovers(s3, bucket)
 
 
