@@ -6,7 +6,7 @@
 #   SHARDCKPT_TORCH_SPEC   torch requirement installed when the venv has no torch
 #                          (default: torch==2.13.0, the CPU wheel on the local index)
 #   SHARDCKPT_EXTRAS       pyproject extras installed with the package (default: test;
-#                          scripts/test.sh asks for test,trainers); extras already
+#                          scripts/test.sh asks for test,trainers,s3,s3-server); extras already
 #                          installed in the venv are kept, never reinstalled
 #
 # torch is installed first and pinned, on purpose: pyproject.toml asks for a range,

@@ -6,8 +6,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-# The tests save and load with the trainer libraries too (pyproject's trainers extra).
-SHARDCKPT_EXTRAS="${SHARDCKPT_EXTRAS:-test,trainers}" bash scripts/setup.sh
+# The tests save and load with the trainer libraries too (pyproject's trainers extra),
+# and read and write s3:// on a moto server (s3, s3-server).
+SHARDCKPT_EXTRAS="${SHARDCKPT_EXTRAS:-test,trainers,s3,s3-server}" bash scripts/setup.sh
 py="${SHARDCKPT_VENV:-$root/.venv}/bin/python"
 
 if [[ "${CI:-}" == "true" ]]; then

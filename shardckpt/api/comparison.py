@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from shardckpt.api.requests import DiffRequest
+from shardckpt.api.storage import named, on_storage
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, source_option
 from shardckpt.core.progress import Progress
@@ -43,8 +44,9 @@ def diff(
     ``unnest_a``/``nest_a`` (and ``_b``) then re-root one side as ``convert`` does, so
     trees rooted differently (a flat state dict, ``{"model": ...}``) compare.
     """
-    with checking():
-        return _diff(request, runtime or Runtime(), progress)
+    runtime = runtime or Runtime()
+    with on_storage(request, runtime, srcs=("a", "b")) as run, checking():
+        return named(_diff(run.request, runtime, progress), run)
 
 
 def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> DiffReport:

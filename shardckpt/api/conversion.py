@@ -19,6 +19,7 @@ from pathlib import Path
 from shardckpt.api import applies
 from shardckpt.api.launch_notes import launch_notes
 from shardckpt.api.requests import ConvertRequest
+from shardckpt.api.storage import named, on_storage
 from shardckpt.api.verification import verify_output
 from shardckpt.core.costs import Costs, combined
 from shardckpt.core.destination import Destination
@@ -110,8 +111,15 @@ def convert(
     Under ``torchrun`` each rank reads only the files of SRC it sees (``core.sight``).
     Every CRC-32 written with SRC's records is checked as they are read (``checking``).
     """
-    with checking(), noting_metadata():
-        return _convert(request, runtime or Runtime(), progress)
+    runtime = runtime or Runtime()
+    form = output_format(request)
+    commits = form.commit_last if form is not None else ()
+    with on_storage(request, runtime, dst="dst", commits=commits) as run:
+        with checking(), noting_metadata():
+            result = _convert(run.request, runtime, progress)
+        run.commits = format_named(result.format).commit_last  # a trainer's own layout too
+        run.publish()
+        return named(result, run)
 
 
 def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | None) -> ConvertResult:

@@ -8,6 +8,7 @@ from shardckpt.api import applies
 from shardckpt.api.integrity import Integrity, verify
 from shardckpt.api.requests import InspectRequest, VerifyRequest
 from shardckpt.api.source import open_checked
+from shardckpt.api.storage import named, on_storage
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import source_option
 from shardckpt.core.progress import Progress
@@ -50,6 +51,11 @@ def inspect(
     Reads no tensor data, unless ``request.verify`` asks for every byte to be checked.
     """
     runtime = runtime or Runtime()
+    with on_storage(request, runtime) as run:
+        return named(_inspect(run.request, runtime, progress), run)
+
+
+def _inspect(request: InspectRequest, runtime: Runtime, progress: Progress | None) -> Inspection:
     flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
 
     def read_index() -> tuple[Index, list[str]]:

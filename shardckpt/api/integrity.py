@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from shardckpt.api import applies
 from shardckpt.api.requests import VerifyRequest
 from shardckpt.api.source import open_checked
+from shardckpt.api.storage import named, on_storage
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import source_option
 from shardckpt.core.progress import Progress
@@ -74,7 +75,11 @@ def verify(
 ) -> Integrity:
     """Return what reading every byte of ``request.src`` found; a damaged checkpoint is findings, not an error."""
     runtime = runtime or Runtime()
-    progress = progress or Progress()
+    with on_storage(request, runtime) as run:
+        return named(_verify(run.request, runtime, progress or Progress()), run)
+
+
+def _verify(request: VerifyRequest, runtime: Runtime, progress: Progress) -> Integrity:
     start = time.perf_counter()
     with checking(always=True) as ledger:
 

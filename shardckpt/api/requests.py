@@ -45,6 +45,8 @@ class InspectRequest:
     """FSDP1 ``ModuleWrapPolicy`` classes (``pkg.module:Class``), with ``model``."""
     verify: bool = False
     """Also read every byte and check it against its checksums, as ``verify`` does."""
+    storage_options: Sequence[str] = ()
+    """``KEY=VALUE`` options of the filesystem behind a URL SRC or DST (``--storage-option``)."""
 
     def __post_init__(self) -> None:
         _frozen(self)
@@ -106,6 +108,8 @@ class ConvertRequest:
     """Under torchrun: SRC lies on the nodes' own disks (silences the note that says so)."""
     hf_config: str | os.PathLike | None = None
     """A directory whose ``config.json`` and companions an ``hf`` output gets."""
+    storage_options: Sequence[str] = ()
+    """``KEY=VALUE`` options of the filesystem behind a URL SRC or DST (``--storage-option``)."""
 
     def __post_init__(self) -> None:
         _frozen(self)
@@ -166,6 +170,8 @@ class DiffRequest:
     """Load pickles that may run code (only for files you trust)."""
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     """The most tensor bytes one process holds at a time, both sides' batches together."""
+    storage_options: Sequence[str] = ()
+    """``KEY=VALUE`` options of the filesystem behind a URL SRC or DST (``--storage-option``)."""
 
     def __post_init__(self) -> None:
         _frozen(self)
@@ -188,6 +194,8 @@ class VerifyRequest:
     """The source's format; None detects it."""
     trust_pickle: bool = False
     """Load pickles that may run code (only for files you trust)."""
+    storage_options: Sequence[str] = ()
+    """``KEY=VALUE`` options of the filesystem behind a URL SRC or DST (``--storage-option``)."""
 
 
 def _check_buffer(buffer_bytes: int) -> None:

@@ -18,6 +18,7 @@ from shardckpt.cli.options import (
     Nest,
     OnlyOpt,
     Quiet,
+    StorageOptions,
     TrustPickle,
     Unnest,
     Version,
@@ -46,11 +47,18 @@ EPILOG = examples(
 def convert(
     ctx: typer.Context,
     src: Annotated[
-        str, typer.Argument(metavar="SRC", help="Checkpoint to read (format detected, or --from).")
+        str,
+        typer.Argument(
+            metavar="SRC",
+            help="Checkpoint to read (format detected, or --from): a path or a URL (s3://bucket/prefix).",
+        ),
     ],
     dst: Annotated[
         str,
-        typer.Argument(metavar="DST", help="Output, written beside it and renamed when complete."),
+        typer.Argument(
+            metavar="DST",
+            help="Output, written beside it and renamed when complete (a URL: commit last).",
+        ),
     ],
     to: Annotated[
         str,
@@ -181,6 +189,7 @@ def convert(
     json_out: JsonOut = False,
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
+    storage_options: StorageOptions = None,
     device: DeviceOpt = None,
     version: Version = False,
 ) -> int:
@@ -226,6 +235,7 @@ def convert(
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
             src_local=src_local,
             hf_config=hf_config,
+            storage_options=storage_options or (),
         )
         progress = Progress(
             enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

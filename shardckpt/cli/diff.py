@@ -15,6 +15,7 @@ from shardckpt.cli.options import (
     DeviceOpt,
     Filters,
     JsonOut,
+    StorageOptions,
     TrustPickle,
     Version,
     emit,
@@ -39,8 +40,12 @@ EPILOG = examples(
 
 
 def diff(
-    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
-    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
+    a: Annotated[
+        str, typer.Argument(metavar="A", help="First checkpoint (any format; a path or a URL).")
+    ],
+    b: Annotated[
+        str, typer.Argument(metavar="B", help="Second checkpoint (any format; a path or a URL).")
+    ],
     atol: Annotated[
         float,
         typer.Option(
@@ -105,6 +110,7 @@ def diff(
         ),
     ] = False,
     trust_pickle: TrustPickle = False,
+    storage_options: StorageOptions = None,
     device: DeviceOpt = None,
     version: Version = False,
 ) -> int:
@@ -137,6 +143,7 @@ def diff(
             nest_b=nest_b,
             trust_pickle=trust_pickle,
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
+            storage_options=storage_options or (),
         )
         progress = Progress(enabled=runtime.coordinator and not quiet and not json_out, desc="diff")
         result = api.diff(request, runtime, progress)

@@ -13,6 +13,7 @@ from shardckpt.cli.options import (
     Filters,
     JsonOut,
     SrcFormat,
+    StorageOptions,
     TrustPickle,
     Version,
     Wraps,
@@ -34,7 +35,7 @@ def inspect(
         typer.Argument(
             metavar="SRC",
             help="Checkpoint: a file (.pt, .bin, .safetensors) or directory (DCP, per-rank "
-            "files, a trainer's).",
+            "files, a trainer's), local or a URL (s3://bucket/prefix).",
         ),
     ],
     fmt: SrcFormat = None,
@@ -44,6 +45,7 @@ def inspect(
     ] = False,
     json_out: JsonOut = False,
     trust_pickle: TrustPickle = False,
+    storage_options: StorageOptions = None,
     model: Annotated[
         str | None,
         typer.Option(
@@ -79,6 +81,7 @@ def inspect(
         model=model,
         wraps=wraps or (),
         verify=verify,
+        storage_options=storage_options or (),
     )
     with launch("cpu") as runtime:
         runtime.check(will_emit)

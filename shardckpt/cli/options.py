@@ -104,6 +104,14 @@ BufferSize = Annotated[
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
+StorageOptions = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        help="Option of the filesystem behind a URL (s3://...); repeatable; docs/storage.md.",
+    ),
+]
 TrustPickle = Annotated[
     bool,
     typer.Option(

@@ -14,6 +14,7 @@ from shardckpt.cli.options import (
     JsonOut,
     Quiet,
     SrcFormat,
+    StorageOptions,
     TrustPickle,
     Version,
     emit,
@@ -36,12 +37,16 @@ EPILOG = (
 def verify(
     src: Annotated[
         str,
-        typer.Argument(metavar="SRC", help="Checkpoint, in any format shardckpt reads."),
+        typer.Argument(
+            metavar="SRC",
+            help="Checkpoint, in any format shardckpt reads: a path or a URL (s3://bucket/prefix).",
+        ),
     ],
     fmt: SrcFormat = None,
     json_out: JsonOut = False,
     quiet: Quiet = False,
     trust_pickle: TrustPickle = False,
+    storage_options: StorageOptions = None,
     device: DeviceOpt = None,
     version: Version = False,
 ) -> int:
@@ -54,7 +59,9 @@ def verify(
     from shardckpt.core.progress import Progress
 
     applies.check(applies.VERIFY_RULES, applies.Choice(quiet=quiet, json_out=json_out))
-    request = api.VerifyRequest(src=src, format=fmt, trust_pickle=trust_pickle)
+    request = api.VerifyRequest(
+        src=src, format=fmt, trust_pickle=trust_pickle, storage_options=storage_options or ()
+    )
     with launch(device.value if device else None) as runtime:
         if not quiet:
             runtime.check(will_emit)

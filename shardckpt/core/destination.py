@@ -77,6 +77,15 @@ def _source_paths(src: Path) -> list[Path]:
     return paths
 
 
+def written_by_another(busy: LockBusy, dst: str | os.PathLike) -> IOFailure:
+    """Return the one-line error for a DST whose lock another live run holds."""
+    return IOFailure(
+        f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
+        path=dst,
+        hint="wait for that run to finish, or write to another DST",
+    )
+
+
 class Destination:
     """A DST path, the partial path beside it that becomes DST on commit, and the lock on both."""
 
@@ -209,11 +218,7 @@ class Destination:
             with sheltered():
                 self._lock.acquire(wait_s=1.0)
         except LockBusy as busy:
-            raise IOFailure(
-                f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
-                path=self.dst,
-                hint="wait for that run to finish, or write to another DST",
-            ) from None
+            raise written_by_another(busy, self.dst) from None
         except OSError as exc:
             raise _cannot_prepare(exc, self.dst) from None
         try:

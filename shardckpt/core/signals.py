@@ -135,6 +135,16 @@ def completed(what: str) -> None:
         _complete.append(what)
 
 
+def reopened() -> None:
+    """Say the output reported complete was a stand-in for DST (a local copy yet to be uploaded).
+
+    Signals end the run again, as before ``completed``; one held meanwhile does so now.
+    """
+    _complete.clear()
+    if _held and not (_holding or _sheltering or _ending):
+        raise Interrupted(_held.pop(0))
+
+
 def behind(exc: BaseException) -> Interrupted | None:
     """Return the ``Interrupted`` that ``exc`` was raised from or while handling, if any.
 

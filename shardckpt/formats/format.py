@@ -116,6 +116,9 @@ class Format:
     take as they are there), said once on stderr."""
     written: bool = True
     """Whether shardckpt writes it (``--format``), or reads it only (its writer refuses)."""
+    commit_last: tuple[str, ...] = ()
+    """The files a reader takes as the checkpoint's commit (DCP's ``.metadata``): on object
+    storage, where nothing is renamed into place, they are uploaded after every other."""
     model_root: bool = False
     """One file a model loads (``torch``, ``safetensors``): with ``--only model``, DST's
     root is the ``model`` subtree, what ``model.load_state_dict`` takes."""

@@ -23,6 +23,7 @@ DCP = Format(
     directory=True,
     detect=Ref("shardckpt.formats.dcp.reader:is_dcp_dir"),
     default_for="sharded",
+    commit_last=(".metadata",),
     keys_as_str=True,
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
     src_local=True,

@@ -25,6 +25,7 @@ HF = Format(
     title="Hugging Face",
     reader=Ref("shardckpt.formats.hf.sharded:HfReader"),
     writer=Ref("shardckpt.formats.hf.sharded:HfWriter"),
+    commit_last=("model.safetensors.index.json",),
     directory=True,
     detect=Ref("shardckpt.formats.hf.sharded:is_hf_dir"),
     max_shard_size=True,

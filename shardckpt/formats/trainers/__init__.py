@@ -22,6 +22,7 @@ TORCH_CHECKPOINTING = Format(
     detect=Ref("shardckpt.formats.trainers.torch_checkpointing.reader:is_torch_checkpointing_dir"),
     tells_whole=always,
     keeps_layout=True,
+    commit_last=("metadata.pkl",),
 )
 
 LIGHTNING = Format(
@@ -35,6 +36,7 @@ LIGHTNING = Format(
     keys_as_str=True,
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
     keeps_layout=True,
+    commit_last=(".metadata",),
 )
 
 ACCELERATE = Format(
@@ -49,6 +51,7 @@ ACCELERATE = Format(
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
     carries_files=True,
     keeps_layout=True,
+    commit_last=(".metadata",),
 )
 
 TORCHTITAN = Format(
@@ -66,6 +69,7 @@ TORCHTITAN = Format(
     components=Ref("shardckpt.formats.trainers.torchtitan:components"),
     notes=Ref("shardckpt.formats.trainers.torchtitan:world_size_notes"),
     keeps_layout=True,
+    commit_last=(".metadata",),
 )
 
 MEGATRON = Format(
@@ -78,6 +82,7 @@ MEGATRON = Format(
     detect=Ref("shardckpt.formats.trainers.megatron.config:is_megatron_dir"),
     keys_as_str=True,
     keeps_layout=True,
+    commit_last=(".metadata", "metadata.json"),
 )
 
 VERL = Format(

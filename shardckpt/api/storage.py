@@ -1,0 +1,266 @@
+"""SRC and DST given as URLs (``s3://bucket/prefix``): each command runs on local paths standing for them.
+
+For now a URL SRC is copied into a private temporary directory, once per node (its lowest
+rank fetches, every rank of the node reads that copy; removed when the command ends), and
+a URL DST is written under a staging directory on this node, named for the URL (so every
+rank of a ``torchrun`` on one node writes the same one), then uploaded by the
+coordinator with the commit objects last (``core.storage.upload``). Errors and results
+name the URLs, never the local paths standing for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shardckpt.core import storage
+from shardckpt.core.destination import written_by_another
+from shardckpt.core.dist import Runtime
+from shardckpt.core.errors import ShardckptError, UsageError
+from shardckpt.core.lock import FileLock, LockBusy
+from shardckpt.core.signals import sheltered
+
+R = TypeVar("R")
+
+
+def _rename(exc: BaseException, names: dict[str, str]) -> None:
+    """Put the URL where ``exc``'s line (and notes) name a local path standing for it."""
+
+    def swap(text: str | None) -> str | None:
+        if text is None:
+            return None
+        for local, url in names.items():
+            text = text.replace(local, url)
+        return text
+
+    if isinstance(exc, ShardckptError):
+        exc.path, exc.message, exc.hint = swap(exc.path), swap(exc.message), swap(exc.hint)
+        exc.args = (exc.line(),)
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        exc.__notes__ = [swap(n) for n in notes]
+
+
+def _named(value: R, names: dict[str, str]) -> R:
+    """Return ``value`` (a result) with every string in it that names a local stand-in naming its URL."""
+    if isinstance(value, str):
+        for local, url in names.items():
+            value = value.replace(local, url)  # type: ignore[assignment]
+        return value
+    if isinstance(value, list):
+        return [_named(v, names) for v in value]  # type: ignore[return-value]
+    if not hasattr(value, "__dataclass_fields__") or isinstance(value, type):
+        return value
+    changes = {f.name: _named(getattr(value, f.name), names) for f in fields(value) if f.init}  # type: ignore[arg-type]
+    return replace(value, **changes)  # type: ignore[type-var]
+
+
+def _staging(url: str) -> Path:
+    """Return the directory a URL DST is written in on this node: the same for every rank of a run."""
+    key = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "shardckpt-staging" / key
+
+
+def _refuse_same(src: str, dst: str) -> None:
+    a, b = src.rstrip("/"), dst.rstrip("/")
+    if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+        raise UsageError(
+            "DST is SRC, inside it or around it",
+            path=dst,
+            hint="name a prefix beside the checkpoint for the output",
+        )
+
+
+class OnStorage:
+    """The local paths a command runs on for the URLs of one request, and what is done with them."""
+
+    def __init__(
+        self,
+        request: Any,
+        runtime: Runtime,
+        srcs: Sequence[str],
+        dst: str | None,
+        commits: Sequence[str],
+    ):
+        self.asked = request
+        """The request as given, URLs and all."""
+        self.request = request
+        """The request the command runs: local paths standing for the URLs."""
+        self.commits = commits
+        """The objects of DST written last (the output format's ``commit_last``)."""
+        self.runtime = runtime
+        self.paths = [*srcs, *([dst] if dst else [])]
+        """The request's fields that name a checkpoint."""
+        self.srcs = [n for n in srcs if storage.is_url(getattr(request, n))]
+        self.dst_url = (
+            getattr(request, dst) if dst and storage.is_url(getattr(request, dst)) else None
+        )
+        self.dst_field = dst
+        self.names: dict[str, str] = {}
+        self.dst_store: storage.Store | None = None
+        self.staged: Path | None = None
+        self.url_lock: FileLock | None = None
+        self.fetched: Path | None = None
+        """The node's copy of the URL SRCs, on the rank that fetched it."""
+
+    def local_request(self) -> Any:
+        """Return the request on local paths: SRCs fetched, DST staged (and checked where it is)."""
+        request, runtime = self.asked, self.runtime
+        changes = {
+            n: storage.local_form(getattr(request, n))
+            for n in self.paths
+            if isinstance(getattr(request, n), str)
+        }
+        if not self.srcs and not self.dst_url:
+            return replace(request, **changes)
+        options = runtime.agreed(lambda: storage.parse_options(request.storage_options))
+        here = socket.gethostname()
+        hosts = runtime.all_gather(here) if runtime.distributed else [here]
+        if self.srcs:
+            if self.dst_url:
+                for n in self.srcs:
+                    _refuse_same(getattr(request, n), self.dst_url)
+            changes |= self._fetch(options, fetcher=hosts.index(here) == runtime.rank)
+        if self.dst_url:
+            changes[self.dst_field] = str(self._stage(options, nodes=len(set(hosts))))  # type: ignore[index]
+            # The staged copy is this run's own: a leftover of a killed run is replaced.
+            changes["overwrite"] = True
+        return replace(request, **changes)
+
+    def _fetch(self, options: dict[str, Any], *, fetcher: bool) -> dict[str, Path]:
+        """Return the local copy of each URL SRC: one per node, fetched by ``fetcher`` (agreed)."""
+        token = uuid.uuid4().hex
+        if self.runtime.distributed:
+            token = self.runtime.broadcast(token)
+        tmp = Path(tempfile.gettempdir()) / f"shardckpt-src-{token}"
+
+        def fetch() -> dict[str, Path]:
+            fetched = {}
+            if fetcher:
+                tmp.mkdir(mode=0o700)
+                self.fetched = tmp
+            for n in self.srcs:
+                store = storage.open_store(getattr(self.asked, n), options)
+                if fetcher:
+                    (tmp / n).mkdir()
+                    storage.download(store, tmp / n)
+                fetched[n] = storage.local_name(store, tmp / n)
+                self.names[str(fetched[n])] = store.url
+            return fetched
+
+        return self.runtime.agreed(fetch)
+
+    def _stage(self, options: dict[str, Any], *, nodes: int) -> Path:
+        """Return where DST is staged on this node; take the URL's lock, clear leftovers, check DST (agreed)."""
+        request, runtime = self.asked, self.runtime
+        store = runtime.agreed(lambda: storage.open_store(self.dst_url, options))
+        self.dst_store = store
+        staging = _staging(store.url)
+        self.staged = staging / store.name
+        self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
+        self.names[str(self.staged)] = store.url
+
+        def check() -> None:
+            if nodes > 1:
+                raise UsageError(
+                    f"the ranks run on {nodes} nodes, and a URL DST is uploaded from one "
+                    "node's staging copy",
+                    path=self.dst_url,
+                    hint="run the ranks on one node, or write DST to a shared filesystem",
+                )
+            if getattr(request, "dry_run", False):
+                return  # nothing is written: DST is judged as a local one is, not at all
+            staging.mkdir(parents=True, exist_ok=True)
+            if runtime.coordinator:
+                self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                storage.clear_leftovers(store, self.commits)
+                storage.check_dst(store, overwrite=request.overwrite)
+
+        runtime.agreed(check)
+        return self.staged
+
+    def _lock(self, path: Path) -> None:
+        """Hold the node's lock on the URL for the run: another run here would take our objects for leftovers.
+
+        Runs on other machines are not seen (object stores have no lock to take); the
+        marker beside DST tells what they left, not whether they still run.
+        """
+        lock = FileLock(path)
+        try:
+            with sheltered():
+                lock.acquire(wait_s=1.0)
+                self.url_lock = lock
+        except LockBusy as busy:
+            raise written_by_another(busy, self.dst_url) from None
+
+    def publish(self) -> None:
+        """Upload the staged DST (coordinator), the commit objects last; every rank agrees on the outcome."""
+        if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
+            return
+        store, staged = self.dst_store, self.staged
+
+        def send() -> None:
+            if self.runtime.coordinator:
+                storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
+
+        self.runtime.agreed(send)
+
+    def done_reading(self) -> None:
+        """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""
+        if self.srcs and self.runtime.distributed:
+            self.runtime.agreed(lambda: None)
+
+    def cleanup(self) -> None:
+        """Remove the node's copy of SRC (on the rank that fetched it) and the staged DST."""
+        if self.fetched is not None:
+            with sheltered(raising=False):
+                shutil.rmtree(self.fetched, ignore_errors=True)
+        self._unstage()
+
+    def _unstage(self) -> None:
+        """Remove the staged DST and give the lock back (the coordinator, when it took the lock)."""
+        if self.staged is None or self.url_lock is None:
+            return  # another run's staged DST is not this run's to remove
+        with sheltered(raising=False):
+            if self.staged.is_dir():
+                shutil.rmtree(self.staged, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    self.staged.unlink()
+            self.url_lock.release()
+            with contextlib.suppress(OSError):
+                self.staged.parent.rmdir()  # unless another run stages there now
+
+
+@contextlib.contextmanager
+def on_storage(
+    request: Any,
+    runtime: Runtime,
+    srcs: Sequence[str] = ("src",),
+    dst: str | None = None,
+    commits: Sequence[str] = (),
+) -> Iterator[OnStorage]:
+    """Yield the run's ``OnStorage``; errors raised inside name the URLs, not the local paths."""
+    run = OnStorage(request, runtime, srcs, dst, commits)
+    try:
+        run.request = run.local_request()
+        yield run
+        run.done_reading()
+    except BaseException as exc:
+        _rename(exc, run.names)
+        raise
+    finally:
+        run.cleanup()
+
+
+def named(result: R, run: OnStorage) -> R:
+    """Return ``result`` naming the URLs where it names their local stand-ins."""
+    return _named(result, run.names) if run.names else result

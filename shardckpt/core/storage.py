@@ -1,0 +1,419 @@
+"""Checkpoints on object storage: URLs, the fsspec filesystem behind each, and what its errors mean.
+
+A SRC or DST written ``PROTOCOL://...`` (``s3://bucket/prefix``, ``gs://``, ``az://``,
+``memory://``; ``file://`` is a local path) is reached through fsspec; the implementation
+of each protocol is an optional extra (``shardckpt[s3]`` installs s3fs). Credentials and
+endpoints come from the store's own environment and configuration (``AWS_ENDPOINT_URL``,
+``AWS_PROFILE``, ...), never from the command line; ``--storage-option KEY=VALUE`` passes
+the rest to the filesystem.
+
+Every request is retried a bounded number of times with backoff (``RETRIES``); then the
+failure is one line naming the object. A DST is committed last (``upload``): every data
+object first, then the objects a reader takes as the checkpoint's commit (DCP's
+``.metadata``); a marker object beside DST (``.NAME.shardckpt-partial``) says a run is
+writing it, so the next run knows what it finds there for a killed run's leftovers
+(``clear_leftovers``) and aborts its open multipart uploads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import posixpath
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shardckpt.core.errors import (
+    BadInputError,
+    DestinationExistsError,
+    IOFailure,
+    ShardckptError,
+    UsageError,
+    in_chain,
+    notice,
+)
+from shardckpt.core.signals import committing, reopened
+
+_URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
+
+EXTRAS = {"s3": "s3", "s3a": "s3"}
+"""The shardckpt extra that installs a protocol's fsspec implementation."""
+_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs"}
+_PACKAGES |= {"abfs": "adlfs", "hf": "huggingface_hub"}
+
+RETRIES = 4
+"""How many times a failed request is tried again (after 0.5, 1, 2, 4 s) before the run stops."""
+
+T = TypeVar("T")
+
+
+def is_url(text: str | os.PathLike) -> bool:
+    """Return whether ``text`` is a URL (``s3://b/x``) rather than a local path (``file://`` is one)."""
+    if not isinstance(text, str) or (found := _URL.match(text)) is None:
+        return False
+    return found.group("protocol").lower() != "file"
+
+
+def local_form(text: str | os.PathLike) -> str | os.PathLike:
+    """Return ``text`` with a ``file://`` URL turned into the local path it names."""
+    if isinstance(text, str) and text.startswith("file://"):
+        return text[len("file://") :] or "/"
+    return text
+
+
+def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
+    """Return ``--storage-option KEY=VALUE`` pairs as keyword arguments of the filesystem.
+
+    A value that reads as JSON (``true``, ``8``, ``{"a": 1}``) is taken as such, any other
+    as a string; ``a.b=V`` sets ``{"a": {"b": V}}`` (``client_kwargs.region_name=...``).
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(
+                f"--storage-option {pair!r} is not KEY=VALUE",
+                hint="write it like --storage-option anon=true",
+            )
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        *parents, last = key.split(".")
+        here = options
+        for part in parents:
+            here = here.setdefault(part, {})
+            if not isinstance(here, dict):
+                raise UsageError(f"--storage-option {pair!r} sets a key inside a value")
+        here[last] = value
+    return options
+
+
+@dataclass(frozen=True)
+class Store:
+    """One URL and the filesystem that reaches it."""
+
+    url: str
+    """The URL as the user wrote it, without a trailing slash."""
+    fs: Any
+    """The fsspec filesystem."""
+    path: str
+    """The URL in the filesystem's own form (``bucket/prefix`` for S3)."""
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    def child(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def beside(self, name: str) -> str:
+        """Return the path of ``name`` in the prefix DST lies in."""
+        return posixpath.join(posixpath.dirname(self.path), name)
+
+
+def open_store(url: str, options: dict[str, Any]) -> Store:
+    """Return the ``Store`` of ``url``; one line when its protocol has no implementation here."""
+    protocol = _URL.match(url).group("protocol").lower()  # type: ignore[union-attr]
+    package = _PACKAGES.get(protocol)
+    extra = EXTRAS.get(protocol)
+    how = f"pip install 'shardckpt[{extra}]'" if extra else f"pip install {package or 'fsspec'}"
+    try:
+        import fsspec
+
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        raise UsageError(
+            f"reading and writing {protocol}:// needs {package or 'its fsspec implementation'}, "
+            "which is not installed",
+            path=url,
+            hint=f"install it ({how})",
+        ) from None
+    except ValueError:
+        raise UsageError(
+            f"{protocol}:// is not a protocol fsspec knows",
+            path=url,
+            hint="write a local path, or a URL such as s3://bucket/prefix",
+        ) from None
+    try:
+        fs = cls(**options)
+    except TypeError as exc:
+        raise UsageError(
+            f"a --storage-option does not apply to {protocol}:// ({exc})",
+            path=url,
+            hint="pass only options its filesystem takes",
+        ) from None
+    path = cls._strip_protocol(url).rstrip("/")
+    if not path:
+        raise UsageError("names no bucket", path=url, hint="write it as s3://bucket/prefix")
+    if any(part in (".", "..") for part in path.split("/")):
+        raise UsageError(
+            "has '.' or '..' in its path, which object stores take as part of a name",
+            path=url,
+            hint="write the prefix itself",
+        )
+    return Store(url.rstrip("/"), fs, path)
+
+
+def _status(exc: BaseException) -> str:
+    """Return the HTTP status (or error code) of a failed request, when it says one."""
+    response = getattr(exc, "response", None) or getattr(exc.__cause__, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return " ".join(str(x) for x in (status, code) if x)
+    return ""
+
+
+def store_error(exc: BaseException, url: str, *, writing: bool = False) -> ShardckptError:
+    """Return the one-line error for ``exc``, raised by a request for ``url``."""
+    status = _status(exc)
+    said = f" ({status})" if status else ""
+    if isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == errno.ENOENT:
+        if writing:
+            return IOFailure(
+                f"no such bucket{said}",
+                path=url,
+                hint="create the bucket first, or check the URL and AWS_ENDPOINT_URL",
+            )
+        return BadInputError(
+            f"no such object or prefix{said}",
+            path=url,
+            hint="check the URL of the checkpoint (and the bucket's name)",
+        )
+    if isinstance(exc, PermissionError) or getattr(exc, "errno", None) in (
+        errno.EACCES,
+        errno.EPERM,
+    ):
+        return IOFailure(
+            f"access denied{said}",
+            path=url,
+            hint="check the credentials in the environment (AWS_PROFILE, AWS_ACCESS_KEY_ID) "
+            "and the bucket's policy",
+        )
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return IOFailure(
+            "no space left on the local disk for its copy",
+            path=url,
+            hint="free space in $TMPDIR, or point TMPDIR at a larger disk: a URL's checkpoint "
+            "is copied there (docs/storage.md)",
+        )
+    if in_chain(exc, ConnectionError) is not None:
+        return IOFailure(
+            f"cannot reach the store ({text})",
+            path=url,
+            hint="check the endpoint (AWS_ENDPOINT_URL) and the network, and run again",
+        )
+    what = "writing" if writing else "reading"
+    return IOFailure(
+        f"{what} failed after {RETRIES + 1} tries ({status or text})",
+        path=url,
+        hint="check the endpoint (AWS_ENDPOINT_URL) and the network, and run again",
+    )
+
+
+def _final(exc: BaseException) -> bool:
+    """Return whether trying ``exc``'s request again cannot help.
+
+    A store that cannot be reached at all was tried again already, by the filesystem and
+    its client (s3fs and botocore back off for 8 s): a wrong endpoint is said at once.
+    """
+    return (
+        isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError))
+        or getattr(exc, "errno", None)
+        in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+        or in_chain(exc, ConnectionError) is not None
+    )
+
+
+def retried(request: Callable[[], T], url: str, *, writing: bool = False, pause: float = 0.5) -> T:
+    """Return what ``request`` returns, tried again up to ``RETRIES`` times; else raise one line."""
+    for attempt in range(RETRIES + 1):
+        try:
+            return request()
+        except ShardckptError:
+            raise
+        except Exception as exc:
+            if _final(exc) or attempt == RETRIES:
+                raise store_error(exc, url, writing=writing) from None
+            time.sleep(pause * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------ SRC
+
+
+def local_name(store: Store, into: Path) -> Path:
+    """Return the path ``download`` gives SRC's copy in the directory ``into``."""
+    return into / (store.name or "src")
+
+
+def download(store: Store, into: Path) -> Path:
+    """Copy SRC (an object, or every object under a prefix) into the directory ``into``; return its path."""
+    info = retried(lambda: store.fs.info(store.path), store.url)
+    local = local_name(store, into)
+    if info.get("type") == "directory":
+        keys = retried(lambda: store.fs.find(store.path + "/"), store.url)
+        names = [_object_name(store, key) for key in keys]
+        local.mkdir()
+        targets = [str(local / name) for name in names]
+        retried(lambda: store.fs.get(keys, targets), store.url)
+    else:
+        retried(lambda: store.fs.get_file(store.path, str(local)), store.url)
+    return local
+
+
+def _object_name(store: Store, key: str) -> str:
+    """Return the name of object ``key`` under SRC's prefix; refuse one that is no plain relative path.
+
+    A key is any string: ``run/../../x`` or ``run//x`` would name a file outside SRC's
+    copy, or none, on the local disk.
+    """
+    name = key[len(store.path) + 1 :]
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise BadInputError(
+            f"holds an object named '{name}', which names no file inside the checkpoint",
+            path=store.url,
+            hint="remove or rename that object; shardckpt reads only the objects under SRC",
+        )
+    return name
+
+
+# ------------------------------------------------------------------ DST
+
+
+def _marker(store: Store) -> str:
+    return store.beside(f".{store.name}.shardckpt-partial")
+
+
+def _under(store: Store) -> list[str]:
+    """Return every object at DST: the object itself, or those under the prefix."""
+    try:
+        if store.fs.isfile(store.path):
+            return [store.path]
+        return [p for p in store.fs.find(store.path + "/") if p != store.path]
+    except FileNotFoundError:
+        return []
+
+
+def _abort_uploads(store: Store) -> int:
+    """Abort the open multipart uploads of objects at DST (S3); return how many."""
+    listing = getattr(store.fs, "list_multipart_uploads", None)
+    if listing is None:
+        return 0
+    bucket, _, key = store.path.partition("/")
+    uploads = [u for u in listing(bucket) if u.get("Key", "").startswith(key)]
+    for upload in uploads:
+        store.fs.call_s3(
+            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+        )
+    return len(uploads)
+
+
+def clear_leftovers(store: Store, commits: Sequence[str]) -> None:
+    """Remove what a killed run left at DST: its data objects (uncommitted), open uploads, its marker."""
+
+    def clear() -> None:
+        marker = _marker(store)
+        if not store.fs.exists(marker):
+            return
+        found = [key[len(store.path) + 1 :] for key in _under(store)]
+        committed = bool(commit_objects(found, commits))  # a commit began: never removed
+        if not committed:
+            found = _under(store)
+            if found:
+                store.fs.rm(found)
+        aborted = _abort_uploads(store)
+        store.fs.rm(marker)
+        if not committed:
+            notice(
+                f"removed what a run that did not finish left at '{store.url}' "
+                f"(uncommitted objects and {aborted} open uploads)"
+            )
+
+    retried(clear, store.url, writing=True)
+
+
+def check_dst(store: Store, *, overwrite: bool) -> None:
+    """Raise when DST holds objects and --overwrite was not given; a missing bucket is one line."""
+    if store.fs.root_marker == "":  # an object store: the first part of a path is its bucket
+        bucket, _, key = store.path.partition("/")
+        if not key:
+            raise UsageError(
+                "names a whole bucket", path=store.url, hint="name a prefix inside it for DST"
+            )
+        if not retried(lambda: store.fs.exists(bucket), store.url, writing=True):
+            raise store_error(FileNotFoundError(bucket), store.url, writing=True)
+    if not overwrite and retried(lambda: _under(store), store.url):
+        raise DestinationExistsError(
+            "already exists",
+            path=store.url,
+            hint="pass --overwrite to replace it (every object under it), or name another DST",
+        )
+
+
+def commit_objects(names: Sequence[str], commits: Sequence[str]) -> list[str]:
+    """Return which of ``names`` (paths under DST) are its commit objects, in the order to put them.
+
+    A commit written with a ``/`` is that path; without one it is that file in any
+    directory (``.metadata``: a trainer's DCP in a subdirectory too), deepest first.
+    """
+    chosen: list[str] = []
+    for commit in commits:
+        found = [
+            n for n in names if n == commit or ("/" not in commit and n.endswith("/" + commit))
+        ]
+        chosen += sorted(found, key=lambda n: (-n.count("/"), n))
+    return list(dict.fromkeys(chosen))
+
+
+def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool) -> None:
+    """Upload the complete output ``local`` to DST, the objects named ``commits`` last.
+
+    A marker beside DST is put first and removed last. With ``overwrite`` the old DST's
+    objects are removed before the first upload: no reader sees the old commit object
+    over new data. A failure aborts the open multipart uploads and leaves no commit
+    object; the next run clears the rest (``clear_leftovers``).
+    """
+    reopened()  # the local output was only DST's stand-in: a signal stops the upload
+    fs, marker = store.fs, _marker(store)
+    retried(lambda: fs.pipe_file(marker, b""), store.url, writing=True)
+    if overwrite and (old := retried(lambda: _under(store), store.url)):
+        retried(lambda: fs.rm(old), store.url, writing=True)
+    try:
+        if local.is_dir():
+            files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+            last = commit_objects(files, commits)
+            first = [f for f in files if f not in last]
+        else:
+            first, last = [], [""]
+        _put(local, store, first)
+        # The commit: once it starts, a signal waits until DST is committed (then exit 0).
+        with committing(f"'{store.url}'"):
+            _put(local, store, last)
+            retried(lambda: fs.rm(marker), store.url, writing=True)
+    except BaseException:
+        with contextlib.suppress(Exception):  # best effort: the next run aborts what is left
+            _abort_uploads(store)
+        raise
+
+
+def _put(local: Path, store: Store, names: Sequence[str]) -> None:
+    """Upload ``names`` under ``local`` (``""``: the file ``local`` itself), several at a time.
+
+    One request for the filesystem (s3fs sends the files side by side, each large one as a
+    multipart upload); a failure names the object when there is one, else DST.
+    """
+    if not names:
+        return
+    sources = [str(local / name) if name else str(local) for name in names]
+    targets = [store.child(name) if name else store.path for name in names]
+    url = store.url if len(names) > 1 or not names[0] else f"{store.url}/{names[0]}"
+    retried(lambda: store.fs.put(sources, targets), url, writing=True)

@@ -1,0 +1,422 @@
+"""SRC and DST on object storage (``s3://``), against a real S3 server (moto's, on loopback).
+
+Sources are written by torch's own ``dcp.save`` through its ``FsspecWriter`` straight to
+the server; outputs are read back by torch's ``FsspecReader`` (``dcp.load``), torch.load
+and safetensors, and compared with what was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import damage
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import warm_cli
+from object_store import S3, s3  # noqa: F401 - the fixture
+from safetensors.torch import load as load_safetensors
+
+from shardckpt.cli.app import run
+
+pytestmark = pytest.mark.launches
+
+
+def cli(capsys, *argv) -> tuple[int, list[str]]:
+    code = run([str(a) for a in argv])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def state() -> dict:
+    torch.manual_seed(0)
+    return {
+        "model": {"w": torch.randn(64, 48), "b": torch.randn(48), "e": torch.randn(7, 5)},
+        "optim": {"state": {"w": {"exp_avg": torch.randn(64, 48)}}, "lr": 0.1},
+        "step": 100,
+    }
+
+
+def save_dcp(url: str, sd: dict) -> None:
+    """Save ``sd`` at ``url`` with DCP's own fsspec writer."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    dcp.save(sd, storage_writer=FsspecWriter(url), no_dist=True)
+
+
+def load_dcp(url: str, like: dict) -> dict:
+    """Load a DCP at ``url`` into a state dict shaped like ``like`` with DCP's ``FsspecReader``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    target = _zeros(like)
+    dcp.load(target, storage_reader=FsspecReader(url), no_dist=True)
+    return target
+
+
+def _zeros(tree):
+    if isinstance(tree, dict):
+        return {k: _zeros(v) for k, v in tree.items()}
+    return torch.zeros_like(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def assert_equal(a, b) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_equal(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def no_leftovers(s3: S3, bucket: str) -> None:  # noqa: F811
+    """Assert nothing of shardckpt's is left in the bucket, nor in this node's staging directory."""
+    assert not [k for k in s3.keys(bucket) if "shardckpt-" in k]
+    assert s3.open_uploads(bucket) == []
+    staging = Path(tempfile.gettempdir()) / "shardckpt-staging"
+    assert not staging.exists() or not any(staging.glob("*/*"))
+    assert not list(Path(tempfile.gettempdir()).glob("shardckpt-src-*"))  # SRC's copies
+
+
+@pytest.fixture(scope="module")
+def src(s3: S3) -> str:  # noqa: F811
+    """A DCP saved by torch on S3."""
+    url = f"s3://{s3.bucket()}/run/step-100"
+    save_dcp(url, state())
+    return url
+
+
+def test_a_url_keeps_both_slashes_and_inspect_reads_it(s3, src, capsys):  # noqa: F811
+    code = run(["inspect", src, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert doc["format"] == "dcp"
+    paths = {".".join(e["path"]) for e in doc["entries"]}
+    assert paths >= {"model.w", "model.b", "optim.state.w.exp_avg", "step"}
+    code = run(["inspect", src])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"{src}: format dcp, world size 1")
+
+
+def test_verify_of_an_intact_s3_dcp_is_exit_0(s3, src, capsys):  # noqa: F811
+    code = run(["verify", src])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith(f"intact: {src} (dcp, 2 files")
+
+
+def test_a_flipped_byte_in_an_s3_object_is_exit_3_naming_the_object(s3, tmp_path, capsys):  # noqa: F811
+    local = tmp_path / "ckpt"
+    dcp.save(state(), checkpoint_id=local, no_dist=True)
+    flipped = damage.flip_in_dcp(local, "model.w")
+    url = f"s3://{s3.bucket()}/damaged"
+    s3.put_dir(local, url[len("s3://") :])
+    code, err = cli(capsys, "verify", url)
+    assert code == 3
+    named = f"{url}/{flipped.file.name}"
+    assert err == [f"shardckpt: error: '{named}': {flipped.message()}: {damage.RECOPY}"]
+    code, err = cli(capsys, "convert", url, tmp_path / "out.pt", "--to", "full")
+    assert code == 3
+    assert err[0].startswith(f"shardckpt: error: '{named}': {flipped.message()}")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_s3_dcp_to_s3_dcp_at_3_loads_with_torchs_fsspec_reader(s3, src, capsys):  # noqa: F811
+    bucket = src[len("s3://") :].split("/")[0]
+    dst = f"s3://{bucket}/run/step-100-at-3"
+    argv = ["convert", src, dst, "--to", "sharded", "--world-size", "3", "-q"]
+    code = run([*argv, "--dry-run"])
+    assert code == 0
+    assert "world size 3" in capsys.readouterr().out
+    assert s3.keys(dst[len("s3://") :]) == []
+    code, err = cli(capsys, *argv, "--verify")
+    assert (code, err) == (0, [])
+    names = [k.rsplit("/", 1)[1] for k in s3.keys(dst[len("s3://") :])]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+    # The source's own metadata read by torch, against ours: one tree.
+    code = run(["diff", src, dst])
+    assert code == 0
+
+
+def test_s3_dcp_to_a_local_torch_file_is_the_source(s3, src, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "full.pt"
+    code, err = cli(capsys, "convert", src, out, "--to", "full", "-q")
+    assert (code, err) == (0, [])
+    assert_equal(torch.load(out, weights_only=True), state())
+    assert [p.name for p in tmp_path.iterdir()] == ["full.pt"]
+
+
+def test_torch_save_and_safetensors_files_on_s3_are_read_as_sources(s3, tmp_path, capsys):  # noqa: F811
+    from safetensors.torch import save_file
+
+    bucket = s3.bucket()
+    torch.save(state(), tmp_path / "ckpt.pt")
+    save_file(state()["model"], tmp_path / "model.safetensors")
+    for name in ("ckpt.pt", "model.safetensors"):
+        s3.fs.put_file(str(tmp_path / name), f"{bucket}/in/{name}")
+    code, err = cli(capsys, "verify", f"s3://{bucket}/in/ckpt.pt", "-q")
+    assert (code, err) == (0, [])
+    out = tmp_path / "from-pt"
+    argv = ["convert", f"s3://{bucket}/in/ckpt.pt", out, "--to", "sharded", "--world-size", "2"]
+    code, err = cli(capsys, *argv, "-q")
+    assert (code, err) == (0, [])
+    back = _zeros(state())
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, state())
+    out = tmp_path / "from-safetensors.pt"
+    code, err = cli(
+        capsys, "convert", f"s3://{bucket}/in/model.safetensors", out, "--to", "full", "-q"
+    )
+    assert (code, err) == (0, [])
+    assert_equal(torch.load(out, weights_only=True), state()["model"])
+    no_leftovers(s3, bucket)
+
+
+def test_local_dcp_to_s3_safetensors_and_hf_are_the_source(s3, tmp_path, capsys):  # noqa: F811
+    local = tmp_path / "ckpt"
+    dcp.save(state(), checkpoint_id=local, no_dist=True)
+    bucket = s3.bucket()
+    one = f"s3://{bucket}/export/model.safetensors"
+    code, err = cli(capsys, "convert", local, one, "--to", "full", "--only", "model", "-q")
+    assert code == 0, err
+    assert_equal(load_safetensors(s3.fs.cat_file(one[5:])), state()["model"])
+    hf = f"s3://{bucket}/export/hf"
+    argv = ["convert", local, hf, "--to", "full", "--format", "hf", "--max-shard-size", "8KB"]
+    code, err = cli(capsys, *argv, "-q")
+    assert code == 0, err
+    keys = s3.keys(hf[5:])
+    index = json.loads(s3.fs.cat_file(f"{hf[5:]}/model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert {k.rsplit("/", 1)[1] for k in keys} >= {"model.safetensors.index.json", *shards}
+    got = {}
+    for shard in shards:
+        got |= load_safetensors(s3.fs.cat_file(f"{hf[5:]}/{shard}"))
+    assert_equal(got, state()["model"])
+    code, err = cli(capsys, "diff", hf, one, "--only", "model", "-q")  # both read from S3
+    assert (code, err) == (0, [])
+    no_leftovers(s3, bucket)
+
+
+def test_an_existing_s3_dst_is_exit_5_and_overwrite_replaces_it(s3, src, tmp_path, capsys):  # noqa: F811
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    s3.fs.pipe_file(f"{bucket}/out/notes.txt", b"mine")
+    argv = ["convert", src, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    code, err = cli(capsys, *argv)
+    assert code == 5
+    assert err == [
+        f"shardckpt: error: '{dst}': already exists: "
+        "pass --overwrite to replace it (every object under it), or name another DST"
+    ]
+    assert s3.keys(f"{bucket}/out") == [f"{bucket}/out/notes.txt"]
+    code, err = cli(capsys, *argv, "--overwrite")
+    assert (code, err) == (0, [])
+    assert [k.rsplit("/", 1)[1] for k in s3.keys(f"{bucket}/out")] == [".metadata", "__0_0.distcp"]
+    assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+
+
+def test_a_missing_bucket_or_object_is_one_line(s3, src, tmp_path, capsys):  # noqa: F811
+    code, err = cli(capsys, "inspect", "s3://no-such-bucket-here/x")
+    assert code == 3
+    assert err == [
+        "shardckpt: error: 's3://no-such-bucket-here/x': no such object or prefix "
+        "(404 NoSuchBucket): check the URL of the checkpoint (and the bucket's name)"
+    ]
+    bucket = src[5:].split("/")[0]
+    code, err = cli(capsys, "verify", f"s3://{bucket}/run/nothing")
+    assert code == 3
+    assert err[0].startswith(f"shardckpt: error: 's3://{bucket}/run/nothing': no such object")
+    argv = ["convert", src, "s3://no-such-bucket-here/out", "--to", "sharded", "--world-size", "1"]
+    code, err = cli(capsys, *argv)
+    assert code == 4
+    assert err == [
+        "shardckpt: error: 's3://no-such-bucket-here/out': no such bucket: create the bucket "
+        "first, or check the URL and AWS_ENDPOINT_URL"
+    ]
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_url_is_refused_and_leaves_the_first_alone(s3, big, capsys):  # noqa: F811
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    first = warm_cli.start(argv)
+    marker = f"{bucket}/.out.shardckpt-partial"
+    uploading(first, lambda: s3.fs.invalidate_cache() or s3.fs.exists(marker))
+    code, err = cli(capsys, *argv)
+    assert code == 4
+    assert len(err) == 1
+    assert err[0].startswith(f"shardckpt: error: '{dst}': is being written by another shardckpt")
+    assert err[0].endswith(": wait for that run to finish, or write to another DST")
+    assert first.wait(120) == 0
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+
+
+def test_a_whole_bucket_as_dst_is_refused(s3, src, capsys):  # noqa: F811
+    bucket = s3.bucket()
+    argv = ["convert", src, f"s3://{bucket}", "--to", "sharded", "--world-size", "1"]
+    code, err = cli(capsys, *argv)
+    assert code == 2
+    assert err == [
+        f"shardckpt: error: 's3://{bucket}': names a whole bucket: name a prefix inside it for DST"
+    ]
+    assert s3.keys(bucket) == []
+
+
+def test_an_object_whose_key_leaves_src_is_refused_and_nothing_is_written_outside(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    bucket = s3.bucket()
+    local = tmp_path / "ckpt"
+    dcp.save(state(), checkpoint_id=local, no_dist=True)
+    s3.put_dir(local, f"{bucket}/run/step-100")
+    name = f"escaped-{bucket}"
+    s3.fs.pipe_file(f"{bucket}/run/step-100/../../../{name}", b"planted")
+    code, err = cli(capsys, "verify", f"s3://{bucket}/run/step-100")
+    assert code == 3
+    assert err == [
+        f"shardckpt: error: 's3://{bucket}/run/step-100': holds an object named "
+        f"'../../../{name}', which names no file inside the checkpoint: remove or rename "
+        "that object; shardckpt reads only the objects under SRC"
+    ]
+    tmp = Path(tempfile.gettempdir())  # where the key's '..'s lead from SRC's copy in it
+    assert not any((where / name).exists() for where in (tmp, tmp.parent, tmp / "shardckpt-src"))
+    assert not list(Path(tempfile.gettempdir()).glob("shardckpt-src-*"))
+    for url in (f"s3://{bucket}/run/..", f"s3://{bucket}/run/./x"):
+        code, err = cli(capsys, "convert", local, url, "--to", "sharded", "--world-size", "1")
+        assert code == 2
+        assert err == [
+            f"shardckpt: error: '{url}': has '.' or '..' in its path, which object stores "
+            "take as part of a name: write the prefix itself"
+        ]
+
+
+def test_dst_inside_src_on_s3_is_refused(s3, src, capsys):  # noqa: F811
+    code, err = cli(capsys, "convert", src, f"{src}/inner", "--to", "sharded", "--world-size", "1")
+    assert code == 2
+    assert err == [
+        f"shardckpt: error: '{src}/inner': DST is SRC, inside it or around it: "
+        "name a prefix beside the checkpoint for the output"
+    ]
+
+
+def test_storage_options_reach_the_filesystem(s3, src, capsys, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    code = run(["inspect", src, "--storage-option", f"endpoint_url={s3.endpoint}"])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"{src}: format dcp")
+    code, err = cli(capsys, "inspect", src, "--storage-option", "endpoint_url")
+    assert code == 2
+    assert err == [
+        "shardckpt: error: --storage-option 'endpoint_url' is not KEY=VALUE: "
+        "write it like --storage-option anon=true"
+    ]
+
+
+def test_a_protocol_whose_library_is_missing_names_the_extra():
+    urls = ["s3://bucket/ckpt", "gs://bucket/ckpt", "nosuch://bucket/ckpt"]
+    script = (
+        "import sys; sys.modules['s3fs'] = None; sys.modules['gcsfs'] = None\n"
+        "from shardckpt.cli.app import run\n"
+        "print([run(['inspect', url]) for url in sys.argv[1:]])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *urls], capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip() == "[2, 2, 2]", proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "shardckpt: error: 's3://bucket/ckpt': reading and writing s3:// needs s3fs, which is "
+        "not installed: install it (pip install 'shardckpt[s3]')",
+        "shardckpt: error: 'gs://bucket/ckpt': reading and writing gs:// needs gcsfs, which is "
+        "not installed: install it (pip install gcsfs)",
+        "shardckpt: error: 'nosuch://bucket/ckpt': nosuch:// is not a protocol fsspec knows: "
+        "write a local path, or a URL such as s3://bucket/prefix",
+    ]
+
+
+def uploading(proc: warm_cli.WarmProcess, seen) -> None:
+    """Return once ``seen()`` is true while ``proc`` runs (it uploads); fail if it ends first."""
+    deadline = time.monotonic() + 120
+    while not seen():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> tuple[Path, dict]:
+    """A 112 MiB DCP on the local disk: more than s3fs puts in one request (2 x 50 MiB)."""
+    sd = {"model": {"w": torch.arange(28 * 2**20, dtype=torch.float32)}}
+    local = tmp_path_factory.mktemp("big") / "ckpt"
+    dcp.save(sd, checkpoint_id=local, no_dist=True)
+    return local, sd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big, sig):  # noqa: F811
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    proc = warm_cli.start(argv)
+    uploading(proc, lambda: s3.open_uploads(bucket))  # in the middle of the data's upload
+    proc.send_signal(sig)
+    out, err = proc.communicate(60)
+    assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -sig), err
+    assert s3.keys(f"{bucket}/out") == []  # no .metadata, and no data object completed
+    if sig == signal.SIGTERM:
+        assert s3.open_uploads(bucket) == []  # aborted on the way out
+        assert err.splitlines()[-1] == "shardckpt: interrupted by SIGTERM"
+    rerun = warm_cli.run(argv)
+    assert rerun.returncode == 0, rerun.stderr
+    if sig == signal.SIGKILL:
+        assert rerun.stderr == (
+            f"shardckpt: note: removed what a run that did not finish left at '{dst}' "
+            "(uncommitted objects and 1 open uploads)\n"
+        )
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_s3_to_s3_loads_equal(s3, src):  # noqa: F811
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/at-2-torchrun"
+    cmd = ["--standalone", "--nproc-per-node=2", "-m", "shardckpt", "convert", src, dst]
+    cmd += ["--to", "sharded", "-q"]
+    proc = warm_cli.run_torchrun(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    names = [k.rsplit("/", 1)[1] for k in s3.keys(dst[5:])]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+    cmd = ["--standalone", "--nproc-per-node=2", "-m", "shardckpt", "verify", dst]
+    proc = warm_cli.run_torchrun(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"intact: {dst} (dcp, 3 files")
+    no_leftovers(s3, bucket)
+
+
+def test_file_urls_are_local_paths(tmp_path, capsys):
+    local = tmp_path / "ckpt"
+    dcp.save(state(), checkpoint_id=local, no_dist=True)
+    out = tmp_path / "full.pt"
+    code, err = cli(capsys, "convert", f"file://{local}", f"file://{out}", "--to", "full", "-q")
+    assert (code, err) == (0, [])
+    assert_equal(torch.load(out, weights_only=True), state())

@@ -1,0 +1,255 @@
+"""URLs as SRC and DST (``core/storage.py``): parsing, options, retries, and what a failed request says.
+
+The failures are the ones s3fs itself raises: botocore's ``ClientError`` for the S3 error
+codes, turned into Python exceptions by s3fs's own ``translate_boto_error``.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from shardckpt.core import storage
+from shardckpt.core.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_IO,
+    EXIT_USAGE,
+    BadInputError,
+    IOFailure,
+    UsageError,
+)
+from shardckpt.core.storage import is_url, local_form, parse_options, retried, store_error
+
+
+def s3_error(code: str, status: int) -> OSError:
+    """Return what s3fs raises for an S3 error ``code`` answered with HTTP ``status``."""
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+    from botocore.exceptions import ClientError
+
+    response = {
+        "Error": {"Code": code, "Message": f"{code} said the server"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return s3fs_errors.translate_boto_error(ClientError(response, "GetObject"))
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("s3://bucket/run/step-100", True),
+        ("gs://b/x", True),
+        ("memory://x", True),
+        ("/local/path", False),
+        ("relative/dir", False),
+        ("s3:/bucket/x", False),
+        ("c:/windows", False),
+        ("file:///tmp/ckpt", False),
+    ],
+)
+def test_a_url_is_told_from_a_path(text, url):
+    assert is_url(text) is url
+
+
+def test_a_file_url_is_the_local_path_it_names():
+    assert local_form("file:///tmp/ckpt") == "/tmp/ckpt"
+    assert local_form("s3://b/x") == "s3://b/x"
+    assert local_form("/tmp/x") == "/tmp/x"
+
+
+def test_storage_options_are_json_values_and_dotted_keys_nest():
+    options = parse_options(
+        ["anon=true", "default_block_size=8388608", "client_kwargs.region_name=eu-west-1", "x=a=b"]
+    )
+    assert options == {
+        "anon": True,
+        "default_block_size": 8388608,
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "x": "a=b",
+    }
+
+
+@pytest.mark.parametrize("pair", ["anon", "=true", ""])
+def test_a_storage_option_that_is_not_key_value_is_a_usage_error(pair):
+    with pytest.raises(UsageError) as caught:
+        parse_options([pair])
+    assert caught.value.exit_code == EXIT_USAGE
+    assert caught.value.line() == (
+        f"--storage-option {pair!r} is not KEY=VALUE: write it like --storage-option anon=true"
+    )
+
+
+def test_a_request_that_fails_then_succeeds_is_retried():
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise s3_error("SlowDown", 503)
+        return "done"
+
+    assert retried(flaky, "s3://b/x", pause=0) == "done"
+    assert len(calls) == 3
+
+
+def tries(error: BaseException, url: str, *, writing: bool = False) -> tuple[int, IOFailure]:
+    """Return how many times ``retried`` made a request that always raises ``error``, and its line."""
+    calls = []
+
+    def request() -> None:
+        calls.append(1)
+        raise error
+
+    with pytest.raises(IOFailure) as caught:
+        retried(request, url, writing=writing, pause=0)
+    return len(calls), caught.value
+
+
+def test_a_request_that_keeps_failing_is_tried_a_bounded_number_of_times_then_one_line():
+    url = "s3://b/run/__0_0.distcp"
+    calls, error = tries(s3_error("InternalError", 500), url, writing=True)
+    assert calls == storage.RETRIES + 1
+    assert error.exit_code == EXIT_IO
+    assert error.line() == (
+        f"'{url}': writing failed after {storage.RETRIES + 1} tries "
+        "(500 InternalError): check the endpoint (AWS_ENDPOINT_URL) and the network, and run again"
+    )
+
+
+def test_access_denied_is_not_retried_and_is_exit_4():
+    calls, error = tries(s3_error("AccessDenied", 403), "s3://b/x")
+    assert calls == 1
+    assert error.exit_code == EXIT_IO
+    assert error.line().startswith("'s3://b/x': access denied (403 AccessDenied): check")
+
+
+def test_a_missing_source_is_exit_3_and_a_missing_bucket_for_dst_exit_4():
+    missing = s3_error("NoSuchKey", 404)
+    read = store_error(missing, "s3://b/x")
+    assert isinstance(read, BadInputError) and read.exit_code == EXIT_BAD_INPUT
+    assert read.line() == (
+        "'s3://b/x': no such object or prefix (404 NoSuchKey): check the URL of the "
+        "checkpoint (and the bucket's name)"
+    )
+    write = store_error(s3_error("NoSuchBucket", 404), "s3://b/x", writing=True)
+    assert write.exit_code == EXIT_IO
+    assert write.line().startswith("'s3://b/x': no such bucket (404 NoSuchBucket)")
+
+
+def test_an_unreachable_store_is_said_at_once_not_retried():
+    """What s3fs raises for a refused connection: botocore's error, raised from the OS's."""
+    from botocore.exceptions import EndpointConnectionError
+
+    refused = EndpointConnectionError(endpoint_url="http://127.0.0.1:1/b/x")
+    refused.__cause__ = ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")
+    calls, error = tries(refused, "s3://b/x")
+    assert calls == 1
+    assert error.line() == (
+        "'s3://b/x': cannot reach the store (Could not connect to the endpoint URL: "
+        '"http://127.0.0.1:1/b/x"): check the endpoint (AWS_ENDPOINT_URL) and the network, '
+        "and run again"
+    )
+
+
+def test_a_full_local_disk_is_said_at_once_naming_tmpdir():
+    calls, error = tries(OSError(errno.ENOSPC, "No space left on device"), "s3://b/run")
+    assert calls == 1
+    assert error.line() == (
+        "'s3://b/run': no space left on the local disk for its copy: free space in $TMPDIR, "
+        "or point TMPDIR at a larger disk: a URL's checkpoint is copied there (docs/storage.md)"
+    )
+
+
+def test_an_os_error_without_a_response_is_named_by_its_text():
+    error = store_error(OSError(errno.EIO, "Input/output error"), "s3://b/x")
+    assert error.exit_code == EXIT_IO
+    assert error.line().startswith("'s3://b/x': reading failed after 5 tries ([Errno 5] Input")
+
+
+def test_a_url_without_a_bucket_is_a_usage_error():
+    pytest.importorskip("s3fs")
+    with pytest.raises(UsageError) as caught:
+        storage.open_store("s3://", {})
+    assert caught.value.line() == "'s3://': names no bucket: write it as s3://bucket/prefix"
+
+
+def test_a_dcp_round_trips_through_fsspecs_memory_store(tmp_path, capsys):
+    """Any fsspec protocol, not only S3: the in-process ``memory://`` store, read back by torch."""
+    import fsspec
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from shardckpt.cli.app import run
+
+    torch.manual_seed(0)
+    sd = {"model": {"w": torch.randn(16, 8), "b": torch.randn(8)}, "step": 7}
+    dcp.save(sd, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    memory = fsspec.filesystem("memory")
+    root = f"memory://shardckpt-test-{tmp_path.name}"
+    argv = ["convert", tmp_path / "ckpt", f"{root}/at-2", "--to", "sharded", "--world-size", "2"]
+    assert run([str(a) for a in [*argv, "-q"]]) == 0
+    names = sorted(p.rsplit("/", 1)[1] for p in memory.find(f"{root}/at-2"))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert memory.find(root) == sorted(memory.find(f"{root}/at-2"))  # no marker left beside
+    back = {"model": {"w": torch.zeros(16, 8), "b": torch.zeros(8)}, "step": 0}
+    dcp.load(back, storage_reader=FsspecReader(f"{root}/at-2"), no_dist=True)
+    assert torch.equal(back["model"]["w"], sd["model"]["w"]) and back["step"] == 7
+    assert run(["convert", f"{root}/at-2", str(tmp_path / "full.pt"), "--to", "full", "-q"]) == 0
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert torch.equal(full["model"]["b"], sd["model"]["b"])
+    assert run(["convert", f"{root}/at-2", f"{root}/at-2", "--to", "full"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"shardckpt: error: '{root}/at-2': DST is SRC, inside it or around it: "
+        "name a prefix beside the checkpoint for the output"
+    ]
+    memory.rm(root, recursive=True)
+
+
+def test_commit_objects_come_last_at_any_depth_deepest_first():
+    names = [
+        ".metadata",
+        "__0_0.distcp",
+        "model/.metadata",
+        "model/__0_0.distcp",
+        "optim/sub/.metadata",
+        "metadata.json",
+        "notes/x.metadata",
+    ]
+    assert storage.commit_objects(names, (".metadata", "metadata.json")) == [
+        "optim/sub/.metadata",
+        "model/.metadata",
+        ".metadata",
+        "metadata.json",
+    ]
+    assert storage.commit_objects(names, ("model/.metadata",)) == ["model/.metadata"]
+    assert storage.commit_objects(names, ()) == []
+
+
+def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_path, monkeypatch):
+    """The order the objects reach the store in: every ``.metadata`` after every data file."""
+    import fsspec
+
+    local = tmp_path / "out"
+    for name in ("model/__0_0.distcp", "model/.metadata", "optim/__0_0.distcp", "random.pkl"):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(b"x")
+    (local / "optim" / ".metadata").write_bytes(b"m")
+    store = storage.open_store(f"memory://order-{tmp_path.name}/out", {})
+    memory = fsspec.filesystem("memory")
+    order: list[list[str]] = []
+    put = type(memory).put
+    monkeypatch.setattr(
+        type(memory),
+        "put",
+        lambda fs, lpath, rpath, **kw: order.append(rpath) or put(fs, lpath, rpath, **kw),
+    )
+    storage.upload(local, store, (".metadata",), overwrite=False)
+    root = store.path
+    assert order == [
+        [f"{root}/model/__0_0.distcp", f"{root}/optim/__0_0.distcp", f"{root}/random.pkl"],
+        [f"{root}/model/.metadata", f"{root}/optim/.metadata"],
+    ]
+    assert memory.cat_file(f"{root}/optim/.metadata") == b"m"
+    assert not memory.exists(store.beside(".out.shardckpt-partial"))
+    memory.rm(root.rsplit("/", 1)[0], recursive=True)
