@@ -114,3 +114,22 @@ def s3() -> Iterator[S3]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def own_tmpdir(monkeypatch) -> Iterator[Path]:
+    """Give the test's runs a ``TMPDIR`` of their own: where SRC's copies and DST's staging go.
+
+    Tests assert that a run leaves no copy behind; in the shared one, a run of another
+    pytest worker (any URL SRC) would show there. Subprocesses inherit it through the
+    environment. A short path under the system's own: torch's launchers put sockets there.
+    """
+    import tempfile
+    from multiprocessing import util
+
+    util.get_temp_dir()  # this process's own, made once and kept: not in the one removed below
+    own = Path(tempfile.mkdtemp(prefix="sck-", dir=tempfile.gettempdir()))
+    monkeypatch.setenv("TMPDIR", str(own))
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    yield own
+    shutil.rmtree(own, ignore_errors=True)

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import warm_cli
-from object_store import S3, s3  # noqa: F401 - the fixture
+from object_store import S3, own_tmpdir, s3  # noqa: F401 - the fixtures
 from safetensors.torch import load as load_safetensors
 
 from shardckpt.cli.app import run
 
-pytestmark = pytest.mark.launches
+pytestmark = [pytest.mark.launches, pytest.mark.usefixtures("own_tmpdir")]
 
 
 def cli(capsys, *argv) -> tuple[int, list[str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 
 import pytest
+from object_store import own_tmpdir  # noqa: F401 - the fixture
 
 from shardckpt.core import storage
 from shardckpt.core.errors import (
@@ -20,6 +21,8 @@ from shardckpt.core.errors import (
     UsageError,
 )
 from shardckpt.core.storage import is_url, local_form, parse_options, retried, store_error
+
+pytestmark = pytest.mark.usefixtures("own_tmpdir")
 
 
 def s3_error(code: str, status: int) -> OSError:
