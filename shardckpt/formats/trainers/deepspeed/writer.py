@@ -1,0 +1,454 @@
+"""Writing a DeepSpeed ZeRO checkpoint for M data-parallel ranks, which ``engine.load_checkpoint`` at M loads.
+
+DST is what ``engine.save_checkpoint(DST, tag)`` of a job at M writes: ``DST/latest``
+naming the tag (SRC's), and ``DST/<tag>/`` holding
+
+- ``mp_rank_00_model_states.pt`` (ZeRO-1/2; ZeRO-3: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt``
+  for every rank, parameters as 0-element placeholders): the module's state dict in the
+  dtype the job trains in (the fp32 master weights cast), ``param_shapes``, frozen and tied
+  parameters, the scheduler, steps, ``ds_config``, the client state (``write_files``);
+- ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` for every rank r: r's partition
+  of the fp32 master weights and of each per-element optimizer state, cut as DeepSpeed
+  cuts them for M ranks (``write_layout``), the loss scaler.
+
+Each process writes the files of the target ranks it acts for, filled from SRC's rows a
+batch at a time, as every local writer does. The layout of the module (which entries
+are buffers, frozen, tied; their dtypes; the param groups' order) comes from SRC's own
+model-states file, so SRC is a DeepSpeed save (``--from deepspeed``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from shardckpt.codecs.foreign_pickle import MODULE, Call, Instance, Named
+from shardckpt.codecs.zip_skeleton import fake_mode
+from shardckpt.core.errors import UsageError
+from shardckpt.core.files import writing
+from shardckpt.formats.base import Frame
+from shardckpt.formats.ranks.rank_file import Fills, placeholder_whole
+from shardckpt.formats.ranks.target_ranks import TargetRanksWriter, merge_frames
+from shardckpt.formats.torch_save.file import skeleton_file, storage_of
+from shardckpt.formats.trainers.deepspeed import names
+from shardckpt.formats.trainers.deepspeed.agreement import training_dtype
+from shardckpt.formats.trainers.deepspeed.states import JOB_KEYS, ModelStates, read_model_states
+from shardckpt.formats.trainers.deepspeed.write_layout import (
+    FlatGroup,
+    param_alignment,
+    zero3_groups,
+    zero12_group,
+)
+from shardckpt.state.tree import TensorMeta, map_leaves
+
+MODEL, OPTIM = "model", "optim"
+LOSS_SCALER = Named("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+DYNAMIC_LOSS_SCALER = Named("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
+ZERO_STAGE = Named("deepspeed.runtime.zero.config", "ZeroStageEnum")
+FRAGMENT_ADDRESS = Named("deepspeed.utils.tensor_fragment", "fragment_address")
+# The flags DeepSpeed's optimizer saves beside its loss scaler (the reader puts them with it).
+SCALER_FLAGS = {"dynamic_loss_scale": False, "overflow": False, "clip_grad": 0.0}
+# What ``engine._common_checkpoint_state`` writes that is the job's, not the layout's.
+JOB_DEFAULTS = {
+    "lr_scheduler": None,
+    "data_sampler": None,
+    "random_ltd": None,
+    "skipped_steps": 0,
+    "global_steps": 0,
+    "global_samples": 0,
+}
+
+
+def optim_file(rank: int, bf16: bool) -> str:
+    """Return the name DeepSpeed gives rank ``rank``'s optimizer file."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model_file(rank: int, stage: int) -> str:
+    """Return the name DeepSpeed gives the model-states file (ZeRO-3: rank ``rank``'s)."""
+    return (
+        f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        if stage == 3
+        else "mp_rank_00_model_states.pt"
+    )
+
+
+@dataclass(frozen=True)
+class Source:
+    """What DST's layout takes from SRC's own save: its tag and its model-states file."""
+
+    tag: str
+    model: ModelStates
+
+
+def source_save(src: Path) -> Source:
+    """Return SRC's tag and model-states file; refuse a SRC that is not a DeepSpeed save."""
+    from shardckpt.formats.trainers.deepspeed.detect import is_deepspeed_dir
+
+    if not src.is_dir() or not is_deepspeed_dir(src):
+        raise UsageError(
+            "--format deepspeed is written from a DeepSpeed ZeRO save (the module's layout, "
+            "param groups and training dtype come from its model-states file)",
+            path=src,
+            hint="pass a DeepSpeed run directory (with 'latest') or a global_stepN directory",
+        )
+    tag = names.tag_dir(src)
+    files = names.tag_files(tag, src)
+    return Source(tag.name, read_model_states(files.model[min(files.model)]))
+
+
+class DeepSpeedWriter(TargetRanksWriter):
+    """A ZeRO checkpoint at M: each target rank's optimizer file (and ZeRO-3 model-states file), ``latest`` last."""
+
+    def __init__(self, root: Path, plan):
+        super().__init__(root, plan)
+        self.source = source_save(Path(plan.src))
+        tree = plan.tree
+        for key in (MODEL, OPTIM):
+            if key not in tree or not isinstance(tree[key], dict):
+                raise UsageError(
+                    f"--format deepspeed needs SRC's '{key}': DeepSpeed loads the module and its "
+                    "optimizer's partitions together",
+                    hint="convert the whole checkpoint (no --only, --filter or --drop of it)",
+                )
+        self.model: dict = tree[MODEL]
+        self.optim: dict = tree[OPTIM]
+        config = tree.get("ds_config", self.source.model.job.get("ds_config"))
+        self.config = config if isinstance(config, dict) else {}
+        self.stage = self._stage()
+        self.dtype = training_dtype(self.config) or torch.float32
+        self.bf16 = self.dtype == torch.bfloat16
+        self.groups = self._groups()
+        self.flats = self._layout()
+        self.every_copy = (names.LATEST,)
+
+    # ------------------------------------------------------------ what is written
+
+    def _stage(self) -> int:
+        zero = self.config.get("zero_optimization")
+        stage = zero.get("stage") if isinstance(zero, dict) else None
+        if stage not in (1, 2, 3):
+            raise UsageError(
+                f"SRC's ds_config runs ZeRO stage {stage!r}, and --format deepspeed writes "
+                "stages 1, 2 and 3",
+                path=self.plan.src,
+                hint="convert a ZeRO-1, 2 or 3 save",
+            )
+        return stage
+
+    def _zero(self, key: str, default):
+        zero = self.config.get("zero_optimization")
+        return zero.get(key, default) if isinstance(zero, dict) else default
+
+    def _groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """Return each param group's parameters in the optimizer's order, with their shapes; refuse what cannot be laid out."""
+        if self._zero("round_robin_gradients", False) and self.stage in (1, 2):
+            raise UsageError(
+                "SRC ran with zero_optimization.round_robin_gradients, whose flat order "
+                "depends on the world size: --format deepspeed does not write it",
+                path=self.plan.src,
+                hint="write --to sharded (DCP) or --to full instead",
+            )
+        groups = self.optim.get("param_groups")
+        if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+        ):
+            raise UsageError(
+                "--format deepspeed needs the optimizer's param groups, and the tree has none",
+                hint="convert the whole checkpoint, with its optimizer",
+            )
+        out = []
+        for group in groups:
+            shapes = []
+            for fqn in group["params"]:
+                meta = self.model.get(fqn) if isinstance(fqn, str) else None
+                if not isinstance(meta, TensorMeta):
+                    raise UsageError(
+                        f"--format deepspeed needs the fp32 master weights of {fqn!r} in "
+                        "'model', and the tree does not hold them",
+                        hint="convert the whole checkpoint, keyed by FQN (no --optim-keys id), "
+                        "without --rename or --drop",
+                    )
+                shapes.append((fqn, tuple(meta.shape)))
+            out.append(shapes)
+        return out
+
+    def _layout(self) -> list[FlatGroup]:
+        world = self.plan.world_size
+        if self.stage == 3:
+            flats: list[FlatGroup] = []
+            size = self._zero("sub_group_size", 1_000_000_000)
+            for g, group in enumerate(self.groups):
+                flats += zero3_groups(g, len(flats), group, world, size)
+            return flats
+        aligned = bool(self._zero("parameter_alignment", False))
+        unit = param_alignment(self.dtype.itemsize, aligned)
+        return [zero12_group(g, group, world, unit) for g, group in enumerate(self.groups)]
+
+    # ------------------------------------------------------------ framing
+
+    def frame_rank(self, rank: int) -> Frame:
+        tag = self.root / self.source.tag
+        with writing(tag):
+            tag.mkdir(exist_ok=True)
+        frames = [self._frame_optim(rank, tag)]
+        if self.stage == 3 or rank == 0:
+            frames.append(self._frame_model(rank, tag))
+        return merge_frames(frames)
+
+    def _frame_optim(self, rank: int, tag: Path) -> Frame:
+        fills: Fills = {}
+        with fake_mode():
+            osd = self._optimizer_state(rank, fills)
+            state = {
+                "optimizer_state_dict": osd,
+                "ds_config": self.config,
+                "ds_version": self._version(),
+            }
+        name = optim_file(rank, self.bf16)
+        return skeleton_file(tag / name, state, fills, f"{self.source.tag}/{name}", MODULE)
+
+    def _version(self) -> str:
+        version = self.plan.tree.get("ds_version", self.source.model.job.get("ds_version"))
+        return version if isinstance(version, str) else "0.19.8"
+
+    def _optimizer_state(self, rank: int, fills: Fills) -> dict:
+        """Return rank ``rank``'s ``optimizer.state_dict()`` of placeholders, as DeepSpeed's ZeRO optimizer saves it."""
+        state, masters = {}, []
+        for f, flat in enumerate(self.flats):
+            masters.append(self._flat(flat, rank, flat.stored[rank], fills, self._master))
+            state[f] = self._flat_state(flat, rank, fills)
+        hypers = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []}
+            for g in self.optim["param_groups"]
+        ]
+        for f, flat in enumerate(self.flats):
+            hypers[flat.group]["params"].append(f)
+        base = {"state": state, "param_groups": hypers}
+        scaler, flags = self._scaler()
+        if self.stage == 3:
+            return {
+                "zero_stage": Call(ZERO_STAGE, (3,)),
+                "loss_scaler": scaler,
+                "dynamic_loss_scale": flags["dynamic_loss_scale"],
+                "overflow": flags["overflow"],
+                "partition_count": self.plan.world_size,
+                "optimizer_state_dict": base,
+                "fp32_flat_groups": masters,
+            }
+        return {
+            "loss_scaler": scaler,
+            **flags,
+            "base_optimizer_state": base,
+            "single_partition_of_fp32_groups": masters,
+            "zero_stage": Call(ZERO_STAGE, (self.stage,)),
+            "group_paddings": [flat.end_paddings[rank] for flat in self.flats],
+            "param_alignment_paddings": [list(flat.paddings) for flat in self.flats],
+            "partition_count": [self.plan.world_size] * len(self.flats),
+            "ds_version": self._version(),
+            "param_slice_mappings": [self._slices(flat, rank) for flat in self.flats],
+        }
+
+    def _master(self, fqn: str) -> TensorMeta:
+        return self.model[fqn]
+
+    def _flat(self, flat: FlatGroup, rank: int, size: int, fills: Fills, meta_of) -> torch.Tensor:
+        """Return a placeholder of ``size`` elements: rank ``rank``'s flat tensor of ``meta_of(fqn)`` for each parameter."""
+        first = meta_of(flat.shapes[0][0]) if flat.shapes else None
+        dtype = first.dtype if first is not None else torch.float32
+        out = torch.empty(size, dtype=dtype)
+        entries = []
+        for p in flat.placed:
+            meta = meta_of(p.fqn)
+            for piece in p.pieces:
+                if piece.rank == rank and piece.numel:
+                    at = piece.at * dtype.itemsize
+                    entries.append((meta.key, piece.start, piece.start + piece.numel, at))
+        fills[storage_of(out)] = entries
+        return out
+
+    def _flat_state(self, flat: FlatGroup, rank: int, fills: Fills) -> dict:
+        """Return the base optimizer's state of rank ``rank``'s flat tensor: per-element state cut as the masters, the rest the group's."""
+        entries = [self.optim["state"].get(fqn, {}) for fqn, _ in flat.shapes]
+        if not entries or not entries[0]:
+            if any(entries):
+                raise _uneven_state(flat.shapes[0][0])
+            return {}
+        out: dict = {}
+        for name, value in entries[0].items():
+            if any(name not in e for e in entries):
+                raise _uneven_state(flat.shapes[0][0])
+            if isinstance(value, TensorMeta) and value.shape == tuple(
+                self.model[flat.shapes[0][0]].shape
+            ):
+                out[name] = self._flat(
+                    flat,
+                    rank,
+                    flat.partition,
+                    fills,
+                    lambda fqn, n=name: self.optim["state"][fqn][n],
+                )
+            elif isinstance(value, TensorMeta):
+                out[name] = placeholder_whole(fills, value)
+            else:
+                out[name] = value
+        return out
+
+    def _slices(self, flat: FlatGroup, rank: int) -> OrderedDict:
+        """Return ``param_slice_mappings`` of rank ``rank``'s partition: where each parameter's slice lies."""
+        return OrderedDict(
+            (p.fqn, Instance(FRAGMENT_ADDRESS, {"numel": piece.numel, "start": piece.at}))
+            for p in flat.placed
+            for piece in p.pieces
+            if piece.rank == rank
+        )
+
+    def _scaler(self) -> tuple[Instance, dict]:
+        """Return the loss scaler object and the flags saved beside it, from SRC's (or a static scale of 1)."""
+        values = self.plan.tree.get("loss_scaler")
+        values = dict(values) if isinstance(values, dict) else {"cur_scale": 1.0, "dynamic": False}
+        flags = {k: values.pop(k, v) for k, v in SCALER_FLAGS.items()}
+        if isinstance(values.get("dtype"), str) and values["dtype"].startswith("torch."):
+            values["dtype"] = getattr(torch, values["dtype"].removeprefix("torch."))
+        cls = DYNAMIC_LOSS_SCALER if values.get("dynamic") else LOSS_SCALER
+        return Instance(cls, values), flags
+
+    def _frame_model(self, rank: int, tag: Path) -> Frame:
+        """Write the model-states file (ZeRO-3: rank ``rank``'s) and return the regions that fill it."""
+        fills: Fills = {}
+        casts: dict[int, torch.dtype] = {}
+        source = self.source.model
+        frozen = {fqn: shape for fqn, shape in source.frozen_shapes}
+        with fake_mode():
+            module = OrderedDict()
+            for fqn, saved in source.module.items():
+                meta = self.model.get(fqn)
+                if not isinstance(saved, torch.Tensor) or not isinstance(meta, TensorMeta):
+                    module[fqn] = saved if not isinstance(saved, torch.Tensor) else None
+                    if module[fqn] is None:
+                        raise _missing(fqn)
+                    continue
+                if self.stage == 3 and fqn not in source.buffers:
+                    module[fqn] = torch.empty(0, dtype=saved.dtype)
+                    continue
+                module[fqn] = self._cast_whole(meta, saved.dtype, fills, casts)
+            fragments = None
+            if self.stage >= 2:
+                fragments = OrderedDict(
+                    (fqn, self._frozen(fqn, rank, source, fills, casts)) for fqn in frozen
+                )
+            state = {
+                "module": module,
+                "buffer_names": list(source.buffers),
+                "optimizer": None,
+                "param_shapes": [
+                    OrderedDict((fqn, torch.Size(shape)) for fqn, shape in flat.shapes)
+                    for flat in self.flats
+                ],
+                "frozen_param_shapes": (
+                    OrderedDict((fqn, torch.Size(shape)) for fqn, shape in frozen.items())
+                    if self.stage >= 2
+                    else None
+                ),
+                "shared_params": dict(source.shared) if self.stage < 3 else {},
+                "frozen_param_fragments": fragments,
+                **self._job(fills),
+                "dp_world_size": self.plan.world_size,
+                "mp_world_size": 1,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+                "ds_config": self.config,
+                "ds_version": self._version(),
+                **self._client(fills),
+            }
+        name = model_file(rank, self.stage)
+        frame = skeleton_file(tag / name, state, fills, f"{self.source.tag}/{name}", MODULE)
+        return _with_casts(frame, fills, casts)
+
+    def _cast_whole(
+        self, meta: TensorMeta, dtype: torch.dtype, fills: Fills, casts: dict[int, torch.dtype]
+    ) -> torch.Tensor:
+        """Return a placeholder of all of ``meta`` in ``dtype``, noted in ``fills`` (and ``casts`` where cast)."""
+        out = torch.empty(meta.shape, dtype=dtype)
+        fills[storage_of(out)] = [(meta.key, 0, meta.numel, 0)]
+        if dtype != meta.dtype:
+            casts[storage_of(out)] = dtype
+        return out
+
+    def _frozen(
+        self, fqn: str, rank: int, source: ModelStates, fills: Fills, casts: dict[int, torch.dtype]
+    ) -> torch.Tensor:
+        """Return a frozen parameter as ``frozen_param_fragments`` holds it: whole, or ZeRO-3 rank ``rank``'s part."""
+        meta = self.model.get(fqn)
+        if not isinstance(meta, TensorMeta):
+            raise _missing(fqn)
+        saved = source.frozen_fragments.get(fqn)
+        dtype = saved.dtype if isinstance(saved, torch.Tensor) else self.dtype
+        if self.stage < 3:
+            return self._cast_whole(meta, dtype, fills, casts)
+        world = self.plan.world_size
+        part = -(-meta.numel // world)
+        start, stop = min(rank * part, meta.numel), min((rank + 1) * part, meta.numel)
+        out = torch.empty(part, dtype=dtype)
+        fills[storage_of(out)] = [(meta.key, start, stop, 0)]
+        if dtype != meta.dtype:
+            casts[storage_of(out)] = dtype
+        return out
+
+    def _job(self, fills: Fills) -> dict:
+        tree = self.plan.tree
+        return {k: _placeholders(tree.get(k, v), fills) for k, v in JOB_DEFAULTS.items()}
+
+    def _client(self, fills: Fills) -> dict:
+        client = self.plan.tree.get("client_state")
+        if not isinstance(client, dict):
+            return {}
+        reserved = [k for k in client if k in JOB_KEYS or k in ("module", "optimizer")]
+        if reserved:
+            raise UsageError(
+                f"the client state's key {reserved[0]!r} is one DeepSpeed keeps for itself",
+                hint="--drop it (client_state." + str(reserved[0]) + ")",
+            )
+        return {k: _placeholders(v, fills) for k, v in client.items()}
+
+    def finish(self) -> None:
+        path = self.root / names.LATEST
+        with writing(path), open(path, "w", encoding="utf-8") as f:
+            f.write(self.source.tag)
+
+
+def _placeholders(value: object, fills: Fills) -> object:
+    """Return ``value`` with every tensor leaf a placeholder noted in ``fills`` (inside ``fake_mode``)."""
+    return map_leaves(
+        value,
+        lambda _p, leaf: placeholder_whole(fills, leaf) if isinstance(leaf, TensorMeta) else leaf,
+    )
+
+
+def _with_casts(frame: Frame, fills: Fills, casts: dict[int, torch.dtype]) -> Frame:
+    """Return ``frame`` with the regions of the placeholders in ``casts`` written in their dtype."""
+    if not casts:
+        return frame
+    cast_of = {}
+    for storage, dtype in casts.items():
+        for key, *_ in fills[storage]:
+            cast_of.setdefault(key, dtype)
+    regions = [replace(r, cast=cast_of[r.key]) if r.key in cast_of else r for r in frame.regions]
+    return Frame(regions, frame.records, frame.pieces, frame.files)
+
+
+def _uneven_state(fqn: str) -> UsageError:
+    return UsageError(
+        f"the parameters of the flat group of '{fqn}' differ in their optimizer state, which "
+        "one flat partition's state cannot hold",
+        hint="convert a checkpoint whose every trainable parameter has the same state",
+    )
+
+
+def _missing(fqn: str) -> UsageError:
+    return UsageError(
+        f"--format deepspeed writes the module's '{fqn}', and the tree does not hold it",
+        hint="convert the whole checkpoint, without --drop or --filter of 'model'",
+    )
