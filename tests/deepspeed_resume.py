@@ -7,7 +7,7 @@
 the job held gathered into ``ROOT/CASE.ref/gathered.pt``.
 
 ``CASE`` is a case of ``tests/goldens/deepspeed/make.py`` (its ZeRO stage, dtype and
-config). The job builds ``deepspeed_model.TinyLM`` as the goldens' job does, loads
+config), or ``CASE:STAGE`` for that case's job run at another ZeRO stage. The job builds ``deepspeed_model.TinyLM`` as the goldens' job does, loads
 ``RUN_DIR`` with ``load_optimizer_states=True, load_lr_scheduler_states=True``, and rank
 0 saves into ``OUT`` (a ``torch.save`` file) what DeepSpeed then holds: each trainable
 parameter's fp32 master (``safe_get_full_fp32_param``), ``global_steps``, the scheduler's
@@ -52,7 +52,9 @@ def resume(case: str, run_dir: Path, out: Path, resave: Path | None) -> None:
 
     torch.set_num_threads(1)
     make = _make()
+    case, _, other = case.partition(":")
     stage, dtype, _, zero, extra = make.CASES[case]
+    stage = int(other) if other else stage
     no_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     model = deepspeed_model.build(seed=1)  # other weights than the run's: the load must set them

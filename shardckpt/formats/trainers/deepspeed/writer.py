@@ -19,6 +19,7 @@ model-states file, so SRC is a DeepSpeed save (``--from deepspeed``).
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,8 +50,9 @@ LOSS_SCALER = Named("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 DYNAMIC_LOSS_SCALER = Named("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 ZERO_STAGE = Named("deepspeed.runtime.zero.config", "ZeroStageEnum")
 FRAGMENT_ADDRESS = Named("deepspeed.utils.tensor_fragment", "fragment_address")
-# The flags DeepSpeed's optimizer saves beside its loss scaler (the reader puts them with it).
-SCALER_FLAGS = {"dynamic_loss_scale": False, "overflow": False, "clip_grad": 0.0}
+# The flags DeepSpeed's optimizer saves beside its loss scaler (the reader puts them with
+# it); ``clip_grad`` is the config's ``gradient_clipping``, 1.0 by default.
+SCALER_FLAGS = {"dynamic_loss_scale": False, "overflow": False}
 # What ``engine._common_checkpoint_state`` writes that is the job's, not the layout's.
 JOB_DEFAULTS = {
     "lr_scheduler": None,
@@ -117,12 +119,20 @@ class DeepSpeedWriter(TargetRanksWriter):
         self.model: dict = tree[MODEL]
         self.optim: dict = tree[OPTIM]
         config = tree.get("ds_config", self.source.model.job.get("ds_config"))
-        self.config = config if isinstance(config, dict) else {}
+        self.config = copy.deepcopy(config) if isinstance(config, dict) else {}
         self.stage = self._stage()
+        if plan.zero_stage is not None and plan.zero_stage != self.stage:
+            # The job that loads DST runs the new stage: its saves will say so too.
+            self.stage = plan.zero_stage
+            self.config["zero_optimization"]["stage"] = plan.zero_stage
         self.dtype = training_dtype(self.config) or torch.float32
         self.bf16 = self.dtype == torch.bfloat16
+        self._check_optimizer()
         self.groups = self._groups()
         self.flats = self._layout()
+        for fqn, saved in self.source.model.module.items():
+            if isinstance(saved, torch.Tensor) and not isinstance(self.model.get(fqn), TensorMeta):
+                raise _missing(fqn)
         self.every_copy = (names.LATEST,)
 
     # ------------------------------------------------------------ what is written
@@ -139,13 +149,27 @@ class DeepSpeedWriter(TargetRanksWriter):
             )
         return stage
 
+    def _check_optimizer(self) -> None:
+        """Refuse a job DeepSpeed runs with its ``BF16_Optimizer`` (ZeRO-1, bf16, fp32 gradient accumulation)."""
+        types = self.config.get("data_types")
+        accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+        offload = self._zero("offload_optimizer", None)
+        if self.stage == 1 and self.bf16 and accum in ("fp32", "float32") and not offload:
+            raise UsageError(
+                "SRC's ds_config runs ZeRO-1 in bf16 with fp32 gradient accumulation, which "
+                "DeepSpeed trains with its BF16_Optimizer, whose files --format deepspeed does "
+                "not write",
+                path=self.plan.src,
+                hint="write --to sharded (DCP) or --to full instead",
+            )
+
     def _zero(self, key: str, default):
         zero = self.config.get("zero_optimization")
         return zero.get(key, default) if isinstance(zero, dict) else default
 
     def _groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
         """Return each param group's parameters in the optimizer's order, with their shapes; refuse what cannot be laid out."""
-        if self._zero("round_robin_gradients", False) and self.stage in (1, 2):
+        if self._zero("round_robin_gradients", False):
             raise UsageError(
                 "SRC ran with zero_optimization.round_robin_gradients, whose flat order "
                 "depends on the world size: --format deepspeed does not write it",
@@ -310,7 +334,8 @@ class DeepSpeedWriter(TargetRanksWriter):
         """Return the loss scaler object and the flags saved beside it, from SRC's (or a static scale of 1)."""
         values = self.plan.tree.get("loss_scaler")
         values = dict(values) if isinstance(values, dict) else {"cur_scale": 1.0, "dynamic": False}
-        flags = {k: values.pop(k, v) for k, v in SCALER_FLAGS.items()}
+        defaults = {**SCALER_FLAGS, "clip_grad": float(self.config.get("gradient_clipping", 1.0))}
+        flags = {k: values.pop(k, v) for k, v in defaults.items()}
         if isinstance(values.get("dtype"), str) and values["dtype"].startswith("torch."):
             values["dtype"] = getattr(torch, values["dtype"].removeprefix("torch."))
         cls = DYNAMIC_LOSS_SCALER if values.get("dynamic") else LOSS_SCALER
@@ -321,15 +346,13 @@ class DeepSpeedWriter(TargetRanksWriter):
         fills: Fills = {}
         casts: dict[int, torch.dtype] = {}
         source = self.source.model
-        frozen = {fqn: shape for fqn, shape in source.frozen_shapes}
+        frozen = self._frozen_shapes()
         with fake_mode():
             module = OrderedDict()
             for fqn, saved in source.module.items():
                 meta = self.model.get(fqn)
-                if not isinstance(saved, torch.Tensor) or not isinstance(meta, TensorMeta):
-                    module[fqn] = saved if not isinstance(saved, torch.Tensor) else None
-                    if module[fqn] is None:
-                        raise _missing(fqn)
+                if not isinstance(saved, torch.Tensor):
+                    module[fqn] = saved
                     continue
                 if self.stage == 3 and fqn not in source.buffers:
                     module[fqn] = torch.empty(0, dtype=saved.dtype)
@@ -353,7 +376,8 @@ class DeepSpeedWriter(TargetRanksWriter):
                     if self.stage >= 2
                     else None
                 ),
-                "shared_params": dict(source.shared) if self.stage < 3 else {},
+                # DeepSpeed finds tied parameters on global rank 0 only.
+                "shared_params": dict(source.shared) if rank == 0 else {},
                 "frozen_param_fragments": fragments,
                 **self._job(fills),
                 "dp_world_size": self.plan.world_size,
@@ -366,6 +390,25 @@ class DeepSpeedWriter(TargetRanksWriter):
         name = model_file(rank, self.stage)
         frame = skeleton_file(tag / name, state, fills, f"{self.source.tag}/{name}", MODULE)
         return _with_casts(frame, fills, casts)
+
+    def _frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Return the module's parameters outside the optimizer, as ZeRO-2/3 list them.
+
+        A ZeRO-1 save lists none: they are the module's parameters that are neither
+        trained, buffers nor tied to another.
+        """
+        source = self.source.model
+        if source.frozen_shapes:
+            return dict(source.frozen_shapes)
+        trained = {fqn for flat in self.flats for fqn, _ in flat.shapes}
+        return {
+            fqn: tuple(meta.shape)
+            for fqn in source.module
+            if fqn not in trained
+            and fqn not in source.buffers
+            and fqn not in source.shared
+            and isinstance(meta := self.model.get(fqn), TensorMeta)
+        }
 
     def _cast_whole(
         self, meta: TensorMeta, dtype: torch.dtype, fills: Fills, casts: dict[int, torch.dtype]
@@ -381,10 +424,8 @@ class DeepSpeedWriter(TargetRanksWriter):
         self, fqn: str, rank: int, source: ModelStates, fills: Fills, casts: dict[int, torch.dtype]
     ) -> torch.Tensor:
         """Return a frozen parameter as ``frozen_param_fragments`` holds it: whole, or ZeRO-3 rank ``rank``'s part."""
-        meta = self.model.get(fqn)
-        if not isinstance(meta, TensorMeta):
-            raise _missing(fqn)
-        saved = source.frozen_fragments.get(fqn)
+        meta = self.model[fqn]
+        saved = source.frozen_fragments.get(fqn, source.module.get(fqn))
         dtype = saved.dtype if isinstance(saved, torch.Tensor) else self.dtype
         if self.stage < 3:
             return self._cast_whole(meta, dtype, fills, casts)
@@ -412,6 +453,21 @@ class DeepSpeedWriter(TargetRanksWriter):
                 hint="--drop it (client_state." + str(reserved[0]) + ")",
             )
         return {k: _placeholders(v, fills) for k, v in client.items()}
+
+    def written_tree(self, tree: dict) -> dict:
+        """Return ``tree`` with the ``ds_config`` and loss-scaler flags the files hold at the stage written."""
+        out = dict(tree)
+        if "ds_config" in out:
+            out["ds_config"] = self.config
+        if isinstance(out.get("loss_scaler"), dict):
+            _, flags = self._scaler()
+            values = {k: v for k, v in out["loss_scaler"].items() if k not in flags}
+            out["loss_scaler"] = {**values, **self._saved_flags(flags)}
+        return out
+
+    def _saved_flags(self, flags: dict) -> dict:
+        """Return the flags DeepSpeed saves beside the loss scaler at the stage written (ZeRO-3: no ``clip_grad``)."""
+        return {k: v for k, v in flags.items() if not (self.stage == 3 and k == "clip_grad")}
 
     def finish(self) -> None:
         path = self.root / names.LATEST

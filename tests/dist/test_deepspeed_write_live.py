@@ -1,0 +1,135 @@
+"""The real library, live: a ZeRO save converted to ``--format deepspeed`` at M is resumed by
+DeepSpeed's own ``engine.load_checkpoint`` at M as the run itself.
+
+Each golden (a DeepSpeed save at 2 ranks, or 3) is converted for M ranks and loaded by a
+DeepSpeed job at M (``tests/deepspeed_resume.py``, torchrun, gloo, CPU accelerator) with
+``load_optimizer_states=True, load_lr_scheduler_states=True``: every fp32 master
+(``safe_get_full_fp32_param``) equals what the run held when it saved, bit for bit;
+``global_steps``, the scheduler and the client state continue; the Adam moments, as
+DeepSpeed saves them again at M, equal ``ds_to_universal``'s of the run; and a step on a
+batch every rank is given alike has the loss, and leaves the masters, of the run resumed
+natively at its own world size. Runs only where deepspeed is installed,
+``pip install -e '.[deepspeed]'`` (``tests/unit/test_deepspeed_write.py`` checks the same
+conversions against DeepSpeed's files without it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed_goldens import MOMENTS, bits_equal, gathered, run_dir, universal_states
+
+from shardckpt import api
+
+pytestmark = [pytest.mark.trainers, pytest.mark.timeout(1800)]
+pytest.importorskip(
+    "deepspeed", reason="deepspeed is not installed (pip install -e '.[deepspeed]')"
+)
+
+TESTS = Path(__file__).resolve().parent.parent
+CLIENT_STATE = {"epoch": 1, "note": "tiny"}
+# golden: the world sizes it is written for and resumed at. (No fp16 run: DeepSpeed's CPU
+# accelerator trains fp16 only on CPUs with fp16 arithmetic, "Type fp16 is not supported on
+# your device" elsewhere; tests/unit/test_deepspeed_write.py reads its conversions back.)
+CASES = [
+    ("z1-fp32", 1),
+    ("z1-fp32", 3),
+    ("z2-bf16", 1),
+    ("z2-bf16", 3),
+    ("z2-bf16", 4),
+    ("z3-fp32", 1),
+    ("z3-fp32", 3),
+    ("z3-bf16", 4),
+    ("z3-fp32-sub3", 2),
+]
+RANKS = {"z3-fp32-sub3": 3}
+
+
+def resume(case: str, ranks: int, src: Path, out: Path, resave: Path | None = None) -> dict:
+    """Run ``deepspeed_resume.py`` at ``ranks`` on ``src``; return what rank 0 saved."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    argv += [
+        f"--nproc-per-node={ranks}",
+        str(TESTS / "deepspeed_resume.py"),
+        case,
+        str(src),
+        str(out),
+    ]
+    argv += [str(resave)] if resave is not None else []
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """Return a maker of what the golden run holds, resumed natively at its own world size, by case."""
+    made: dict[str, dict] = {}
+    root = tmp_path_factory.mktemp("native")
+
+    def get(case: str) -> dict:
+        if case not in made:
+            made[case] = resume(case, RANKS.get(case, 2), run_dir(case), root / f"{case}.pt")
+        return made[case]
+
+    return get
+
+
+# Another ZeRO stage than the run's (--zero-stage): golden, M, stage.
+STAGE_CHANGES = [("z2-bf16", 3, 3), ("z3-fp32", 2, 1), ("z1-fp32", 4, 2)]
+
+
+@pytest.mark.parametrize(
+    "case,m,stage",
+    [(c, m, None) for c, m in CASES] + STAGE_CHANGES,
+    ids=[f"{c}-M{m}" for c, m in CASES] + [f"{c}-M{m}-zero{s}" for c, m, s in STAGE_CHANGES],
+)
+def test_a_conversion_resumes_in_deepspeed_at_m_as_the_run(tmp_path, native, case, m, stage):
+    dst = tmp_path / "ds"
+    api.convert(
+        api.ConvertRequest(
+            src=run_dir(case),
+            dst=dst,
+            to="local",
+            format="deepspeed",
+            world_size=m,
+            zero_stage=stage,
+            verify=True,
+        )
+    )
+    assert (dst / "latest").read_text() == "global_step3"
+    job = case if stage is None else f"{case}:{stage}"
+    held = resume(job, m, dst, tmp_path / "held.pt", tmp_path / "resaved")
+    run = gathered(case)
+    assert held["world_size"] == m
+    assert set(held["fp32"]) == set(run["fp32"])
+    for fqn, master in run["fp32"].items():
+        assert bits_equal(held["fp32"][fqn], master), fqn
+    assert (held["global_steps"], held["global_steps_after"]) == (3, 4)
+    reference = native(case)
+    assert held["lr_scheduler"] == reference["lr_scheduler"]
+    assert held["global_samples"] == reference["global_samples"]
+    assert held["client"] == CLIENT_STATE
+    # The moments DeepSpeed holds at M, as it saves them again, are the run's.
+    api.convert(
+        api.ConvertRequest(src=tmp_path / "resaved", dst=tmp_path / "resaved.pt", to="full")
+    )
+    state = torch.load(tmp_path / "resaved.pt", weights_only=True)["optim"]["state"]
+    moments = universal_states(case)
+    for fqn, expected in moments.items():
+        for moment in MOMENTS:
+            assert bits_equal(state[fqn][moment], expected[moment]), (fqn, moment)
+    # The next step: the loss of one batch, and the masters after it, are the native resume's.
+    # At another stage a bf16 forward is not the same computation (ZeRO-3 runs its own
+    # Linear on the gathered bf16 weights): equal to bf16's precision there.
+    fp32 = case.endswith("fp32") or "fp32-" in case
+    rel = 1e-6 if fp32 or stage is None else 1e-3
+    assert held["loss"] == pytest.approx(reference["loss"], rel=rel)
+    tol = 1e-6 if fp32 else 2e-3
+    for fqn, after in reference["stepped"].items():
+        torch.testing.assert_close(held["stepped"][fqn], after, rtol=tol, atol=tol)

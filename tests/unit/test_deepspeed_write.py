@@ -1,0 +1,190 @@
+"""``--format deepspeed``: a ZeRO save written for M ranks is, file by file, what DeepSpeed itself
+saves at M once it has loaded it, and reads back as the run it came from.
+
+The references are DeepSpeed's own: ``tests/goldens/deepspeed/written/CASE-MM/`` is what a
+DeepSpeed 0.19.8 job at M saved with ``engine.save_checkpoint`` after
+``engine.load_checkpoint`` of shardckpt's conversion of golden ``CASE`` (``written.py``),
+and ``CASE-MM.held.pt`` the fp32 masters that job held, gathered by DeepSpeed. Every tensor
+and value of every file must be equal: DeepSpeed recomputes its partitions, paddings,
+``param_slice_mappings`` and file names for M itself, so a layout it would cut otherwise
+differs there. ``tests/dist/test_deepspeed_write_live.py`` runs DeepSpeed itself where it is
+installed. Refusals: one line, exit 2, no DST and nothing staged left behind."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed_files import deepspeed_classes
+from deepspeed_goldens import GOLDENS, bits_equal, gathered, run_dir
+
+from shardckpt import api
+from shardckpt.cli import run
+
+WRITTEN = GOLDENS / "written"
+ENTRIES = sorted(p.name for p in WRITTEN.iterdir() if p.is_dir())
+
+
+def _load(path: Path) -> object:
+    with deepspeed_classes():
+        return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def _differences(a: object, b: object, where: str = "") -> list[str]:
+    """Return where two loaded DeepSpeed files differ: tensors bit for bit, objects by their fields."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bits_equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            return [f"{where}: keys {list(a)} != {list(b)}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{where}: {a!r} != {b!r}"]
+        return [
+            d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")
+        ]
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        if type(a).__name__ != type(b).__name__:
+            return [f"{where}: {type(a).__name__} != {type(b).__name__}"]
+        return _differences(vars(a), vars(b), where)
+    return [] if a == b and type(a) is type(b) else [f"{where}: {a!r} != {b!r}"]
+
+
+def _convert(src: Path, dst: Path, world_size: int, *extra: str) -> int:
+    argv = ["convert", str(src), str(dst), "--to", "local", "--format", "deepspeed"]
+    return run([*argv, "--world-size", str(world_size), *extra])
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_every_file_is_what_deepspeed_saves_at_m_once_it_loaded_it(tmp_path, entry):
+    case, m = entry.rsplit("-M", 1)
+    dst = tmp_path / "ds"
+    assert _convert(run_dir(case), dst, int(m)) == 0
+    assert (dst / "latest").read_text() == (WRITTEN / entry / "latest").read_text().strip()
+    ours = sorted(p.relative_to(dst) for p in dst.rglob("*") if p.is_file())
+    theirs = sorted(
+        p.relative_to(WRITTEN / entry) for p in (WRITTEN / entry).rglob("*") if p.is_file()
+    )
+    assert ours == theirs
+    for name in ours:
+        if name.suffix == ".pt":
+            assert _differences(_load(dst / name), _load(WRITTEN / entry / name)) == [], name
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_the_masters_deepspeed_loaded_are_the_runs(entry):
+    case, _ = entry.rsplit("-M", 1)
+    held = torch.load(WRITTEN / f"{entry}.held.pt", weights_only=True)
+    assert held["global_steps"] == 3
+    for fqn, master in gathered(case)["fp32"].items():
+        assert bits_equal(held["fp32"][fqn], master), fqn
+
+
+@pytest.mark.parametrize(
+    "case,m", [("z1-bf16", 5), ("z2-fp32", 2), ("z3-bf16", 3), ("z3-fp32-sub3", 4), ("z2-fp16", 1)]
+)
+def test_a_conversion_reads_back_as_the_run_it_came_from(tmp_path, case, m):
+    """Any stage, dtype and M: what shardckpt reads of DST (checked against zero_to_fp32 and ds_to_universal) is SRC."""
+    result = api.convert(
+        api.ConvertRequest(
+            src=run_dir(case),
+            dst=tmp_path / "ds",
+            to="local",
+            format="deepspeed",
+            world_size=m,
+            verify=True,
+        )
+    )
+    assert result.verified
+    assert api.diff(api.DiffRequest(a=run_dir(case), b=tmp_path / "ds")).equal
+
+
+@pytest.mark.parametrize(
+    "case,extra,message",
+    [
+        (
+            "z2-bf16-rr3",
+            (),
+            "SRC ran with zero_optimization.round_robin_gradients, whose flat order depends on "
+            "the world size: --format deepspeed does not write it: write --to sharded (DCP) or "
+            "--to full instead",
+        ),
+        (
+            "z1-bf16-fp32acc",
+            (),
+            "SRC's ds_config runs ZeRO-1 in bf16 with fp32 gradient accumulation, which DeepSpeed "
+            "trains with its BF16_Optimizer, whose files --format deepspeed does not write: write "
+            "--to sharded (DCP) or --to full instead",
+        ),
+    ],
+)
+def test_a_run_deepspeed_would_lay_out_otherwise_is_refused(tmp_path, capsys, case, extra, message):
+    src = shutil.copytree(run_dir(case), tmp_path / "src")
+    assert _convert(src, tmp_path / "ds", 2, *extra) == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1] == f"shardckpt: error: '{src}': {message}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ("--only", "model"),
+            "--format deepspeed needs SRC's 'optim': DeepSpeed loads the module and its optimizer's "
+            "partitions together: convert the whole checkpoint (no --only, --filter or --drop of it)",
+        ),
+        (
+            ("--drop", "model.fc1.bias"),
+            "--format deepspeed writes the module's 'fc1.bias', and the tree does not hold it: "
+            "convert the whole checkpoint, without --drop or --filter of 'model'",
+        ),
+        (
+            ("--filter", "model.*"),
+            "--format deepspeed needs SRC's 'optim': DeepSpeed loads the module and its optimizer's "
+            "partitions together: convert the whole checkpoint (no --only, --filter or --drop of it)",
+        ),
+        (
+            ("--zero-stage", "4"),
+            "--zero-stage must be 1, 2 or 3, not 4: DeepSpeed's ZeRO stages with an optimizer "
+            "partitioned over the ranks",
+        ),
+    ],
+)
+def test_a_tree_without_what_deepspeed_loads_is_refused(tmp_path, capsys, extra, message):
+    src = shutil.copytree(run_dir("z2-bf16"), tmp_path / "src")
+    assert _convert(src, tmp_path / "ds", 3, *extra) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"shardckpt: error: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_source_that_is_not_a_deepspeed_save_is_refused(tmp_path, capsys):
+    src = tmp_path / "src"
+    assert (
+        run(
+            [
+                "convert",
+                str(run_dir("z2-bf16")),
+                str(src),
+                "--to",
+                "sharded",
+                "--world-size",
+                "2",
+                "-q",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert _convert(src, tmp_path / "ds", 2) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"shardckpt: error: '{src}': --format deepspeed is written from a DeepSpeed ZeRO save (the "
+        "module's layout, param groups and training dtype come from its model-states file): pass a "
+        "DeepSpeed run directory (with 'latest') or a global_stepN directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
