@@ -1,13 +1,14 @@
 """A DeepSpeed job that resumes a ZeRO checkpoint with DeepSpeed's own ``load_checkpoint`` (under torchrun).
 
     DS_ACCELERATOR=cpu torchrun --nproc-per-node N tests/deepspeed_resume.py --train CASE ROOT
-    DS_ACCELERATOR=cpu torchrun --nproc-per-node M tests/deepspeed_resume.py CASE RUN_DIR OUT [RESAVE]
+    DS_ACCELERATOR=cpu torchrun --nproc-per-node M tests/deepspeed_resume.py CASE RUN_DIR OUT [RESAVE] [--no-scheduler]
 
 ``--train`` is the goldens' job (``make.py``): 3 steps, saved into ``ROOT/CASE``, what
 the job held gathered into ``ROOT/CASE.ref/gathered.pt``.
 
 ``CASE`` is a case of ``tests/goldens/deepspeed/make.py`` (its ZeRO stage, dtype and
-config), or ``CASE:STAGE`` for that case's job run at another ZeRO stage. The job builds ``deepspeed_model.TinyLM`` as the goldens' job does, loads
+config), or ``CASE:STAGE`` for that case's job run at another ZeRO stage; with
+``--no-scheduler`` the scheduler's state is not loaded (a save from a source without one). The job builds ``deepspeed_model.TinyLM`` as the goldens' job does, loads
 ``RUN_DIR`` with ``load_optimizer_states=True, load_lr_scheduler_states=True``, and rank
 0 saves into ``OUT`` (a ``torch.save`` file) what DeepSpeed then holds: each trainable
 parameter's fp32 master (``safe_get_full_fp32_param``), ``global_steps``, the scheduler's
@@ -41,7 +42,9 @@ def no_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def resume(case: str, run_dir: Path, out: Path, resave: Path | None) -> None:
+def resume(
+    case: str, run_dir: Path, out: Path, resave: Path | None, scheduler: bool = True
+) -> None:
     """Load ``run_dir`` at this launch's world size; rank 0 writes what the job holds into ``out``."""
     import deepspeed
     import torch
@@ -64,7 +67,7 @@ def resume(case: str, run_dir: Path, out: Path, resave: Path | None) -> None:
         config=make.config(stage, dtype, zero, extra),
     )
     path, client = engine.load_checkpoint(
-        str(run_dir), load_optimizer_states=True, load_lr_scheduler_states=True
+        str(run_dir), load_optimizer_states=True, load_lr_scheduler_states=scheduler
     )
     assert path is not None, f"load_checkpoint found nothing in {run_dir}"
     if resave is not None:
@@ -103,12 +106,13 @@ def resume(case: str, run_dir: Path, out: Path, resave: Path | None) -> None:
 if __name__ == "__main__":
     import os
 
-    args = sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--no-scheduler"]
     if args[0] == "--train":
         no_shm_op()
         _make().job(args[1], Path(args[2]))
     else:
-        resume(args[0], Path(args[1]), Path(args[2]), Path(args[3]) if len(args) > 3 else None)
+        resave = Path(args[3]) if len(args) > 3 else None
+        resume(args[0], Path(args[1]), Path(args[2]), resave, "--no-scheduler" not in sys.argv)
     # DeepSpeed's threads abort the interpreter's teardown now and then ("terminate called
     # without an active exception"): the job's work is done and written.
     sys.stdout.flush()

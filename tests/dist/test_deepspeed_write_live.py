@@ -49,7 +49,9 @@ CASES = [
 RANKS = {"z3-fp32-sub3": 3}
 
 
-def resume(case: str, ranks: int, src: Path, out: Path, resave: Path | None = None) -> dict:
+def resume(
+    case: str, ranks: int, src: Path, out: Path, resave: Path | None = None, *extra: str
+) -> dict:
     """Run ``deepspeed_resume.py`` at ``ranks`` on ``src``; return what rank 0 saved."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     argv += [
@@ -60,10 +62,22 @@ def resume(case: str, ranks: int, src: Path, out: Path, resave: Path | None = No
         str(out),
     ]
     argv += [str(resave)] if resave is not None else []
+    argv += list(extra)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out, weights_only=True)
+
+
+def assert_moments_of_the_run(case: str, resaved: Path, full: Path) -> None:
+    """Assert the moments DeepSpeed holds at M, as it saves them again, are the run's (ds_to_universal's)."""
+    api.convert(api.ConvertRequest(src=resaved, dst=full, to="full"))
+    state = torch.load(full, weights_only=True)["optim"]["state"]
+    moments = universal_states(case)
+    assert set(state) == set(moments)
+    for fqn, expected in moments.items():
+        for moment in MOMENTS:
+            assert bits_equal(state[fqn][moment], expected[moment]), (fqn, moment)
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +129,7 @@ def test_a_conversion_resumes_in_deepspeed_at_m_as_the_run(tmp_path, native, cas
     assert held["lr_scheduler"] == reference["lr_scheduler"]
     assert held["global_samples"] == reference["global_samples"]
     assert held["client"] == CLIENT_STATE
-    # The moments DeepSpeed holds at M, as it saves them again, are the run's.
-    api.convert(
-        api.ConvertRequest(src=tmp_path / "resaved", dst=tmp_path / "resaved.pt", to="full")
-    )
-    state = torch.load(tmp_path / "resaved.pt", weights_only=True)["optim"]["state"]
-    moments = universal_states(case)
-    for fqn, expected in moments.items():
-        for moment in MOMENTS:
-            assert bits_equal(state[fqn][moment], expected[moment]), (fqn, moment)
+    assert_moments_of_the_run(case, tmp_path / "resaved", tmp_path / "resaved.pt")
     # The next step: the loss of one batch, and the masters after it, are the native resume's.
     # At another stage a bf16 forward is not the same computation (ZeRO-3 runs its own
     # Linear on the gathered bf16 weights): equal to bf16's precision there.
@@ -133,3 +139,38 @@ def test_a_conversion_resumes_in_deepspeed_at_m_as_the_run(tmp_path, native, cas
     tol = 1e-6 if fp32 else 2e-3
     for fqn, after in reference["stepped"].items():
         torch.testing.assert_close(held["stepped"][fqn], after, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case,m,factory", [("z2-bf16", 3, "build_bf16"), ("z3-fp32", 4, "build")])
+def test_fsdp2_dcp_with_its_optimizer_resumes_in_deepspeed_at_m(tmp_path, native, case, m, factory):
+    """FSDP2 -> DeepSpeed: a DCP checkpoint of model and FQN-keyed optimizer alone (what FSDP2
+    at 2 loads, tests/dist/test_deepspeed.py), written with --model for the module's layout."""
+    dcp = tmp_path / "dcp"
+    api.convert(
+        api.ConvertRequest(
+            src=run_dir(case), dst=dcp, to="sharded", world_size=2, filters=("model.*", "optim.*")
+        )
+    )
+    dst = tmp_path / "ds"
+    api.convert(
+        api.ConvertRequest(
+            src=dcp,
+            dst=dst,
+            to="local",
+            format="deepspeed",
+            world_size=m,
+            model=f"deepspeed_model:{factory}",
+            zero_stage=int(case[1]),
+            verify=True,
+        )
+    )
+    assert (dst / "latest").read_text() == "global_step0"
+    held = resume(case, m, dst, tmp_path / "held.pt", tmp_path / "resaved", "--no-scheduler")
+    for fqn, master in gathered(case)["fp32"].items():
+        assert bits_equal(held["fp32"][fqn], master), fqn
+    assert_moments_of_the_run(case, tmp_path / "resaved", tmp_path / "resaved.pt")
+    assert (held["global_steps"], held["global_steps_after"]) == (0, 1)
+    reference = native(case)
+    assert held["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    for fqn, after in reference["stepped"].items():
+        torch.testing.assert_close(held["stepped"][fqn], after, rtol=2e-3, atol=2e-3)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed_files import differences
-from deepspeed_goldens import WRITTEN, bits_equal, gathered, run_dir
+from deepspeed_goldens import MOMENTS, WRITTEN, bits_equal, gathered, run_dir, universal_states
 
 from shardckpt import api
 from shardckpt.cli import run
@@ -148,8 +148,52 @@ def test_a_source_that_is_not_a_deepspeed_save_is_refused(tmp_path, capsys):
     capsys.readouterr()
     assert _convert(src, tmp_path / "ds", 2) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"shardckpt: error: '{src}': --format deepspeed is written from a DeepSpeed ZeRO save (the "
-        "module's layout, param groups and training dtype come from its model-states file): pass a "
-        "DeepSpeed run directory (with 'latest') or a global_stepN directory"
+        f"shardckpt: error: '{src}': is not a DeepSpeed save, and --format deepspeed needs the "
+        "module's layout (its buffers, frozen and tied parameters, dtypes), which a DeepSpeed "
+        "save's model-states file gives: pass --model pkg.module:factory building the trained model"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def _fsdp2_dcp(tmp_path: Path, case: str) -> Path:
+    """Return a DCP checkpoint of a golden's model and FQN-keyed optimizer alone, as FSDP2 saves one."""
+    src = tmp_path / "src"
+    argv = ["convert", str(run_dir(case)), str(src), "--to", "sharded", "--world-size", "2"]
+    assert run([*argv, "--filter", "model.*", "--filter", "optim.*", "-q"]) == 0
+    return src
+
+
+@pytest.mark.parametrize("case,m,stage", [("z2-bf16", 3, None), ("z3-fp32", 4, "1")])
+def test_a_dcp_source_is_written_with_the_module_model_builds(tmp_path, capsys, case, m, stage):
+    src = _fsdp2_dcp(tmp_path, case)
+    capsys.readouterr()
+    extra = ["--model", "deepspeed_model:build", "--verify"] + (
+        ["--zero-stage", stage] if stage else []
+    )
+    assert _convert(src, tmp_path / "ds", m, *extra) == 0
+    err = capsys.readouterr().err
+    assert f"SRC is not a DeepSpeed save: writing ZeRO-{stage or 2}" in err
+    assert "load DST with engine.load_checkpoint(DST, load_lr_scheduler_states=False)" in err
+    assert (tmp_path / "ds" / "latest").read_text() == "global_step0"
+    full = tmp_path / "ds.pt"
+    assert run(["convert", str(tmp_path / "ds"), str(full), "--to", "full", "-q"]) == 0
+    written = torch.load(full, weights_only=True)
+    moments = universal_states(case)
+    for fqn, master in gathered(case)["fp32"].items():
+        assert bits_equal(written["model"][fqn], master), fqn
+        for moment in MOMENTS:
+            assert bits_equal(written["optim"]["state"][fqn][moment], moments[fqn][moment])
+    assert written["global_steps"] == 0 and written["ds_config"]["zero_optimization"] == {
+        "stage": int(stage or 2)
+    }
+
+
+def test_a_model_that_trains_other_parameters_is_refused(tmp_path, capsys):
+    src = _fsdp2_dcp(tmp_path, "z2-fp32")
+    capsys.readouterr()
+    assert _convert(src, tmp_path / "ds", 3, "--model", "deepspeed_model:build_unfrozen") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "shardckpt: error: the module --model builds trains 'frozen.weight' (it requires grad), "
+        "and SRC's optimizer does not hold it: check --model against `shardckpt inspect SRC`"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -28,7 +28,7 @@ import torch
 
 from shardckpt.codecs.foreign_pickle import MODULE, Call, Instance, Named
 from shardckpt.codecs.zip_skeleton import fake_mode
-from shardckpt.core.errors import UsageError
+from shardckpt.core.errors import UsageError, notice
 from shardckpt.core.files import writing
 from shardckpt.formats.base import Frame
 from shardckpt.formats.ranks.rank_file import Fills, placeholder_whole
@@ -36,6 +36,7 @@ from shardckpt.formats.ranks.target_ranks import TargetRanksWriter, merge_frames
 from shardckpt.formats.torch_save.file import skeleton_file, storage_of
 from shardckpt.formats.trainers.deepspeed import names
 from shardckpt.formats.trainers.deepspeed.agreement import training_dtype
+from shardckpt.formats.trainers.deepspeed.model_layout import model_states
 from shardckpt.formats.trainers.deepspeed.states import JOB_KEYS, ModelStates, read_model_states
 from shardckpt.formats.trainers.deepspeed.write_layout import (
     FlatGroup,
@@ -78,28 +79,40 @@ def model_file(rank: int, stage: int) -> str:
     )
 
 
+WRITES_VERSION = "0.19.8"
+"""The DeepSpeed release whose files this writes, named in them where SRC names none."""
+
+
 @dataclass(frozen=True)
 class Source:
-    """What DST's layout takes from SRC's own save: its tag and its model-states file."""
+    """What DST's layout takes from SRC: its tag and the model-states file that describes the module."""
 
     tag: str
     model: ModelStates
+    native: bool = True
+    """Whether SRC is a DeepSpeed save (else the module's layout is ``--model``'s)."""
 
 
-def source_save(src: Path) -> Source:
-    """Return SRC's tag and model-states file; refuse a SRC that is not a DeepSpeed save."""
+def source_save(plan) -> Source:
+    """Return SRC's tag and model-states file, or the module ``--model`` builds for another source."""
     from shardckpt.formats.trainers.deepspeed.detect import is_deepspeed_dir
 
-    if not src.is_dir() or not is_deepspeed_dir(src):
+    src = Path(plan.src)
+    if src.is_dir() and is_deepspeed_dir(src):
+        tag = names.tag_dir(src)
+        files = names.tag_files(tag, src)
+        return Source(tag.name, read_model_states(files.model[min(files.model)]))
+    if plan.flat_model is None:
         raise UsageError(
-            "--format deepspeed is written from a DeepSpeed ZeRO save (the module's layout, "
-            "param groups and training dtype come from its model-states file)",
+            "is not a DeepSpeed save, and --format deepspeed needs the module's layout "
+            "(its buffers, frozen and tied parameters, dtypes), which a DeepSpeed save's "
+            "model-states file gives",
             path=src,
-            hint="pass a DeepSpeed run directory (with 'latest') or a global_stepN directory",
+            hint="pass --model pkg.module:factory building the trained model",
         )
-    tag = names.tag_dir(src)
-    files = names.tag_files(tag, src)
-    return Source(tag.name, read_model_states(files.model[min(files.model)]))
+    steps = plan.tree.get("global_steps")
+    steps = steps if type(steps) is int and steps >= 0 else 0
+    return Source(f"global_step{steps}", model_states(plan.flat_model.spec, src), native=False)
 
 
 class DeepSpeedWriter(TargetRanksWriter):
@@ -107,7 +120,8 @@ class DeepSpeedWriter(TargetRanksWriter):
 
     def __init__(self, root: Path, plan):
         super().__init__(root, plan)
-        self.source = source_save(Path(plan.src))
+        self.source = source_save(plan)
+        self.notes: list[str] = []
         tree = plan.tree
         for key in (MODEL, OPTIM):
             if key not in tree or not isinstance(tree[key], dict):
@@ -120,6 +134,8 @@ class DeepSpeedWriter(TargetRanksWriter):
         self.optim: dict = tree[OPTIM]
         config = tree.get("ds_config", self.source.model.job.get("ds_config"))
         self.config = copy.deepcopy(config) if isinstance(config, dict) else {}
+        if not self.source.native:
+            self.config = self._own_config()
         self.stage = self._stage()
         if plan.zero_stage is not None and plan.zero_stage != self.stage:
             # The job that loads DST runs the new stage: its saves will say so too.
@@ -133,6 +149,8 @@ class DeepSpeedWriter(TargetRanksWriter):
         for fqn, saved in self.source.model.module.items():
             if isinstance(saved, torch.Tensor) and not isinstance(self.model.get(fqn), TensorMeta):
                 raise _missing(fqn)
+        if not self.source.native:
+            self._check_trained()
         self.every_copy = (names.LATEST,)
 
     # ------------------------------------------------------------ what is written
@@ -148,6 +166,31 @@ class DeepSpeedWriter(TargetRanksWriter):
                 hint="convert a ZeRO-1, 2 or 3 save",
             )
         return stage
+
+    def _own_config(self) -> dict:
+        """Return the ``ds_config`` written for a SRC that has none: the ZeRO stage, the module's dtype."""
+        stage = self.plan.zero_stage or 2
+        config: dict = {"zero_optimization": {"stage": stage}}
+        module = self.source.model
+        dtypes = {
+            t.dtype
+            for fqn, t in module.module.items()
+            if t.is_floating_point() and fqn not in module.buffers
+        }
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        if dtype in (torch.bfloat16, torch.float16):
+            config["bf16" if dtype == torch.bfloat16 else "fp16"] = {"enabled": True}
+        self.notes.append(
+            f"SRC is not a DeepSpeed save: writing ZeRO-{stage}"
+            f"{'' if self.plan.zero_stage else ' (pass --zero-stage for another)'}, the module "
+            f"in {str(dtype).removeprefix('torch.')} as --model builds it"
+        )
+        if self.plan.tree.get("lr_scheduler") is None:
+            self.notes.append(
+                "SRC holds no DeepSpeed scheduler state (lr_scheduler): load DST with "
+                "engine.load_checkpoint(DST, load_lr_scheduler_states=False)"
+            )
+        return config
 
     def _check_optimizer(self) -> None:
         """Refuse a job DeepSpeed runs with its ``BF16_Optimizer`` (ZeRO-1, bf16, fp32 gradient accumulation)."""
@@ -200,6 +243,31 @@ class DeepSpeedWriter(TargetRanksWriter):
             out.append(shapes)
         return out
 
+    def _check_trained(self) -> None:
+        """Refuse an optimizer that does not train exactly the module's parameters that require grad."""
+        source = self.source.model
+        trained = [fqn for group in self.groups for fqn, _ in group]
+        frozen = {fqn for fqn, _ in source.frozen_shapes}
+        params = [
+            fqn
+            for fqn in source.module
+            if fqn not in source.buffers and fqn not in source.shared and fqn not in frozen
+        ]
+        for fqn in params:
+            if fqn not in trained:
+                raise UsageError(
+                    f"the module --model builds trains '{fqn}' (it requires grad), and SRC's "
+                    "optimizer does not hold it",
+                    hint="check --model against `shardckpt inspect SRC`",
+                )
+        for fqn in trained:
+            if fqn not in params:
+                raise UsageError(
+                    f"SRC's optimizer trains '{fqn}', which the module --model builds does not "
+                    "train (a buffer, a frozen or tied parameter, or no entry)",
+                    hint="check --model against `shardckpt inspect SRC`",
+                )
+
     def _layout(self) -> list[FlatGroup]:
         world = self.plan.world_size
         if self.stage == 3:
@@ -237,7 +305,7 @@ class DeepSpeedWriter(TargetRanksWriter):
 
     def _version(self) -> str:
         version = self.plan.tree.get("ds_version", self.source.model.job.get("ds_version"))
-        return version if isinstance(version, str) else "0.19.8"
+        return version if isinstance(version, str) else WRITES_VERSION
 
     def _optimizer_state(self, rank: int, fills: Fills) -> dict:
         """Return rank ``rank``'s ``optimizer.state_dict()`` of placeholders, as DeepSpeed's ZeRO optimizer saves it."""
@@ -455,14 +523,29 @@ class DeepSpeedWriter(TargetRanksWriter):
         return {k: _placeholders(v, fills) for k, v in client.items()}
 
     def written_tree(self, tree: dict) -> dict:
-        """Return ``tree`` with the ``ds_config`` and loss-scaler flags the files hold at the stage written."""
+        """Return ``tree`` as DST reads back: the job's values, ``ds_config`` and loss scaler the files hold.
+
+        At another ZeRO stage the config says that stage (and ZeRO-3 saves no ``clip_grad``);
+        from a source that is not a DeepSpeed save, the values DeepSpeed's files always hold
+        (steps, config, version, a loss scaler of 1) are there too.
+        """
         out = dict(tree)
-        if "ds_config" in out:
-            out["ds_config"] = self.config
-        if isinstance(out.get("loss_scaler"), dict):
-            _, flags = self._scaler()
-            values = {k: v for k, v in out["loss_scaler"].items() if k not in flags}
-            out["loss_scaler"] = {**values, **self._saved_flags(flags)}
+        for key, default in JOB_DEFAULTS.items():
+            value = tree.get(key, default)
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = value
+        out["ds_config"] = self.config
+        out["ds_version"] = self._version()
+        scaler, flags = self._scaler()
+        saved = tree.get("loss_scaler")
+        values = (
+            {k: v for k, v in saved.items() if k not in flags}
+            if isinstance(saved, dict)
+            else dict(scaler.state)
+        )
+        out["loss_scaler"] = {**values, **self._saved_flags(flags)}
         return out
 
     def _saved_flags(self, flags: dict) -> dict:
@@ -473,6 +556,8 @@ class DeepSpeedWriter(TargetRanksWriter):
         path = self.root / names.LATEST
         with writing(path), open(path, "w", encoding="utf-8") as f:
             f.write(self.source.tag)
+        for note in self.notes:
+            notice(note)
 
 
 def _placeholders(value: object, fills: Fills) -> object:
