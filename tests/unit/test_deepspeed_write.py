@@ -197,3 +197,25 @@ def test_a_model_that_trains_other_parameters_is_refused(tmp_path, capsys):
         "and SRC's optimizer does not hold it: check --model against `shardckpt inspect SRC`"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_overwrite_replaces_a_deepspeed_save_and_nothing_beside_it(tmp_path, capsys):
+    dst = tmp_path / "ds"
+    assert _convert(run_dir("z2-bf16"), dst, 3, "-q") == 0
+    assert _convert(run_dir("z2-bf16"), dst, 2, "-q", "--overwrite") == 0
+    assert sorted(p.name for p in (dst / "global_step3").iterdir()) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "mp_rank_00_model_states.pt",
+    ]
+    (dst / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert _convert(run_dir("z2-bf16"), dst, 4, "-q", "--overwrite") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"shardckpt: error: '{dst}': holds 'notes.txt', which is no part of the DeepSpeed ZeRO "
+        "checkpoint in it, so --overwrite will not replace it: remove it yourself if you mean it, "
+        "or choose another DST"
+    )
+    assert (dst / "notes.txt").read_text() == "mine"
+    assert len(list((dst / "global_step3").iterdir())) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]

@@ -16,6 +16,7 @@ import torch
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import source_stat
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.trainers.deepspeed import names
 from shardckpt.formats.trainers.deepspeed.assemble import (
     MASTER,
     MODULE,
@@ -29,6 +30,9 @@ from shardckpt.formats.trainers.deepspeed.save import open_save
 from shardckpt.formats.trainers.deepspeed.states import ModelStates
 from shardckpt.formats.trainers.deepspeed.trainables import trainables
 from shardckpt.state.tree import TensorMeta
+
+# What ``engine.save_checkpoint`` copies into the run directory beside the save.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 class DeepSpeedReader(Reader):
@@ -72,6 +76,15 @@ class DeepSpeedReader(Reader):
 
     def notes(self) -> list[str]:
         return list(self._notes)
+
+    def members(self) -> frozenset[str]:
+        """Return ``latest``, the save's files and the recovery scripts DeepSpeed copies beside them."""
+        files = self.save.files
+        paths = [*files.model.values(), *files.optim.values()]
+        if files.dir != self.src:
+            paths += [self.src / names.LATEST]
+            paths += [p for n in RECOVERY_SCRIPTS if (p := self.src / n).is_file()]
+        return frozenset(p.relative_to(self.src).as_posix() for p in paths)
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
