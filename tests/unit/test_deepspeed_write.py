@@ -219,3 +219,35 @@ def test_overwrite_replaces_a_deepspeed_save_and_nothing_beside_it(tmp_path, cap
     assert (dst / "notes.txt").read_text() == "mine"
     assert len(list((dst / "global_step3").iterdir())) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+@pytest.mark.parametrize(
+    "m,rng,note",
+    [
+        (1, ["rng_state_0.pth"], "not carried: rng_state_1.pth (no such rank at world size 1)"),
+        (
+            3,
+            ["rng_state_0.pth", "rng_state_1.pth"],
+            "SRC holds no RNG state of rank 2: the Trainer resumes it with a fresh RNG",
+        ),
+    ],
+)
+def test_an_hf_trainer_checkpoint_keeps_the_trainers_files_at_m(tmp_path, capsys, m, rng, note):
+    src = run_dir("hf-z2-bf16")
+    dst = tmp_path / "checkpoint-3"
+    assert _convert(src, dst, m, "--verify") == 0
+    assert f"shardckpt: note: {note}" in capsys.readouterr().err.splitlines()
+    trainer = ["config.json", "generation_config.json", "model.safetensors"]
+    trainer += ["trainer_state.json", "training_args.bin"]
+    assert sorted(p.name for p in dst.iterdir()) == sorted(
+        [*trainer, *rng, "global_step3", "latest"]
+    )
+    for name in [*trainer, *rng]:
+        assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+    assert len(list((dst / "global_step3").glob("bf16_zero_pp_rank_*_optim_states.pt"))) == m
+    # The whole checkpoint-N is DST's: written again over it, nothing is left over.
+    assert _convert(src, dst, 2, "-q", "--overwrite") == 0
+    assert sorted(p.name for p in dst.glob("rng_state_*.pth")) == [
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]

@@ -29,6 +29,7 @@ from shardckpt.formats.trainers.deepspeed.assemble import (
 from shardckpt.formats.trainers.deepspeed.save import open_save
 from shardckpt.formats.trainers.deepspeed.states import ModelStates
 from shardckpt.formats.trainers.deepspeed.trainables import trainables
+from shardckpt.formats.trainers.deepspeed.trainer_files import RNG_FILE, trainer_files
 from shardckpt.state.tree import TensorMeta
 
 # What ``engine.save_checkpoint`` copies into the run directory beside the save.
@@ -84,6 +85,10 @@ class DeepSpeedReader(Reader):
         if files.dir != self.src:
             paths += [self.src / names.LATEST]
             paths += [p for n in RECOVERY_SCRIPTS if (p := self.src / n).is_file()]
+            # An HF Trainer's checkpoint-N/: its own files are the checkpoint's too.
+            carried, _ = trainer_files(self.src, files.dir, self.save.world_size)
+            paths += [p for n in carried if (p := self.src / n).is_file()]
+            paths += [p for p in self.src.glob("rng_state_*.pth") if RNG_FILE.fullmatch(p.name)]
         return frozenset(p.relative_to(self.src).as_posix() for p in paths)
 
     def read(

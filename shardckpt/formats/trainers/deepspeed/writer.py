@@ -28,6 +28,7 @@ import torch
 
 from shardckpt.codecs.foreign_pickle import MODULE, Call, Instance, Named
 from shardckpt.codecs.zip_skeleton import fake_mode
+from shardckpt.core.copies import copy_entry
 from shardckpt.core.errors import UsageError, notice
 from shardckpt.core.files import writing
 from shardckpt.formats.base import Frame
@@ -38,6 +39,7 @@ from shardckpt.formats.trainers.deepspeed import names
 from shardckpt.formats.trainers.deepspeed.agreement import training_dtype
 from shardckpt.formats.trainers.deepspeed.model_layout import model_states
 from shardckpt.formats.trainers.deepspeed.states import JOB_KEYS, ModelStates, read_model_states
+from shardckpt.formats.trainers.deepspeed.trainer_files import trainer_files
 from shardckpt.formats.trainers.deepspeed.write_layout import (
     FlatGroup,
     param_alignment,
@@ -91,6 +93,8 @@ class Source:
     model: ModelStates
     native: bool = True
     """Whether SRC is a DeepSpeed save (else the module's layout is ``--model``'s)."""
+    tag_dir: Path | None = None
+    """SRC's tag directory (a DeepSpeed save)."""
 
 
 def source_save(plan) -> Source:
@@ -101,7 +105,7 @@ def source_save(plan) -> Source:
     if src.is_dir() and is_deepspeed_dir(src):
         tag = names.tag_dir(src)
         files = names.tag_files(tag, src)
-        return Source(tag.name, read_model_states(files.model[min(files.model)]))
+        return Source(tag.name, read_model_states(files.model[min(files.model)]), tag_dir=tag)
     if plan.flat_model is None:
         raise UsageError(
             "is not a DeepSpeed save, and --format deepspeed needs the module's layout "
@@ -122,6 +126,12 @@ class DeepSpeedWriter(TargetRanksWriter):
         super().__init__(root, plan)
         self.source = source_save(plan)
         self.notes: list[str] = []
+        self.carried: list[str] = []
+        if self.source.tag_dir is not None:
+            self.carried, notes = trainer_files(
+                Path(plan.src), self.source.tag_dir, plan.world_size
+            )
+            self.notes += notes
         tree = plan.tree
         for key in (MODEL, OPTIM):
             if key not in tree or not isinstance(tree[key], dict):
@@ -151,7 +161,7 @@ class DeepSpeedWriter(TargetRanksWriter):
                 raise _missing(fqn)
         if not self.source.native:
             self._check_trained()
-        self.every_copy = (names.LATEST,)
+        self.every_copy = (names.LATEST, *self.carried)
 
     # ------------------------------------------------------------ what is written
 
@@ -556,6 +566,9 @@ class DeepSpeedWriter(TargetRanksWriter):
         path = self.root / names.LATEST
         with writing(path), open(path, "w", encoding="utf-8") as f:
             f.write(self.source.tag)
+        src = Path(self.plan.src)
+        for name in self.carried:
+            copy_entry(src / name, self.root / name, src)
         for note in self.notes:
             notice(note)
 
