@@ -3,6 +3,10 @@
     DS_ACCELERATOR=cpu torchrun --nproc-per-node N tests/deepspeed_resume.py --train CASE ROOT
     DS_ACCELERATOR=cpu torchrun --nproc-per-node M tests/deepspeed_resume.py CASE RUN_DIR OUT [RESAVE] [--no-scheduler]
 
+``--trainer CASE CHECKPOINT OUT`` resumes an HF Trainer case of ``make.py`` from
+``CHECKPOINT`` (``Trainer.train(resume_from_checkpoint=...)``) for one more step; rank 0
+saves the Trainer's step and the loss it logged into ``OUT``.
+
 ``--train`` is the goldens' job (``make.py``): 3 steps, saved into ``ROOT/CASE``, what
 the job held gathered into ``ROOT/CASE.ref/gathered.pt``.
 
@@ -103,6 +107,56 @@ def resume(
     torch.distributed.barrier()
 
 
+def trainer_resume(name: str, checkpoint: Path, out: Path) -> None:
+    """Resume the Trainer case ``name`` from ``checkpoint`` for one step; rank 0 saves what it did."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    no_shm_op()
+    torch.set_num_threads(1)
+    make = _make()
+    torch.manual_seed(1)  # other weights than the run's: the resume must set them
+    model = LlamaForCausalLM(LlamaConfig(**make.LLAMA))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True},
+        },
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": make.TRAINER_CASES[name]},
+    }
+    args = TrainingArguments(
+        output_dir=str(out.parent / "trainer-out"),
+        per_device_train_batch_size=2,
+        max_steps=make.STEPS + 1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        bf16=True,
+        use_cpu=True,
+        deepspeed=ds_config,
+        report_to=[],
+        logging_steps=1,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=make.Tokens())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    if dist.get_rank() == 0:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        torch.save(
+            {
+                "global_step": trainer.state.global_step,
+                "losses": losses,
+                "world_size": dist.get_world_size(),
+                "engine_steps": trainer.model_wrapped.global_steps,
+            },
+            out,
+        )
+    dist.barrier()
+
+
 if __name__ == "__main__":
     import os
 
@@ -110,6 +164,8 @@ if __name__ == "__main__":
     if args[0] == "--train":
         no_shm_op()
         _make().job(args[1], Path(args[2]))
+    elif args[0] == "--trainer":
+        trainer_resume(args[1], Path(args[2]), Path(args[3]))
     else:
         resave = Path(args[3]) if len(args) > 3 else None
         resume(args[0], Path(args[1]), Path(args[2]), resave, "--no-scheduler" not in sys.argv)

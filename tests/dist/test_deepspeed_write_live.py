@@ -174,3 +174,25 @@ def test_fsdp2_dcp_with_its_optimizer_resumes_in_deepspeed_at_m(tmp_path, native
     assert held["loss"] == pytest.approx(reference["loss"], rel=1e-6)
     for fqn, after in reference["stepped"].items():
         torch.testing.assert_close(held["stepped"][fqn], after, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_an_hf_trainer_checkpoint_at_m_resumes_in_the_trainer(tmp_path, m):
+    """``Trainer.train(resume_from_checkpoint=...)`` at M continues from the saved step: the
+    Trainer's DeepSpeed engine loads the ZeRO-2 run at M (at another world size than the
+    one saved, DeepSpeed's own load refuses) and steps on from global step 3."""
+    pytest.importorskip("transformers")
+    dst = tmp_path / "checkpoint-3"
+    api.convert(
+        api.ConvertRequest(
+            src=run_dir("hf-z2-bf16"), dst=dst, to="local", format="deepspeed", world_size=m
+        )
+    )
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    argv += [f"--nproc-per-node={m}", str(TESTS / "deepspeed_resume.py"), "--trainer"]
+    argv += ["hf-z2-bf16", str(dst), str(tmp_path / "out.pt")]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    held = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert (held["world_size"], held["global_step"], held["engine_steps"]) == (m, 4, 4)
