@@ -49,6 +49,18 @@ def build_bf16() -> TinyLM:
     return model
 
 
+def build_with_groups() -> tuple[TinyLM, list[dict]]:
+    """Return a TinyLM and the param groups its jobs train (``--model``'s factory convention)."""
+    model = build()
+    return model, param_groups(model)
+
+
+def build_bf16_with_groups() -> tuple[TinyLM, list[dict]]:
+    """Return ``build_bf16``'s TinyLM and the param groups its jobs train."""
+    model = build_bf16()
+    return model, param_groups(model)
+
+
 def build_unfrozen() -> TinyLM:
     """Return a TinyLM whose ``frozen`` Linear trains: another module than the goldens' job's."""
     model = build()

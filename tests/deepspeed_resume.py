@@ -12,7 +12,8 @@ the job held gathered into ``ROOT/CASE.ref/gathered.pt``.
 
 ``CASE`` is a case of ``tests/goldens/deepspeed/make.py`` (its ZeRO stage, dtype and
 config), or ``CASE:STAGE`` for that case's job run at another ZeRO stage; with
-``--no-scheduler`` the scheduler's state is not loaded (a save from a source without one). The job builds ``deepspeed_model.TinyLM`` as the goldens' job does, loads
+``--no-scheduler`` the scheduler's state is not loaded (a save from a source without one),
+with ``--no-optimizer`` the optimizer's neither (``load_optimizer_states=False``). The job builds ``deepspeed_model.TinyLM`` as the goldens' job does, loads
 ``RUN_DIR`` with ``load_optimizer_states=True, load_lr_scheduler_states=True``, and rank
 0 saves into ``OUT`` (a ``torch.save`` file) what DeepSpeed then holds: each trainable
 parameter's fp32 master (``safe_get_full_fp32_param``), ``global_steps``, the scheduler's
@@ -47,7 +48,12 @@ def no_shm_op() -> None:
 
 
 def resume(
-    case: str, run_dir: Path, out: Path, resave: Path | None, scheduler: bool = True
+    case: str,
+    run_dir: Path,
+    out: Path,
+    resave: Path | None,
+    scheduler: bool = True,
+    optimizer: bool = True,
 ) -> None:
     """Load ``run_dir`` at this launch's world size; rank 0 writes what the job holds into ``out``."""
     import deepspeed
@@ -71,7 +77,7 @@ def resume(
         config=make.config(stage, dtype, zero, extra),
     )
     path, client = engine.load_checkpoint(
-        str(run_dir), load_optimizer_states=True, load_lr_scheduler_states=scheduler
+        str(run_dir), load_optimizer_states=optimizer, load_lr_scheduler_states=scheduler
     )
     assert path is not None, f"load_checkpoint found nothing in {run_dir}"
     if resave is not None:
@@ -160,7 +166,7 @@ def trainer_resume(name: str, checkpoint: Path, out: Path) -> None:
 if __name__ == "__main__":
     import os
 
-    args = [a for a in sys.argv[1:] if a != "--no-scheduler"]
+    args = [a for a in sys.argv[1:] if a not in ("--no-scheduler", "--no-optimizer")]
     if args[0] == "--train":
         no_shm_op()
         _make().job(args[1], Path(args[2]))
@@ -168,7 +174,8 @@ if __name__ == "__main__":
         trainer_resume(args[1], Path(args[2]), Path(args[3]))
     else:
         resave = Path(args[3]) if len(args) > 3 else None
-        resume(args[0], Path(args[1]), Path(args[2]), resave, "--no-scheduler" not in sys.argv)
+        scheduler, optimizer = ("--no-scheduler" not in sys.argv, "--no-optimizer" not in sys.argv)
+        resume(args[0], Path(args[1]), Path(args[2]), resave, scheduler, optimizer)
     # DeepSpeed's threads abort the interpreter's teardown now and then ("terminate called
     # without an active exception"): the job's work is done and written.
     sys.stdout.flush()

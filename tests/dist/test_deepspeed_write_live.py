@@ -196,3 +196,36 @@ def test_an_hf_trainer_checkpoint_at_m_resumes_in_the_trainer(tmp_path, m):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     held = torch.load(tmp_path / "out.pt", weights_only=True)
     assert (held["world_size"], held["global_step"], held["engine_steps"]) == (m, 4, 4)
+
+
+@pytest.mark.parametrize("case,m", [("z2-bf16", 3), ("z3-fp32", 2)])
+def test_weights_alone_start_deepspeed_at_m_from_them(tmp_path, case, m):
+    """Weights alone (a safetensors file of the fp32 weights), in --model's param groups:
+    DeepSpeed loads them with ``load_optimizer_states=False``, which takes its fp32 masters
+    from the module's weights (``_restore_from_bit16_weights``): the weights themselves in
+    an fp32 job, their bf16 rounding in a bf16 one."""
+    weights = tmp_path / "weights.safetensors"
+    api.convert(
+        api.ConvertRequest(
+            src=run_dir(case), dst=weights, to="full", filters=("model.*",), unnest="model"
+        )
+    )
+    dst = tmp_path / "ds"
+    factory = "build_bf16_with_groups" if "bf16" in case else "build_with_groups"
+    api.convert(
+        api.ConvertRequest(
+            src=weights,
+            dst=dst,
+            to="local",
+            format="deepspeed",
+            world_size=m,
+            model=f"deepspeed_model:{factory}",
+            nest="model",
+            zero_stage=int(case[1]),
+            verify=True,
+        )
+    )
+    held = resume(case, m, dst, tmp_path / "held.pt", None, "--no-scheduler", "--no-optimizer")
+    for fqn, master in gathered(case)["fp32"].items():
+        expected = master.to(torch.bfloat16).float() if "bf16" in case else master
+        assert bits_equal(held["fp32"][fqn], expected), fqn

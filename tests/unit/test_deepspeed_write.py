@@ -102,7 +102,8 @@ def test_a_run_deepspeed_would_lay_out_otherwise_is_refused(tmp_path, capsys, ca
         (
             ("--only", "model"),
             "--format deepspeed needs SRC's 'optim': DeepSpeed loads the module and its optimizer's "
-            "partitions together: convert the whole checkpoint (no --only, --filter or --drop of it)",
+            "partitions together: convert the whole checkpoint (no --only, --filter or --drop of it); "
+            "weights at the root of SRC go under --nest model",
         ),
         (
             ("--drop", "model.fc1.bias"),
@@ -112,7 +113,8 @@ def test_a_run_deepspeed_would_lay_out_otherwise_is_refused(tmp_path, capsys, ca
         (
             ("--filter", "model.*"),
             "--format deepspeed needs SRC's 'optim': DeepSpeed loads the module and its optimizer's "
-            "partitions together: convert the whole checkpoint (no --only, --filter or --drop of it)",
+            "partitions together: convert the whole checkpoint (no --only, --filter or --drop of it); "
+            "weights at the root of SRC go under --nest model",
         ),
         (
             ("--zero-stage", "4"),
@@ -250,4 +252,35 @@ def test_an_hf_trainer_checkpoint_keeps_the_trainers_files_at_m(tmp_path, capsys
     assert sorted(p.name for p in dst.glob("rng_state_*.pth")) == [
         "rng_state_0.pth",
         "rng_state_1.pth",
+    ]
+
+
+def test_weights_alone_give_the_masters_and_no_optimizer_state(tmp_path, capsys):
+    weights = tmp_path / "weights.safetensors"
+    argv = ["convert", str(run_dir("z2-fp32")), str(weights), "--to", "full"]
+    assert run([*argv, "--filter", "model.*", "--unnest", "model", "-q"]) == 0
+    capsys.readouterr()
+    model = ["--model", "deepspeed_model:build_with_groups"]
+    assert _convert(weights, tmp_path / "ds", 3, *model) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "shardckpt: error: --format deepspeed needs SRC's 'model': DeepSpeed loads the module and "
+        "its optimizer's partitions together: convert the whole checkpoint (no --only, --filter "
+        "or --drop of it); weights at the root of SRC go under --nest model"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]
+    assert _convert(weights, tmp_path / "ds", 3, *model, "--nest", "model", "--verify") == 0
+    assert (
+        "shardckpt: note: SRC holds no optimizer: DST's optimizer files hold the fp32 master "
+        "weights and no optimizer state; load DST with engine.load_checkpoint(DST, "
+        "load_optimizer_states=False, load_lr_scheduler_states=False)"
+    ) in capsys.readouterr().err.splitlines()
+    assert (
+        run(["convert", str(tmp_path / "ds"), str(tmp_path / "ds.pt"), "--to", "full", "-q"]) == 0
+    )
+    written = torch.load(tmp_path / "ds.pt", weights_only=True)
+    for fqn, master in gathered("z2-fp32")["fp32"].items():
+        assert bits_equal(written["model"][fqn], master), fqn
+    assert written["optim"]["state"] == {}
+    assert [g["params"] for g in written["optim"]["param_groups"]] == gathered("z2-fp32")[
+        "group_fqns"
     ]

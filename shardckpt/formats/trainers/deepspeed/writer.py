@@ -46,6 +46,7 @@ from shardckpt.formats.trainers.deepspeed.write_layout import (
     zero3_groups,
     zero12_group,
 )
+from shardckpt.state.model import model_params
 from shardckpt.state.tree import TensorMeta, map_leaves
 
 MODEL, OPTIM = "model", "optim"
@@ -133,15 +134,18 @@ class DeepSpeedWriter(TargetRanksWriter):
             )
             self.notes += notes
         tree = plan.tree
-        for key in (MODEL, OPTIM):
+        self.fresh = not self.source.native and OPTIM not in tree
+        """Weights alone (no optimizer in SRC): the masters, and no optimizer state."""
+        for key in (MODEL,) if self.fresh else (MODEL, OPTIM):
             if key not in tree or not isinstance(tree[key], dict):
                 raise UsageError(
                     f"--format deepspeed needs SRC's '{key}': DeepSpeed loads the module and its "
                     "optimizer's partitions together",
-                    hint="convert the whole checkpoint (no --only, --filter or --drop of it)",
+                    hint="convert the whole checkpoint (no --only, --filter or --drop of it); "
+                    "weights at the root of SRC go under --nest model",
                 )
         self.model: dict = tree[MODEL]
-        self.optim: dict = tree[OPTIM]
+        self.optim: dict = tree[OPTIM] if not self.fresh else self._fresh_optim(plan)
         config = tree.get("ds_config", self.source.model.job.get("ds_config"))
         self.config = copy.deepcopy(config) if isinstance(config, dict) else {}
         if not self.source.native:
@@ -177,6 +181,29 @@ class DeepSpeedWriter(TargetRanksWriter):
             )
         return stage
 
+    def _fresh_optim(self, plan) -> dict:
+        """Return an optimizer of no state over the trainable parameters, in --model's param groups.
+
+        DeepSpeed partitions its fp32 masters by the job's param groups: --model's factory
+        gives them as ``(module, param_groups)``; a bare module trains one group of its
+        trainable parameters in ``named_parameters`` order.
+        """
+        source = self.source.model
+        frozen = {fqn for fqn, _ in source.frozen_shapes}
+        trained = [
+            fqn
+            for fqn in source.module
+            if fqn not in source.buffers and fqn not in source.shared and fqn not in frozen
+        ]
+        params = model_params(plan.flat_model.spec, True)
+        groups = [list(g) for g in params.groups] if params.groups else [trained]
+        self.notes.append(
+            "SRC holds no optimizer: DST's optimizer files hold the fp32 master weights and "
+            "no optimizer state; load DST with engine.load_checkpoint(DST, "
+            "load_optimizer_states=False, load_lr_scheduler_states=False)"
+        )
+        return {"state": {}, "param_groups": [{"params": g} for g in groups]}
+
     def _own_config(self) -> dict:
         """Return the ``ds_config`` written for a SRC that has none: the ZeRO stage, the module's dtype."""
         stage = self.plan.zero_stage or 2
@@ -195,7 +222,7 @@ class DeepSpeedWriter(TargetRanksWriter):
             f"{'' if self.plan.zero_stage else ' (pass --zero-stage for another)'}, the module "
             f"in {str(dtype).removeprefix('torch.')} as --model builds it"
         )
-        if self.plan.tree.get("lr_scheduler") is None:
+        if self.plan.tree.get("lr_scheduler") is None and OPTIM in self.plan.tree:
             self.notes.append(
                 "SRC holds no DeepSpeed scheduler state (lr_scheduler): load DST with "
                 "engine.load_checkpoint(DST, load_lr_scheduler_states=False)"
@@ -548,6 +575,8 @@ class DeepSpeedWriter(TargetRanksWriter):
                 out[key] = value
         out["ds_config"] = self.config
         out["ds_version"] = self._version()
+        if self.fresh:
+            out[OPTIM] = self.optim
         scaler, flags = self._scaler()
         saved = tree.get("loss_scaler")
         values = (
