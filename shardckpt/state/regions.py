@@ -53,7 +53,7 @@ class Region:
     cast: torch.dtype | None = None
     """The dtype the elements are written in, where not the source tensor's: cast as they
     are written (DeepSpeed's 16-bit module weights beside the fp32 master of the same
-    tensor, ``formats/trainers/deepspeed/write_files.py``)."""
+    tensor, ``formats/trainers/deepspeed/writer.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,15 +6,17 @@ naming the tag (SRC's), and ``DST/<tag>/`` holding
 - ``mp_rank_00_model_states.pt`` (ZeRO-1/2; ZeRO-3: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt``
   for every rank, parameters as 0-element placeholders): the module's state dict in the
   dtype the job trains in (the fp32 master weights cast), ``param_shapes``, frozen and tied
-  parameters, the scheduler, steps, ``ds_config``, the client state (``write_files``);
+  parameters, the scheduler, steps, ``ds_config``, the client state;
 - ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` for every rank r: r's partition
   of the fp32 master weights and of each per-element optimizer state, cut as DeepSpeed
   cuts them for M ranks (``write_layout``), the loss scaler.
 
 Each process writes the files of the target ranks it acts for, filled from SRC's rows a
 batch at a time, as every local writer does. The layout of the module (which entries
-are buffers, frozen, tied; their dtypes; the param groups' order) comes from SRC's own
-model-states file, so SRC is a DeepSpeed save (``--from deepspeed``).
+are buffers, frozen, tied; their dtypes) comes from SRC's own model-states file, or, for
+a source that is not a DeepSpeed save, from the module ``--model`` builds
+(``model_layout``); the param groups are the optimizer's (weights alone: ``--model``'s).
+An HF Trainer's files beside the run are carried (``trainer_files``).
 """
 
 from __future__ import annotations
