@@ -100,3 +100,49 @@ def copy_run(src: Path, root: Path) -> Path:
     dst = root / src.name
     shutil.copytree(src, dst)
     return dst
+
+
+def _loaded(path: Path) -> object:
+    with deepspeed_classes():
+        return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def _differing(a: object, b: object, where: str) -> list[str]:
+    """Return where two loaded DeepSpeed files differ: tensors bit for bit, objects by their fields."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            return [f"{where}: keys {list(a)} != {list(b)}"]
+        return [d for k in a for d in _differing(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{where}: {a!r} != {b!r}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differing(x, y, f"{where}[{i}]")]
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        if type(a).__name__ != type(b).__name__:
+            return [f"{where}: {type(a).__name__} != {type(b).__name__}"]
+        return _differing(vars(a), vars(b), where)
+    return [] if a == b and type(a) is type(b) else [f"{where}: {a!r} != {b!r}"]
+
+
+def differences(ours: Path, theirs: Path) -> list[str]:
+    """Return how two DeepSpeed run directories differ: their files, and every field of every ``.pt``."""
+    names = sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
+    other = sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
+    if names != other:
+        return [f"files {names} != {other}"]
+    out = []
+    for name in names:
+        if name.suffix == ".pt":
+            out += _differing(_loaded(ours / name), _loaded(theirs / name), str(name))
+        elif (ours / name).read_text().strip() != (theirs / name).read_text().strip():
+            out.append(str(name))
+    return out

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 GOLDENS = Path(__file__).resolve().parent / "goldens" / "deepspeed"
+# DeepSpeed's own saves at M of --format deepspeed conversions it loaded (written.py).
+WRITTEN = GOLDENS / "written"
 
 # name: (ZeRO stage, ranks); every case make.py writes.
 CASES = {

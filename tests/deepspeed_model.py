@@ -41,6 +41,33 @@ def build(seed: int = 0) -> TinyLM:
         return TinyLM()
 
 
+def build_bf16() -> TinyLM:
+    """Return a TinyLM as a bf16 DeepSpeed job holds it: parameters in bf16, buffers as they are."""
+    model = build()
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+def build_with_groups() -> tuple[TinyLM, list[dict]]:
+    """Return a TinyLM and the param groups its jobs train (``--model``'s factory convention)."""
+    model = build()
+    return model, param_groups(model)
+
+
+def build_bf16_with_groups() -> tuple[TinyLM, list[dict]]:
+    """Return ``build_bf16``'s TinyLM and the param groups its jobs train."""
+    model = build_bf16()
+    return model, param_groups(model)
+
+
+def build_unfrozen() -> TinyLM:
+    """Return a TinyLM whose ``frozen`` Linear trains: another module than the goldens' job's."""
+    model = build()
+    model.frozen.requires_grad_(True)
+    return model
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Return the trainable parameters in two groups: matrices (decayed), then vectors."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

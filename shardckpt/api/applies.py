@@ -35,6 +35,7 @@ class Choice:
     model: str | None = None
     wraps: tuple[str, ...] = ()
     use_orig_params: bool = False
+    zero_stage: int | None = None
     src_local: bool = False
     hf_config: str | None = None
     distributed: bool = False
@@ -101,6 +102,13 @@ CONVERT_RULES: tuple[Rule, ...] = (
         lambda c: c.fmt == "fsdp1-local",
         "applies to --format fsdp1-local output only (an fsdp1-local SRC says which layout it has)",
         "drop --use-orig-params",
+    ),
+    Rule(
+        "--zero-stage",
+        lambda c: c.zero_stage is not None,
+        lambda c: c.fmt == "deepspeed",
+        "applies to --format deepspeed output only",
+        "drop --zero-stage, or pass --format deepspeed",
     ),
     _WRAP_NEEDS_MODEL,
     Rule(

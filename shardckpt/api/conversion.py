@@ -264,6 +264,8 @@ def prepare(
         _check_rank_work(plan, form)
     if form.name == "hf":
         plan = _with_hf_config(plan, valid.companions, request.src, runtime)
+    if request.zero_stage is not None:
+        plan = replace(plan, zero_stage=request.zero_stage)
     reader.check_selected(plan.tree)
     if runtime.coordinator:
         for note in (*plan.notes, *form.notes(plan.tree, plan.world_size)):
@@ -387,6 +389,7 @@ def _choice(request: ConvertRequest, form: Format, runtime: Runtime) -> applies.
         model=request.model,
         wraps=tuple(request.wraps),
         use_orig_params=request.use_orig_params,
+        zero_stage=request.zero_stage,
         src_local=request.src_local,
         hf_config=None if request.hf_config is None else str(request.hf_config),
         distributed=runtime.distributed,
@@ -570,7 +573,7 @@ def write(
                 with costs.phase("verify"):
                     verified = verify_output(
                         reader,
-                        plan,
+                        replace(plan, tree=writer.written_tree(plan.tree)),
                         destination,
                         runtime,
                         request.trust_pickle,

@@ -94,6 +94,8 @@ class ConvertRequest:
     """FSDP1 ``ModuleWrapPolicy`` classes (``pkg.module:Class``), with ``model``."""
     use_orig_params: bool = False
     """An ``fsdp1-local`` output for a job run with ``use_orig_params=True``."""
+    zero_stage: int | None = None
+    """A ``deepspeed`` output's ZeRO stage (1, 2 or 3); None: SRC's."""
     overwrite: bool = False
     """Replace an existing DST that holds a checkpoint."""
     dry_run: bool = False
@@ -127,6 +129,11 @@ class ConvertRequest:
         _check_buffer(self.buffer_bytes)
         if self.max_shard_size is not None and self.max_shard_size <= 0:
             raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
+        if self.zero_stage is not None and self.zero_stage not in (1, 2, 3):
+            raise UsageError(
+                f"--zero-stage must be 1, 2 or 3, not {self.zero_stage}",
+                hint="DeepSpeed's ZeRO stages with an optimizer partitioned over the ranks",
+            )
 
     @property
     def src_path(self) -> Path:

@@ -150,6 +150,14 @@ def convert(
             help="For --format fsdp1-local: the layout of use_orig_params=True.",
         ),
     ] = False,
+    zero_stage: Annotated[
+        int | None,
+        typer.Option(
+            "--zero-stage",
+            metavar="{1,2,3}",
+            help="For --format deepspeed: the ZeRO stage written (default: SRC's).",
+        ),
+    ] = None,
     renames: Annotated[
         list[str] | None,
         typer.Option(
@@ -228,6 +236,7 @@ def convert(
             model=model,
             wraps=wraps or (),
             use_orig_params=use_orig_params,
+            zero_stage=zero_stage,
             overwrite=overwrite,
             dry_run=dry_run,
             verify=verify,

@@ -14,3 +14,11 @@ def contiguous_bytes(tensor: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def cast_bytes(data: memoryview, source: torch.dtype, target: torch.dtype) -> memoryview:
+    """Return the raw bytes of the ``source``-dtype elements in ``data``, cast to ``target``."""
+    if not len(data):
+        return data
+    # A copy: ``frombuffer`` of read-only bytes warns, and the cast makes new ones anyway.
+    return contiguous_bytes(torch.frombuffer(bytearray(data), dtype=source).to(target))

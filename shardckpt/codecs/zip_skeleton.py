@@ -42,9 +42,12 @@ def fake_mode():
     return fake_tensor_mode()
 
 
-def _skeleton_save(obj, stream) -> None:
+def _skeleton_save(obj, stream, pickle_module=None) -> None:
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(obj, stream)
+        if pickle_module is None:
+            torch.save(obj, stream)
+        else:
+            torch.save(obj, stream, pickle_module=pickle_module)
 
 
 Storages = list[tuple[torch.UntypedStorage, bool]]
@@ -186,19 +189,21 @@ def pickle_record(fd: int, start: int, end: int, file: str) -> Record:
 
 
 def write_skeleton(
-    fd: int, offset: int, obj, file: str, storages: Storages | None = None
+    fd: int, offset: int, obj, file: str, storages: Storages | None = None, pickle_module=None
 ) -> tuple[dict[int, Record], list[Record], list[Piece]]:
     """Write ``torch.save(obj)`` at ``offset`` of ``fd`` with no storage bytes; return its layout.
 
     Returns ``(placeholders, records, pieces)``: the ``Record`` of each fake storage (by
     the storage's ``storage_key``), every data record, and the ``Piece``s of the real
     storages written here. ``storages``: ``storages_in_order(obj)``, where the caller has it.
+    ``pickle_module``: ``torch.save``'s, for an object naming another library's classes
+    (``codecs.foreign_pickle``).
     """
     if storages is None:
         storages = storages_in_order(obj)
     with os.fdopen(os.dup(fd), "r+b") as stream:
         stream.seek(offset)
-        _skeleton_save(obj, stream)
+        _skeleton_save(obj, stream, pickle_module)
         end = stream.tell()
     entries = _data_records(fd, offset, end)
     if len(entries) != len(storages) or any(

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from shardckpt.codecs.tensor_bytes import cast_bytes
 from shardckpt.codecs.zip_skeleton import patch_crc, pwrite_all
 from shardckpt.core.costs import Costs
 from shardckpt.core.files import writing
@@ -47,6 +48,7 @@ from shardckpt.state.regions import (
     combine_crc,
     crc32,
     nbytes,
+    written_nbytes,
 )
 
 Progress = Callable[[int], None]
@@ -160,7 +162,11 @@ def _fill(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-copy") as copier:
         copies: dict[Region, Future[int]] = {}
         for region in batch:
-            runs = reader.stored_runs(metas[region.key], region.start, region.stop)
+            runs = (
+                None
+                if region.cast is not None
+                else reader.stored_runs(metas[region.key], region.start, region.stop)
+            )
             if runs is not None and worth_copying(runs):
                 if files.crowded:
                     # Each copy holds its DST file open: past the descriptors DST may
@@ -178,13 +184,13 @@ def _fill(
         asked += [r for _, segments in jobs for r in regions_of(segments)]
         lookup, read = read_regions(reader, asked, metas, runtime)
         costs.read_bytes += read
-        crcs = {r: _write_read(r, lookup, files) for r in batch if r not in copies}
+        crcs = {r: _write_read(r, lookup, files, metas) for r in batch if r not in copies}
         crcs.update({r: copy.result() for r, copy in copies.items()})
         files.unpin()
     pieces = []
     moved = 0
     for region in batch:
-        length = nbytes(region, metas)
+        length = written_nbytes(region, metas)
         files.written(region.file, region.offset, length)
         costs.read_bytes += length if region in copies else 0
         costs.written_bytes += length
@@ -201,9 +207,14 @@ def _fill(
     return pieces, moved
 
 
-def _write_read(region: Region, lookup, files: DstFiles) -> int:
-    """Write the bytes read for ``region`` at its offset; return their CRC-32 (0 where no record needs it)."""
+def _write_read(region: Region, lookup, files: DstFiles, metas) -> int:
+    """Write the bytes read for ``region`` at its offset; return their CRC-32 (0 where no record needs it).
+
+    A region written in another dtype (``Region.cast``) is cast here, a step's rows at a time.
+    """
     data = lookup(region)
+    if region.cast is not None and region.cast != metas[region.key].dtype:
+        data = cast_bytes(data, metas[region.key].dtype, region.cast)
     with writing(files.path(region.file)):
         pwrite_all(files.fd(region.file), data, region.offset)
     return crc32(data) if region.record is not None else 0

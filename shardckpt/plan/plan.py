@@ -175,6 +175,8 @@ class ConvertPlan:
     """For ``hf``: the ``formats.hf_config.HfConfig`` whose files DST gets beside the weights."""
     notes: tuple[str, ...] = ()
     """What the selection did that the user is told once (``--only model`` re-rooting DST)."""
+    zero_stage: int | None = None
+    """For ``deepspeed``: the ZeRO stage written (``--zero-stage``); None: SRC's."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:

@@ -44,6 +44,12 @@ def load_factory(spec: str) -> Callable[[], object]:
 
 def model_params(spec: str, clean_fqns: bool = True) -> ModelParams:
     """Return the parameters of the model ``spec`` builds on the meta device."""
+    module, groups = build_model(spec)
+    return params_of(module, groups, clean_fqns, where=f"--model {spec!r}")
+
+
+def build_model(spec: str) -> tuple[nn.Module, object]:
+    """Return the module ``spec`` builds on the meta device, and its param groups (None if not given)."""
     factory = load_factory(spec)
     try:
         with torch.device("meta"):
@@ -57,7 +63,7 @@ def model_params(spec: str, clean_fqns: bool = True) -> ModelParams:
         raise UsageError(
             f"--model {spec!r} returned {type(module).__name__}, not an nn.Module", hint=_HINT
         )
-    return params_of(module, groups, clean_fqns, where=f"--model {spec!r}")
+    return module, groups
 
 
 def params_of(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import prod
 
+import torch
 from isal import isal_zlib
 from torch.distributed.tensor import Shard
 
@@ -49,6 +50,10 @@ class Region:
     offset: int
     record: Record | None = None
     """The zip record the bytes belong to, or None (safetensors: no checksum)."""
+    cast: torch.dtype | None = None
+    """The dtype the elements are written in, where not the source tensor's: cast as they
+    are written (DeepSpeed's 16-bit module weights beside the fp32 master of the same
+    tensor, ``formats/trainers/deepspeed/writer.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +152,13 @@ class Split:
 
 
 def nbytes(region: Region, metas: dict[str, TensorMeta]) -> int:
-    """Return the bytes ``region`` covers."""
+    """Return the bytes of source rows ``region`` covers."""
     return (region.stop - region.start) * metas[region.key].dtype.itemsize
+
+
+def written_nbytes(region: Region, metas: dict[str, TensorMeta]) -> int:
+    """Return the bytes ``region`` takes in its file (``nbytes``, in the dtype it is cast to)."""
+    return (region.stop - region.start) * (region.cast or metas[region.key].dtype).itemsize
 
 
 def whole(meta: TensorMeta, file: str, offset: int, record: Record | None = None) -> Region:
@@ -200,8 +210,8 @@ def _clip(region: Region, meta: TensorMeta, start: int, stop: int) -> Region | N
     a, b = max(region.start, start), min(region.stop, stop)
     if a >= b:
         return None
-    offset = region.offset + (a - region.start) * meta.dtype.itemsize
-    return Region(region.key, a, b, region.file, offset, region.record)
+    offset = region.offset + (a - region.start) * (region.cast or meta.dtype).itemsize
+    return Region(region.key, a, b, region.file, offset, region.record, region.cast)
 
 
 def batches(

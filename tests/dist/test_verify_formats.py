@@ -25,8 +25,14 @@ GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 # Every checkpoint the trainers wrote for the suite, and the reference files their own
 # tools wrote beside them (DeepSpeed's zero_to_fp32, torch.save of the gathered state).
 TRAINER_GOLDENS = sorted(
-    [p for p in (GOLDENS / "deepspeed").iterdir() if p.is_dir() and not p.name.endswith(".ref")]
+    [
+        p
+        for p in (GOLDENS / "deepspeed").iterdir()
+        if p.is_dir() and not p.name.endswith(".ref") and p.name != "written"
+    ]
     + sorted(p for p in (GOLDENS / "deepspeed").glob("*.ref/*") if p.suffix != ".txt")
+    # DeepSpeed's own saves of --format deepspeed conversions it loaded, and what it held.
+    + sorted((GOLDENS / "deepspeed" / "written").iterdir())
     + [GOLDENS / "megatron" / "gpt-tp2", GOLDENS / "megatron" / "reference_tp1.pt"]
     + [
         GOLDENS / "verl" / v / f

@@ -33,7 +33,7 @@ def page_commands() -> list[str]:
 
 
 def test_the_page_has_its_commands():
-    assert len(page_commands()) == 8
+    assert len(page_commands()) == 11
 
 
 def test_every_command_of_the_page_runs_on_the_goldens(tmp_path, monkeypatch):

@@ -58,6 +58,11 @@ NOT_APPLYING = [
         "which layout it has): drop --use-orig-params",
     ),
     (
+        ["--to", "sharded", "--world-size", "2", "--zero-stage", "3"],
+        "--zero-stage applies to --format deepspeed output only: drop --zero-stage, or pass "
+        "--format deepspeed",
+    ),
+    (
         ["--to", "full", "--wrap", "optim_models:Tiny"],
         "--wrap needs --model (it names classes of the module --model builds): "
         "add --model pkg.module:factory, or drop --wrap",
@@ -172,6 +177,7 @@ def test_an_option_that_applies_is_accepted(src, tmp_path):
             Choice(to="local", fmt="fsdp2-ranks", use_orig_params=True),
             "--use-orig-params",
         ),
+        (CONVERT_RULES, Choice(to="local", fmt="fsdp2-ranks", zero_stage=2), "--zero-stage"),
         (CONVERT_RULES, Choice(to="full", fmt="torch", wraps=("m:C",)), "--wrap"),
         (
             CONVERT_RULES,
@@ -210,6 +216,7 @@ def test_the_table_refuses_each_option_where_it_does_not_apply(rules, choice, op
             CONVERT_RULES,
             Choice(to="full", fmt="torch", src_format="fsdp1-local", model="m:f", wraps=("m:C",)),
         ),
+        (CONVERT_RULES, Choice(to="local", fmt="deepspeed", zero_stage=3)),
         (CONVERT_RULES, Choice(to="full", fmt="torch", model="m:f", wraps=("m:C",))),
         (
             CONVERT_RULES,

@@ -203,14 +203,21 @@ def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def skeleton_regions(
-    fd: int, offset: int, obj, fills: dict[int, list[tuple[str, int, int, int]]], file: str
+    fd: int,
+    offset: int,
+    obj,
+    fills: dict[int, list[tuple[str, int, int, int]]],
+    file: str,
+    pickle_module=None,
 ) -> Frame:
     """Write ``obj``'s ``torch.save`` skeleton at ``offset`` of ``fd``; return what fills it.
 
     ``fills`` maps each fake storage (``storage_key``) to ``(key, start, stop, byte offset)``
     entries: elements [start, stop) of source tensor ``key`` at that byte of the storage.
     """
-    placeholders, records, pieces = write_skeleton(fd, offset, obj, file)
+    placeholders, records, pieces = write_skeleton(
+        fd, offset, obj, file, pickle_module=pickle_module
+    )
     regions = [
         Region(key, start, stop, file, placeholders[cdata].start + at, placeholders[cdata])
         for cdata, entries in fills.items()
@@ -222,7 +229,11 @@ def skeleton_regions(
 
 
 def skeleton_file(
-    path: Path, obj, fills: dict[int, list[tuple[str, int, int, int]]], file: str
+    path: Path,
+    obj,
+    fills: dict[int, list[tuple[str, int, int, int]]],
+    file: str,
+    pickle_module=None,
 ) -> Frame:
     """Create ``path`` holding the ``torch.save`` skeleton of ``obj``; return what fills it.
 
@@ -232,7 +243,7 @@ def skeleton_file(
     with writing(path):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            return skeleton_regions(fd, 0, obj, fills, file)
+            return skeleton_regions(fd, 0, obj, fills, file, pickle_module)
         finally:
             os.close(fd)
 

@@ -114,14 +114,13 @@ VERL_FSDP1 = Format(
     keeps_layout=True,
 )
 
-# DeepSpeed's saves are sources only: per-rank files of one world size.
+# DeepSpeed's ZeRO saves: per-rank files, read at any world size and written at M.
 DEEPSPEED = Format(
     name="deepspeed",
     layout="local",
     title="DeepSpeed ZeRO",
     reader=Ref("shardckpt.formats.trainers.deepspeed.reader:DeepSpeedReader"),
-    writer=Ref("shardckpt.formats.trainers.deepspeed.not_written:NotWritten"),
-    written=False,
+    writer=Ref("shardckpt.formats.trainers.deepspeed.writer:DeepSpeedWriter"),
     directory=True,
     detect=Ref("shardckpt.formats.trainers.deepspeed.detect:is_deepspeed_dir"),
     tells_whole=always,

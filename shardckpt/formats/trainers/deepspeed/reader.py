@@ -16,6 +16,7 @@ import torch
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import source_stat
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.trainers.deepspeed import names
 from shardckpt.formats.trainers.deepspeed.assemble import (
     MASTER,
     MODULE,
@@ -28,7 +29,11 @@ from shardckpt.formats.trainers.deepspeed.assemble import (
 from shardckpt.formats.trainers.deepspeed.save import open_save
 from shardckpt.formats.trainers.deepspeed.states import ModelStates
 from shardckpt.formats.trainers.deepspeed.trainables import trainables
+from shardckpt.formats.trainers.deepspeed.trainer_files import RNG_FILE, trainer_files
 from shardckpt.state.tree import TensorMeta
+
+# What ``engine.save_checkpoint`` copies into the run directory beside the save.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 class DeepSpeedReader(Reader):
@@ -72,6 +77,19 @@ class DeepSpeedReader(Reader):
 
     def notes(self) -> list[str]:
         return list(self._notes)
+
+    def members(self) -> frozenset[str]:
+        """Return ``latest``, the save's files and the recovery scripts DeepSpeed copies beside them."""
+        files = self.save.files
+        paths = [*files.model.values(), *files.optim.values()]
+        if files.dir != self.src:
+            paths += [self.src / names.LATEST]
+            paths += [p for n in RECOVERY_SCRIPTS if (p := self.src / n).is_file()]
+            # An HF Trainer's checkpoint-N/: its own files are the checkpoint's too.
+            carried, _ = trainer_files(self.src, files.dir, self.save.world_size)
+            paths += [p for n in carried if (p := self.src / n).is_file()]
+            paths += [p for p in self.src.glob("rng_state_*.pth") if RNG_FILE.fullmatch(p.name)]
+        return frozenset(p.relative_to(self.src).as_posix() for p in paths)
 
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
