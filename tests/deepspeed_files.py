@@ -126,6 +126,10 @@ def _differing(a: object, b: object, where: str) -> list[str]:
         if type(a) is not type(b) or len(a) != len(b):
             return [f"{where}: {a!r} != {b!r}"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differing(x, y, f"{where}[{i}]")]
+    if isinstance(a, enum.Enum) or isinstance(b, enum.Enum):
+        # By class name and value: each load without DeepSpeed makes its own look-alike class.
+        same = type(a).__name__ == type(b).__name__ and (a.name, a.value) == (b.name, b.value)
+        return [] if same else [f"{where}: {a!r} != {b!r}"]
     if hasattr(a, "__dict__") and not isinstance(a, type):
         if type(a).__name__ != type(b).__name__:
             return [f"{where}: {type(a).__name__} != {type(b).__name__}"]
