@@ -106,6 +106,9 @@ class ConvertRequest:
     """Under torchrun: SRC lies on the nodes' own disks (silences the note that says so)."""
     hf_config: str | os.PathLike | None = None
     """A directory whose ``config.json`` and companions an ``hf`` output gets."""
+    map: str | None = None
+    """An architecture mapping (``plan.mapping``): a shipped one's name or a ``.toml`` file;
+    None: chosen for an ``hf`` output from SRC's format and the config's ``architectures``."""
 
     def __post_init__(self) -> None:
         _frozen(self)

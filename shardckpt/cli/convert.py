@@ -39,6 +39,8 @@ EPILOG = examples(
     "torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/export.pt .demo/ckpt-2 --to sharded",
     "shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2",
     "shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16",
+    "shardckpt convert titan/step-100 llama-hf --to full --format hf --hf-config llama-config --map llama3",
+    "shardckpt convert llama-hf titan-at-2 --to sharded --format dcp --world-size 2 --map llama3",
     "PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups",
 )
 
@@ -115,6 +117,16 @@ def convert(
             "--hf-config",
             metavar="DIR",
             help="For --format hf: copy config.json and the tokenizer files from DIR.",
+        ),
+    ] = None,
+    map_name: Annotated[
+        str | None,
+        typer.Option(
+            "--map",
+            metavar="NAME|FILE.toml",
+            help="Map SRC's names and layouts to Hugging Face's, or back (an architecture "
+            "mapping: llama3, deepseek_v3, or your own file; chosen for --format hf from "
+            "--hf-config's architectures). Sizes from --hf-config's config.json.",
         ),
     ] = None,
     optim_keys: Annotated[
@@ -226,6 +238,7 @@ def convert(
             buffer_bytes=parse_size(buffer_size, "--buffer-size"),
             src_local=src_local,
             hf_config=hf_config,
+            map=map_name,
         )
         progress = Progress(
             enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

@@ -175,6 +175,8 @@ class ConvertPlan:
     """For ``hf``: the ``formats.hf_config.HfConfig`` whose files DST gets beside the weights."""
     notes: tuple[str, ...] = ()
     """What the selection did that the user is told once (``--only model`` re-rooting DST)."""
+    mapping: Mapping[str, object] | None = None
+    """With an architecture mapping (``--map``): its name, file and ledger (``plan.mapping``)."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:

@@ -1,0 +1,204 @@
+"""A mapping file read and checked: names of one checkpoint family to Hugging Face's, and the operations between.
+
+A mapping is data (``maps/*.toml``, or the user's own file for ``--map path.toml``),
+written in the direction source -> Hugging Face and applied either way
+(``plan.mapping.layout``). Its parts:
+
+- ``sizes``: each size the rules use, read from ``config.json`` (the first key present);
+- ``ranges``: the indices a placeholder runs over, ``[stop]`` or ``[start, stop]``, in sizes;
+- ``tensors``: one rule per tensor family: ``from`` (source name), ``to`` (Hugging Face
+  name), placeholders ``{range}`` in both, and at most one operation: ``rope = "SIZE"``
+  (torchtitan's RoPE row order to Hugging Face's, over SIZE heads) or
+  ``unstack = "RANGE"`` (dim 0 of the source holds one tensor per index of RANGE, which
+  only ``to`` names: grouped experts, one weight per expert).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from shardckpt.core.errors import BadInputError, UsageError
+from shardckpt.core.files import os_error, source_file
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_OPERATIONS = ("rope", "unstack")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tensor family: source name pattern, Hugging Face name pattern, and its operation."""
+
+    source: str
+    target: str
+    rope: str | None = None
+    """The size naming how many heads the rows are in (torchtitan's RoPE order to HF's)."""
+    unstack: str | None = None
+    """The range dim 0 of the source runs over, one target tensor per index."""
+
+    def placeholders(self, side: str) -> list[str]:
+        """Return the range names ``side`` (``source`` or ``target``) names, in order."""
+        return _PLACEHOLDER.findall(getattr(self, side))
+
+
+@dataclass(frozen=True)
+class ArchMap:
+    """A mapping file: which sources and architectures it is for, its sizes, ranges and rules."""
+
+    name: str
+    file: Path
+    description: str
+    sources: tuple[str, ...]
+    """The source formats whose names ``from`` patterns are (chosen by default for them)."""
+    architectures: tuple[str, ...]
+    """The ``config.json`` ``architectures`` it is chosen by, by default."""
+    sizes: Mapping[str, tuple[str, ...]]
+    ranges: Mapping[str, tuple[str, ...]]
+    rules: tuple[Rule, ...]
+
+    def sizes_from(self, config: Mapping, where: str) -> dict[str, int]:
+        """Return each size read from ``config`` (a ``config.json``); refuse one it lacks."""
+        out = {}
+        for size, keys in self.sizes.items():
+            value = next((config[k] for k in keys if k in config), None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BadInputError(
+                    f"has no whole number under {' or '.join(repr(k) for k in keys)}, which "
+                    f"mapping '{self.name}' needs for its size '{size}'",
+                    path=where,
+                    hint="pass --hf-config the directory of the model these weights belong to",
+                )
+            out[size] = value
+        return out
+
+    def range_values(self, sizes: Mapping[str, int]) -> dict[str, range]:
+        """Return the indices each range runs over, at ``sizes``."""
+        out = {}
+        for name, bounds in self.ranges.items():
+            ends = [sizes[b] if b in sizes else int(b) for b in bounds]
+            out[name] = range(*ends) if len(ends) == 2 else range(ends[0])
+        return out
+
+
+def shipped() -> dict[str, Path]:
+    """Return the mappings shardckpt ships, by name."""
+    folder = resources.files(__package__).joinpath("maps")
+    return {
+        Path(str(entry)).stem: Path(str(entry))
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".toml")
+    }
+
+
+def load(spec: str) -> ArchMap:
+    """Return the mapping ``--map spec`` names: a shipped one by name, or a ``.toml`` file."""
+    maps = shipped()
+    if spec in maps:
+        return read(maps[spec])
+    if not spec.endswith(".toml"):
+        raise UsageError(
+            f"--map {spec!r}: no such mapping",
+            hint=f"name one of {', '.join(maps)}, or a mapping file ending in .toml",
+        )
+    return read(Path(spec))
+
+
+def chosen(src_format: str, architectures: object, names: Collection[str]) -> ArchMap | None:
+    """Return the shipped mapping for ``src_format`` and ``config.json``'s ``architectures`` whose names ``names`` holds; None when none fits."""
+    if not isinstance(architectures, list):
+        return None
+    for path in shipped().values():
+        amap = read(path)
+        if src_format in amap.sources and set(amap.architectures) & set(architectures):
+            patterns = [_pattern(rule.source) for rule in amap.rules]
+            if any(p.fullmatch(name) for p in patterns for name in names):
+                return amap
+    return None
+
+
+def _pattern(text: str) -> re.Pattern:
+    """Return the regex a name pattern is: each ``{range}`` an index without leading zeros."""
+    parts = _PLACEHOLDER.split(text)
+    out = []
+    for i, part in enumerate(parts):
+        out.append(f"(?P<{part}>0|[1-9][0-9]*)" if i % 2 else re.escape(part))
+    return re.compile("".join(out))
+
+
+def pattern(rule: Rule, side: str) -> re.Pattern:
+    """Return the regex of ``rule``'s ``side`` (``source`` or ``target``) names."""
+    return _pattern(getattr(rule, side))
+
+
+def read(path: Path) -> ArchMap:
+    """Return the mapping in ``path``, checked; refuse a file that is not one (one line naming it)."""
+    try:
+        data = tomllib.loads(source_file(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise _bad(path, f"is not TOML ({exc})") from None
+    try:
+        return _checked(path, data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _bad(path, f"is not a mapping ({type(exc).__name__}: {exc})") from None
+
+
+def _bad(path: Path, what: str) -> BadInputError:
+    return BadInputError(
+        what,
+        path=path,
+        hint="write it as docs/mappings.md describes, or name a shipped mapping",
+    )
+
+
+def _strings(value: object, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not value:
+        raise ValueError(f"{what} is not a list of strings")
+    return tuple(value)
+
+
+def _checked(path: Path, data: dict) -> ArchMap:
+    sizes = {k: _strings(v, f"sizes.{k}") for k, v in data.get("sizes", {}).items()}
+    ranges = {k: _strings(v, f"ranges.{k}") for k, v in data.get("ranges", {}).items()}
+    for name, bounds in ranges.items():
+        if len(bounds) > 2 or any(b not in sizes and not b.isdigit() for b in bounds):
+            raise ValueError(f"ranges.{name} is not [stop] or [start, stop] of sizes")
+    rules = []
+    for i, entry in enumerate(data["tensors"]):
+        extra = set(entry) - {"from", "to", *_OPERATIONS}
+        if extra or sum(op in entry for op in _OPERATIONS) > 1:
+            raise ValueError(f"tensors[{i}] has {sorted(extra) or 'more than one operation'}")
+        rule = Rule(str(entry["from"]), str(entry["to"]), entry.get("rope"), entry.get("unstack"))
+        src, dst = rule.placeholders("source"), rule.placeholders("target")
+        unknown = [p for p in src + dst if p not in ranges]
+        if unknown:
+            raise ValueError(f"tensors[{i}] names range {unknown[0]!r}, which ranges lacks")
+        if rule.rope is not None and rule.rope not in sizes:
+            raise ValueError(f"tensors[{i}] rope names size {rule.rope!r}, which sizes lacks")
+        if sorted(src + ([rule.unstack] if rule.unstack else [])) != sorted(dst):
+            raise ValueError(
+                f"tensors[{i}]: 'to' must name the placeholders of 'from', plus the unstacked one"
+            )
+        if len(set(src)) != len(src) or len(set(dst)) != len(dst):
+            raise ValueError(f"tensors[{i}] names a placeholder twice")
+        rules.append(rule)
+    return ArchMap(
+        name=str(data.get("name", path.stem)),
+        file=path,
+        description=str(data.get("description", "")),
+        sources=tuple(data.get("sources", ())),
+        architectures=tuple(data.get("architectures", ())),
+        sizes=sizes,
+        ranges=ranges,
+        rules=tuple(rules),
+    )
