@@ -39,8 +39,7 @@ EPILOG = examples(
     "torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/export.pt .demo/ckpt-2 --to sharded",
     "shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2",
     "shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16",
-    "shardckpt convert titan/step-100 llama-hf --to full --format hf --hf-config llama-config --map llama3",
-    "shardckpt convert llama-hf titan-at-2 --to sharded --format dcp --world-size 2 --map llama3",
+    "shardckpt convert titan/step-9 llama-hf --to full --format hf --hf-config llama --map llama3",
     "PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups",
 )
 
@@ -124,9 +123,8 @@ def convert(
         typer.Option(
             "--map",
             metavar="NAME|FILE.toml",
-            help="Map SRC's names and layouts to Hugging Face's, or back (an architecture "
-            "mapping: llama3, deepseek_v3, or your own file; chosen for --format hf from "
-            "--hf-config's architectures). Sizes from --hf-config's config.json.",
+            help="Map SRC to Hugging Face's names and layouts, or back: llama3, "
+            "deepseek_v3 or FILE.toml (sizes from --hf-config).",
         ),
     ] = None,
     optim_keys: Annotated[
