@@ -100,6 +100,20 @@ def test_llama3_to_hf_is_torchtitans_to_hf_bit_for_bit_and_from_pretrained_loads
     assert info["mismatched_keys"] == set()
 
 
+def test_a_mapped_export_streams_in_small_batches_casts_and_verifies(capsys, llama, tmp_path):
+    """A 4 KiB buffer cuts q/k's permuted rows and every tensor across batches."""
+    titan, step, config = llama
+    doc = _to_hf(
+        capsys, step, config, tmp_path / "hf", "--buffer-size", "4KiB", "--dtype", "bf16",
+        "--verify",
+    )  # fmt: skip
+    assert doc["verified"] is True
+    reference = titan.adapter.to_hf(dict(titan.state))
+    _bits_equal(
+        _hf_weights(tmp_path / "hf"), {k: v.to(torch.bfloat16) for k, v in reference.items()}
+    )
+
+
 @pytest.mark.slow
 def test_llama3_exported_logits_match_torchtitans_forward(capsys, llama, tmp_path):
     """fp32 on CPU: torchtitan rotates pairs as complex numbers, transformers by
