@@ -16,8 +16,9 @@ config's is exit 3 naming it: nothing is left out unless ``--drop`` says so.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from math import prod
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.words import counted
@@ -81,15 +82,39 @@ def rope_order(rows: int, heads: int) -> list[int]:
     return [h * per_head + 2 * i + j for h in range(heads) for j in range(2) for i in range(half)]
 
 
-def _row_runs(name: str, meta: TensorMeta, order: Iterable[int]) -> list[Run]:
-    """Return runs taking ``meta``'s rows in ``order``, adjacent rows joined into one run."""
-    row = meta.numel // meta.shape[0]
+def split_rows(rule: Rule, rows: int, sizes: Mapping[str, int]) -> list[list[int]] | None:
+    """Return the rows of a part of ``rows`` rows that each of ``rule``'s targets takes, in order; None when they do not divide."""
+    n = len(rule.targets)
+    if rule.split == "chunks":
+        if rows % n:
+            return None
+        size = rows // n
+        return [list(range(i * size, (i + 1) * size)) for i in range(n)]
+    heads, groups = sizes[rule.heads], sizes[rule.groups]  # type: ignore[index]
+    if groups <= 0 or heads % groups or rows % (heads + 2 * groups):
+        return None
+    head = rows // (heads + 2 * groups)
+    per_group = heads // groups
+    q: list[int] = []
+    k: list[int] = []
+    v: list[int] = []
+    for g in range(groups):
+        base = g * (per_group + 2) * head
+        q += range(base, base + per_group * head)
+        k += range(base + per_group * head, base + (per_group + 1) * head)
+        v += range(base + (per_group + 1) * head, base + (per_group + 2) * head)
+    return [q, k, v]
+
+
+def _row_runs(name: str, base: int, row: int, order: Iterable[int]) -> list[Run]:
+    """Return runs taking rows of ``row`` elements in ``order`` from element ``base`` of ``name``, adjacent rows joined."""
     out: list[Run] = []
     for r in order:
-        if out and out[-1].stop == r * row:
-            out[-1] = Run(name, out[-1].start, (r + 1) * row)
+        start = base + r * row
+        if out and out[-1].stop == start:
+            out[-1] = Run(name, out[-1].start, start + row)
         else:
-            out.append(Run(name, r * row, (r + 1) * row))
+            out.append(Run(name, start, start + row))
     return out
 
 
@@ -103,14 +128,18 @@ class _Context:
         self.ranges = amap.range_values(sizes)
 
     def match(self, names: Iterable[str], side: str) -> tuple[dict, list[str], list[str]]:
-        """Return ``{name: (rule, indices)}`` for each name of ``side`` a rule covers, the names none covers, and why."""
-        patterns = [(rule, pattern(rule, side)) for rule in self.amap.rules]
-        found: dict[str, tuple[Rule, dict[str, int]]] = {}
+        """Return ``{name: (rule, target, indices)}`` for each name of ``side`` a rule covers, the names none covers, and why."""
+        patterns = [
+            (rule, t, pattern(rule, side, t))
+            for rule in self.amap.rules
+            for t in (range(len(rule.targets)) if side == "target" else (0,))
+        ]
+        found: dict[str, tuple[Rule, int, dict[str, int]]] = {}
         uncovered, why = [], []
         for name in names:
             hits = []
             outside = None
-            for rule, pat in patterns:
+            for rule, t, pat in patterns:
                 m = pat.fullmatch(name)
                 if m is None:
                     continue
@@ -119,7 +148,7 @@ class _Context:
                 if bad:
                     outside = outside or (bad[0], indices[bad[0]])
                 else:
-                    hits.append((rule, indices))
+                    hits.append((rule, t, indices))
             if len(hits) == 1:
                 found[name] = hits[0]
                 continue
@@ -140,11 +169,9 @@ class _Context:
                 why.append("no rule of the mapping names it")
         return found, uncovered, why
 
-    def expected(self, rule: Rule, side: str) -> list[dict[str, int]]:
-        """Return every index combination ``rule`` expects names of ``side`` for."""
-        keys = rule.placeholders(side)
-        if side == "target" and rule.unstack is not None:
-            keys = [k for k in keys if k != rule.unstack]
+    def expected(self, rule: Rule) -> list[dict[str, int]]:
+        """Return every index combination of ``rule``'s source names."""
+        keys = rule.placeholders("source")
         combos = itertools.product(*(self.ranges[k] for k in keys))
         return [dict(zip(keys, combo)) for combo in combos]
 
@@ -156,88 +183,131 @@ def forward(
     ctx = _Context(amap, sizes, where)
     found, uncovered, why = ctx.match(source, "source")
     _refuse_uncovered(uncovered, why, source, where)
-    _refuse_missing(ctx, "source", set(source))
+    _refuse_missing(ctx, set(source))
     metas: dict[str, TensorMeta] = {}
     runs: dict[str, tuple[Run, ...]] = {}
-
-    def put(name: str, meta: TensorMeta, parts: list[Run]) -> None:
-        if name in metas:
-            raise BadInputError(
-                f"maps two tensors to '{name}'", path=amap.file, hint="fix the mapping's 'to' names"
-            )
-        metas[name] = TensorMeta(name, meta.shape, meta.dtype)
-        runs[name] = tuple(parts)
-
     for rule in amap.rules:
-        for name, (r, indices) in found.items():
-            if r is not rule:
-                continue
-            meta = source[name]
-            if rule.unstack is not None:
-                count = len(ctx.ranges[rule.unstack])
-                _check_dim0(meta, name, count, f"{rule.unstack}s", where)
-                slab = meta.numel // count if count else 0
-                for k, index in enumerate(ctx.ranges[rule.unstack]):
-                    out = rule.target.format(**indices, **{rule.unstack: index})
-                    part = TensorMeta(out, meta.shape[1:], meta.dtype)
-                    put(out, part, [Run(name, k * slab, (k + 1) * slab)])
-            elif rule.rope is not None:
-                heads = sizes[rule.rope]
-                _check_rope(meta, name, heads, rule.rope, where)
-                order = rope_order(meta.shape[0], heads)
-                put(rule.target.format(**indices), meta, _row_runs(name, meta, order))
-            else:
-                put(rule.target.format(**indices), meta, [Run(name, 0, meta.numel)])
+        for name, (r, _, indices) in found.items():
+            if r is rule:
+                for out, meta, parts in _outputs(ctx, rule, name, source[name], indices):
+                    if out in metas:
+                        raise BadInputError(
+                            f"maps two tensors to '{out}'",
+                            path=amap.file,
+                            hint="fix the mapping's 'to' names",
+                        )
+                    metas[out], runs[out] = meta, tuple(parts)
     mapped = Mapped(metas, runs)
     prove(mapped, source, where)
     return mapped
 
 
+def _outputs(
+    ctx: _Context, rule: Rule, name: str, meta: TensorMeta, indices: dict[str, int]
+) -> Iterator[tuple[str, TensorMeta, list[Run]]]:
+    """Yield each tensor ``rule`` makes of source tensor ``name``: its name, meta and runs."""
+    where = ctx.where
+    if rule.unstack is not None:
+        count = len(ctx.ranges[rule.unstack])
+        _check_dim0(meta, name, count, f"{rule.unstack}s", where)
+        slab = meta.numel // count if count else 0
+        pieces = [
+            ({**indices, rule.unstack: index}, meta.shape[1:], k * slab)
+            for k, index in enumerate(ctx.ranges[rule.unstack])
+        ]
+    else:
+        pieces = [(indices, meta.shape, 0)]
+    for bound, shape, base in pieces:
+        numel = prod(shape)
+        row = numel // shape[0] if shape and shape[0] else 1
+        if rule.split is not None:
+            parts = split_rows(rule, shape[0] if shape else 0, ctx.sizes) if shape else None
+            if parts is None:
+                raise BadInputError(
+                    f"'{name}' has {shape[0] if shape else 0} rows per part, which do not "
+                    f"divide as split '{rule.split}' divides them at the config's sizes",
+                    path=where,
+                    hint="pass the config of this model (--hf-config)",
+                )
+            for target, rows in zip(rule.targets, parts):
+                out = target.format(**bound)
+                yield (
+                    out,
+                    TensorMeta(out, (len(rows), *shape[1:]), meta.dtype),
+                    _row_runs(name, base, row, rows),
+                )
+            continue
+        out = rule.targets[0].format(**bound)
+        if rule.rope is not None:
+            heads = ctx.sizes[rule.rope]
+            _check_rope(meta, name, heads, rule.rope, where)
+            order = rope_order(shape[0], heads)
+            parts_ = _row_runs(name, base, row, order)
+        else:
+            parts_ = [Run(name, base, base + numel)]
+        yield out, TensorMeta(out, tuple(shape), meta.dtype), parts_
+
+
 def backward(
     amap: ArchMap, sizes: Mapping[str, int], hf: Mapping[str, TensorMeta], where: str
 ) -> Mapped:
-    """Return the source-family tensors ``amap`` makes of Hugging Face's ``hf`` (name to meta), proven."""
+    """Return the source-family tensors ``amap`` makes of Hugging Face's ``hf`` (name to meta), proven.
+
+    The source tensors are inferred from ``hf``'s names and shapes, mapped forward, and
+    the forward runs turned around; the forward mapping must give ``hf`` back exactly.
+    """
     ctx = _Context(amap, sizes, where)
     found, uncovered, why = ctx.match(hf, "target")
     _refuse_uncovered(uncovered, why, hf, where)
-    _refuse_missing(ctx, "target", set(hf))
-    metas: dict[str, TensorMeta] = {}
-    runs: dict[str, tuple[Run, ...]] = {}
-    for rule in amap.rules:
-        mine = {n: idx for n, (r, idx) in found.items() if r is rule}
-        if rule.unstack is not None:
-            groups: dict[str, list[tuple[int, str]]] = {}
-            for name, indices in mine.items():
-                own = {k: v for k, v in indices.items() if k != rule.unstack}
-                groups.setdefault(rule.source.format(**own), []).append(
-                    (indices[rule.unstack], name)
-                )
-            for out, parts in groups.items():
-                parts.sort()
-                first = hf[parts[0][1]]
-                for _, name in parts:
-                    _check_alike(hf[name], first, name, parts[0][1], where)
-                shape = (len(parts), *first.shape)
-                metas[out] = TensorMeta(out, shape, first.dtype)
-                runs[out] = tuple(Run(name, 0, hf[name].numel) for _, name in parts)
-            continue
-        for name, indices in mine.items():
-            meta = hf[name]
-            out = rule.source.format(**indices)
-            metas[out] = TensorMeta(out, meta.shape, meta.dtype)
-            if rule.rope is not None:
-                heads = sizes[rule.rope]
-                _check_rope(meta, name, heads, rule.rope, where)
-                order = rope_order(meta.shape[0], heads)
-                inverse = [0] * len(order)
-                for hf_row, titan_row in enumerate(order):
-                    inverse[titan_row] = hf_row
-                runs[out] = tuple(_row_runs(name, meta, inverse))
-            else:
-                runs[out] = (Run(name, 0, meta.numel),)
-    mapped = Mapped(metas, runs)
+    parts: dict[str, tuple[Rule, dict[str, int], dict[tuple[int, int], TensorMeta]]] = {}
+    for name, (rule, t, indices) in found.items():
+        own = {k: v for k, v in indices.items() if k != rule.unstack}
+        source = rule.source.format(**own)
+        index = indices[rule.unstack] if rule.unstack else 0
+        parts.setdefault(source, (rule, own, {}))[2][(index, t)] = hf[name]
+    inferred = {
+        source: _inferred(ctx, source, rule, given) for source, (rule, _, given) in parts.items()
+    }
+    _refuse_missing(ctx, set(inferred))
+    there = forward(amap, sizes, inferred, where)
+    for name, meta in there.metas.items():
+        got = hf.get(name)
+        if got is None or (got.shape, got.dtype) != (meta.shape, meta.dtype):
+            held = "lacks it" if got is None else f"holds {list(got.shape)} {got.dtype}"
+            raise BadInputError(
+                f"the mapping expects '{name}' as {list(meta.shape)} {meta.dtype}, and SRC {held}",
+                path=where,
+                hint="pass the config of this model (--hf-config), or --map the mapping of "
+                "its architecture",
+            )
+    pieces: dict[str, list[tuple[int, Run]]] = {name: [] for name in inferred}
+    for out, runs in there.runs.items():
+        at = 0
+        for run in runs:
+            n = run.stop - run.start
+            pieces[run.name].append((run.start, Run(out, at, at + n)))
+            at += n
+    back = {name: tuple(run for _, run in sorted(p)) for name, p in pieces.items()}
+    mapped = Mapped(dict(inferred), back)
     prove(mapped, hf, where)
     return mapped
+
+
+def _inferred(
+    ctx: _Context, source: str, rule: Rule, given: dict[tuple[int, int], TensorMeta]
+) -> TensorMeta:
+    """Return the source tensor ``rule`` would map to ``given`` (its targets by (unstacked index, target))."""
+    first = next(iter(given.values()))
+    indices = ctx.ranges[rule.unstack] if rule.unstack else range(1)
+    one = indices[0] if len(indices) else 0
+    if rule.split is not None:
+        rows = sum(m.shape[0] for (i, _), m in given.items() if i == one and m.shape)
+        shape = (rows, *first.shape[1:])
+    else:
+        shape = first.shape
+    if rule.unstack is not None:
+        shape = (len(indices), *shape)
+    return TensorMeta(source, tuple(shape), first.dtype)
 
 
 def prove(mapped: Mapped, source: Mapping[str, TensorMeta], where: str) -> None:
@@ -289,20 +359,13 @@ def _refuse_uncovered(
         )
 
 
-def _refuse_missing(ctx: _Context, side: str, names: set[str]) -> None:
-    missing = []
-    for rule in ctx.amap.rules:
-        text = getattr(rule, side)
-        for indices in ctx.expected(rule, side):
-            if side == "target" and rule.unstack is not None:
-                for index in ctx.ranges[rule.unstack]:
-                    name = text.format(**indices, **{rule.unstack: index})
-                    if name not in names:
-                        missing.append(name)
-                continue
-            name = text.format(**indices)
-            if name not in names:
-                missing.append(name)
+def _refuse_missing(ctx: _Context, names: set[str]) -> None:
+    missing = [
+        rule.source.format(**indices)
+        for rule in ctx.amap.rules
+        for indices in ctx.expected(rule)
+        if rule.source.format(**indices) not in names
+    ]
     if missing:
         raise BadInputError(
             f"lacks {counted(len(missing), 'tensor')} the mapping '{ctx.amap.name}' expects at "
@@ -330,14 +393,4 @@ def _check_rope(meta: TensorMeta, name: str, heads: int, size: str, where: str) 
             "number of rows each",
             path=where,
             hint="pass the config of this model (--hf-config)",
-        )
-
-
-def _check_alike(meta: TensorMeta, first: TensorMeta, name: str, other: str, where: str) -> None:
-    if (meta.shape, meta.dtype) != (first.shape, first.dtype):
-        raise BadInputError(
-            f"'{name}' is {list(meta.shape)} {meta.dtype}, unlike '{other}' "
-            f"({list(first.shape)} {first.dtype}), which it is stacked with",
-            path=where,
-            hint="every expert of a layer must have one shape and dtype",
         )

@@ -31,23 +31,34 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_OPERATIONS = ("rope", "unstack")
+_KEYS = ("from", "to", "rope", "unstack", "split", "heads", "groups")
+_SPLITS = ("chunks", "qkv")
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One tensor family: source name pattern, Hugging Face name pattern, and its operation."""
+    """One tensor family: source name pattern, Hugging Face name pattern(s), and its operations."""
 
     source: str
-    target: str
+    targets: tuple[str, ...]
+    """One name pattern, or one per part of a ``split``."""
     rope: str | None = None
     """The size naming how many heads the rows are in (torchtitan's RoPE order to HF's)."""
     unstack: str | None = None
     """The range dim 0 of the source runs over, one target tensor per index."""
+    split: str | None = None
+    """How the rows of the source (of each unstacked part) divide among ``targets``:
+    ``chunks`` (equal parts, in order: SwiGLU's fused gate and up) or ``qkv``
+    (Megatron's fused QKV: per key/value group, its query heads' rows, then one key
+    head's, then one value head's)."""
+    heads: str | None = None
+    """For ``split = "qkv"``: the size counting query heads."""
+    groups: str | None = None
+    """For ``split = "qkv"``: the size counting key/value heads (query groups)."""
 
-    def placeholders(self, side: str) -> list[str]:
-        """Return the range names ``side`` (``source`` or ``target``) names, in order."""
-        return _PLACEHOLDER.findall(getattr(self, side))
+    def placeholders(self, side: str, i: int = 0) -> list[str]:
+        """Return the range names ``side`` (``source``, or target ``i``) names, in order."""
+        return _PLACEHOLDER.findall(self.source if side == "source" else self.targets[i])
 
 
 @dataclass(frozen=True)
@@ -134,9 +145,9 @@ def _pattern(text: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def pattern(rule: Rule, side: str) -> re.Pattern:
-    """Return the regex of ``rule``'s ``side`` (``source`` or ``target``) names."""
-    return _pattern(getattr(rule, side))
+def pattern(rule: Rule, side: str, i: int = 0) -> re.Pattern:
+    """Return the regex of ``rule``'s ``side`` names (``source``, or target ``i``)."""
+    return _pattern(rule.source if side == "source" else rule.targets[i])
 
 
 def read(path: Path) -> ArchMap:
@@ -175,22 +186,21 @@ def _checked(path: Path, data: dict) -> ArchMap:
             raise ValueError(f"ranges.{name} is not [stop] or [start, stop] of sizes")
     rules = []
     for i, entry in enumerate(data["tensors"]):
-        extra = set(entry) - {"from", "to", *_OPERATIONS}
-        if extra or sum(op in entry for op in _OPERATIONS) > 1:
-            raise ValueError(f"tensors[{i}] has {sorted(extra) or 'more than one operation'}")
-        rule = Rule(str(entry["from"]), str(entry["to"]), entry.get("rope"), entry.get("unstack"))
-        src, dst = rule.placeholders("source"), rule.placeholders("target")
-        unknown = [p for p in src + dst if p not in ranges]
-        if unknown:
-            raise ValueError(f"tensors[{i}] names range {unknown[0]!r}, which ranges lacks")
-        if rule.rope is not None and rule.rope not in sizes:
-            raise ValueError(f"tensors[{i}] rope names size {rule.rope!r}, which sizes lacks")
-        if sorted(src + ([rule.unstack] if rule.unstack else [])) != sorted(dst):
-            raise ValueError(
-                f"tensors[{i}]: 'to' must name the placeholders of 'from', plus the unstacked one"
-            )
-        if len(set(src)) != len(src) or len(set(dst)) != len(dst):
-            raise ValueError(f"tensors[{i}] names a placeholder twice")
+        extra = set(entry) - set(_KEYS)
+        if extra or ("rope" in entry and ("unstack" in entry or "split" in entry)):
+            raise ValueError(f"tensors[{i}] has {sorted(extra) or 'rope with another operation'}")
+        to = entry["to"]
+        targets = tuple(to) if isinstance(to, list) else (to,)
+        rule = Rule(
+            str(entry["from"]),
+            tuple(str(t) for t in targets),
+            entry.get("rope"),
+            entry.get("unstack"),
+            entry.get("split"),
+            entry.get("heads"),
+            entry.get("groups"),
+        )
+        _check_rule(i, rule, sizes, ranges)
         rules.append(rule)
     return ArchMap(
         name=str(data.get("name", path.stem)),
@@ -202,3 +212,29 @@ def _checked(path: Path, data: dict) -> ArchMap:
         ranges=ranges,
         rules=tuple(rules),
     )
+
+
+def _check_rule(i: int, rule: Rule, sizes: dict, ranges: dict) -> None:
+    """Raise ``ValueError`` for a rule whose names, operations or sizes do not fit together."""
+    src = rule.placeholders("source")
+    for size in (rule.rope, rule.heads, rule.groups):
+        if size is not None and size not in sizes:
+            raise ValueError(f"tensors[{i}] names size {size!r}, which sizes lacks")
+    if rule.split is None and len(rule.targets) != 1:
+        raise ValueError(f"tensors[{i}] has several 'to' names and no split")
+    if rule.split is not None:
+        if rule.split not in _SPLITS:
+            raise ValueError(f"tensors[{i}] split {rule.split!r} is not one of {list(_SPLITS)}")
+        if rule.split == "qkv" and (len(rule.targets) != 3 or not rule.heads or not rule.groups):
+            raise ValueError(f"tensors[{i}] split 'qkv' takes three 'to' names, heads and groups")
+    for t in range(len(rule.targets)):
+        dst = rule.placeholders("target", t)
+        unknown = [p for p in src + dst if p not in ranges]
+        if unknown:
+            raise ValueError(f"tensors[{i}] names range {unknown[0]!r}, which ranges lacks")
+        if sorted(src + ([rule.unstack] if rule.unstack else [])) != sorted(dst):
+            raise ValueError(
+                f"tensors[{i}]: 'to' must name the placeholders of 'from', plus the unstacked one"
+            )
+        if len(set(dst)) != len(dst) or len(set(src)) != len(src):
+            raise ValueError(f"tensors[{i}] names a placeholder twice")
