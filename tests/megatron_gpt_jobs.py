@@ -61,8 +61,33 @@ def gpt():
     return model.eval()
 
 
-def main(out: str) -> None:
-    """Save the model to ``out/ckpt`` and its logits to ``out/logits.pt``."""
+def load(ckpt: str, out: str) -> None:
+    """Load ``ckpt`` into the model with ``dist_checkpointing.load``; ``torch.save`` its weights to ``out``.
+
+    A Hugging Face model has no ``_extra_state`` (Transformer Engine's FP8 metadata,
+    empty here): those entries are left out of what is loaded.
+    """
+    from megatron.core import dist_checkpointing
+
+    model = gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    wanted = {
+        k: v
+        for k, v in model.sharded_state_dict(prefix="").items()
+        if not k.endswith("_extra_state")
+    }
+    loaded = dist_checkpointing.load({"model": wanted}, ckpt)
+    result = model.load_state_dict(loaded["model"], strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
+    weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    torch.save(weights, out)
+
+
+def main(out: str, load_into: str | None = None) -> None:
+    """Save the model to ``out/ckpt`` and its logits to ``out/logits.pt``; or load ``load_into`` into it (``out/loaded.pt``)."""
     from megatron.core import dist_checkpointing
 
     torch.set_num_threads(1)
@@ -71,6 +96,9 @@ def main(out: str) -> None:
     store = os.path.join(out, ".store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
+        if load_into is not None:
+            load(load_into, os.path.join(out, "loaded.pt"))
+            return
         model = gpt()
         # Attention dropout (0 here) runs under the CUDA RNG tracker's fork, which holds no
         # state on CPU: nothing is drawn, so a plain context stands in for it.
@@ -78,14 +106,18 @@ def main(out: str) -> None:
 
         tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         os.makedirs(os.path.join(out, "ckpt"))
-        dist_checkpointing.save({"model": model.sharded_state_dict(prefix="")}, os.path.join(out, "ckpt"))
+        dist_checkpointing.save(
+            {"model": model.sharded_state_dict(prefix="")}, os.path.join(out, "ckpt")
+        )
         tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
         positions = torch.arange(SEQ).unsqueeze(0)
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
         with torch.no_grad():
             logits = model(tokens, positions, mask)
         weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        torch.save({"tokens": tokens, "logits": logits, "weights": weights}, os.path.join(out, "logits.pt"))
+        torch.save(
+            {"tokens": tokens, "logits": logits, "weights": weights}, os.path.join(out, "logits.pt")
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -94,4 +126,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

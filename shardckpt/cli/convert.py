@@ -124,7 +124,7 @@ def convert(
             "--map",
             metavar="NAME|FILE.toml",
             help="Map SRC to Hugging Face's names and layouts, or back: llama3, "
-            "deepseek_v3 or FILE.toml (sizes from --hf-config).",
+            "deepseek_v3, megatron_gpt or FILE.toml (sizes from --hf-config).",
         ),
     ] = None,
     optim_keys: Annotated[

@@ -269,7 +269,7 @@ def test_a_mapping_without_sizes_and_a_bad_mapping_file_are_refused(capsys, llam
     )
     assert _cli(capsys, *argv, "--map", "llama9")[::2] == (
         2,
-        "shardckpt: error: --map 'llama9': no such mapping: name one of deepseek_v3, llama3, "
+        "shardckpt: error: --map 'llama9': no such mapping: name one of deepseek_v3, llama3, megatron_gpt, "
         "or a mapping file ending in .toml",
     )
     bad = tmp_path / "mine.toml"
