@@ -46,6 +46,10 @@ def mapped_source(
     coordinator: bool,
 ) -> MappedSource | None:
     """Return ``reader`` read through the mapping ``spec`` names (or the one chosen); None for none."""
+    if spec is None and (
+        output != "hf" or companions is None or not rules.maps_from(reader.format)
+    ):
+        return None  # no mapping can be chosen: SRC's index is not read here
     index = reader.index()
     prefix = model_prefix(index.tree)
     weights: dict[str, TensorMeta] = {}

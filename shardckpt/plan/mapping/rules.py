@@ -123,6 +123,11 @@ def load(spec: str) -> ArchMap:
     return read(Path(spec))
 
 
+def maps_from(src_format: str) -> bool:
+    """Return whether a shipped mapping maps the names of ``src_format`` checkpoints by default."""
+    return any(src_format in read(path).sources for path in shipped().values())
+
+
 def chosen(src_format: str, architectures: object, names: Collection[str]) -> ArchMap | None:
     """Return the shipped mapping for ``src_format`` and ``config.json``'s ``architectures`` whose names ``names`` holds; None when none fits."""
     if not isinstance(architectures, list):
