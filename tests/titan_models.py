@@ -171,6 +171,58 @@ def deepseek_v3(layers: int = 3, experts: int = 4) -> TitanModel:
     return TitanModel(model, config, state, DeepSeekV3StateDictAdapter(config, None), hf)
 
 
+def qwen3(layers: int = 2) -> TitanModel:
+    """Return a dense Qwen 3 of ``layers`` layers: dim 64, 4 query heads of 16 over 2 key/value heads, untied."""
+    from torchtitan.models import qwen3 as family
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers
+
+    dim, vocab, heads, kv_heads, head_dim, hidden = 64, 128, 4, 2, 16, 96
+    config = Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=family._qwen3_norm(dim),
+        enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=family._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=family._LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            n_layers=layers,
+            dim=dim,
+            n_heads=heads,
+            n_kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_dim=hidden,
+            attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=256, theta=1000000.0),
+        ),
+    )
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "intermediate_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    state = _seeded(model)
+    return TitanModel(model, config, state, Qwen3StateDictAdapter(config, None), hf)
+
+
 def save(titan: TitanModel, root: Path, config: dict | None = None) -> tuple[Path, Path]:
     """Save ``titan``'s state as torchtitan's model-only step (``root/step-0``) and its config (``root/config``)."""
     step = root / "step-0"

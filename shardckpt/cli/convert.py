@@ -123,8 +123,8 @@ def convert(
         typer.Option(
             "--map",
             metavar="NAME|FILE.toml",
-            help="Map SRC to Hugging Face's names and layouts, or back: llama3, "
-            "deepseek_v3, megatron_gpt or FILE.toml (sizes from --hf-config).",
+            help="Map SRC to Hugging Face's names and layouts, or back: llama3, qwen3, "
+            "deepseek_v3, megatron_gpt or FILE.toml (sizes: --hf-config).",
         ),
     ] = None,
     optim_keys: Annotated[

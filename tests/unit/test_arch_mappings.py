@@ -151,6 +151,27 @@ def test_hf_back_to_torchtitan_at_2_is_torchtitans_from_hf(capsys, llama, tmp_pa
     _bits_equal(loaded, titan.state)
 
 
+def test_qwen3_to_hf_is_torchtitans_to_hf_and_loads_and_comes_back_as_from_hf(capsys, tmp_path):
+    titan = titan_models.qwen3()
+    step, config = titan_models.save(titan, tmp_path)
+    doc = _to_hf(capsys, step, config, tmp_path / "hf")
+    assert doc["mapping"]["name"] == "qwen3"
+    _bits_equal(_hf_weights(tmp_path / "hf"), titan.adapter.to_hf(dict(titan.state)))
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    code, _, err = _cli(
+        capsys, "convert", tmp_path / "hf", tmp_path / "step-1", "--to", "sharded",
+        "--format", "torchtitan", "--world-size", "2", "--map", "qwen3",
+    )  # fmt: skip
+    assert code == 0, err
+    expected = titan.adapter.from_hf(_hf_weights(tmp_path / "hf"))
+    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+    dcp.load(loaded, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    _bits_equal(loaded, expected)
+
+
 def test_deepseek_v3_moe_to_hf_is_torchtitans_to_hf_and_from_pretrained_loads_it(
     capsys, deepseek, tmp_path
 ):
@@ -269,7 +290,7 @@ def test_a_mapping_without_sizes_and_a_bad_mapping_file_are_refused(capsys, llam
     )
     assert _cli(capsys, *argv, "--map", "llama9")[::2] == (
         2,
-        "shardckpt: error: --map 'llama9': no such mapping: name one of deepseek_v3, llama3, megatron_gpt, "
+        "shardckpt: error: --map 'llama9': no such mapping: name one of deepseek_v3, llama3, megatron_gpt, qwen3, "
         "or a mapping file ending in .toml",
     )
     bad = tmp_path / "mine.toml"
