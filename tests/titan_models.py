@@ -34,6 +34,39 @@ def _seeded(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _built(config) -> torch.nn.Module:
+    """Return the model of ``config`` built on the meta device, then given CPU memory and its buffers."""
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
+def _dense(vocab: int, dim: int, hidden: int, layers: int, heads: int, kv_heads: int) -> dict:
+    """Return the ``config.json`` sizes of a dense decoder."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "intermediate_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+    }
+
+
+def _hf_config(arch: str, model_type: str, **sizes) -> dict:
+    """Return a ``config.json`` of ``arch``: ``sizes``, fp32, untied, SiLU."""
+    return {
+        "architectures": [arch],
+        "model_type": model_type,
+        **sizes,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+
+
 def _ends(family, dim: int, vocab: int) -> dict:
     """Return the embedding, final norm and output head configs of a torchtitan ``family`` module."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
@@ -72,33 +105,22 @@ def llama3(layers: int = 2) -> TitanModel:
             attn_backend="flex",
         ),
     )
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    model.init_states(buffer_device=torch.device("cpu"))
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": dim,
-        "intermediate_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
+    model = _built(config)
+    hf = _hf_config(
+        "LlamaForCausalLM",
+        "llama",
+        **_dense(vocab, dim, hidden, layers, heads, kv_heads),
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
+    )
     state = _seeded(model)
     return TitanModel(model, config, state, Llama3StateDictAdapter(config, None), hf)
 
@@ -140,33 +162,29 @@ def deepseek_v3(layers: int = 3, experts: int = 4) -> TitanModel:
         ),
         mtp_layers=[],
     )
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    hf = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": vocab,
-        "hidden_size": dim,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "n_shared_experts": 1,
-        "n_routed_experts": experts,
-        "kv_lora_rank": 32,
-        "q_lora_rank": None,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
-        "first_k_dense_replace": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+    model = _built(config)
+    hf = _hf_config(
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        n_shared_experts=1,
+        n_routed_experts=experts,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
     state = _seeded(model)
     return TitanModel(model, config, state, DeepSeekV3StateDictAdapter(config, None), hf)
 
@@ -198,27 +216,16 @@ def qwen3(layers: int = 2) -> TitanModel:
             rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=256, theta=1000000.0),
         ),
     )
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    model.init_states(buffer_device=torch.device("cpu"))
-    hf = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": vocab,
-        "hidden_size": dim,
-        "intermediate_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
+    model = _built(config)
+    hf = _hf_config(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        **_dense(vocab, dim, hidden, layers, heads, kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=256,
+    )
     state = _seeded(model)
     return TitanModel(model, config, state, Qwen3StateDictAdapter(config, None), hf)
 

@@ -77,13 +77,37 @@ def _to_hf(capsys, step, config, dst, *more):
     return json.loads(out)
 
 
+def _loads_as_to_hf_gives(titan, hf) -> None:
+    """Check that ``hf`` is torchtitan's ``to_hf`` bit for bit and loads with no missing or unexpected key."""
+    _bits_equal(_hf_weights(hf), titan.adapter.to_hf(dict(titan.state)))
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set()
+
+
+def _back_is_from_hf(capsys, titan, hf, name: str, *more) -> dict:
+    """Map ``hf`` back to torchtitan at 2 ranks with ``--map name``; check it is ``from_hf``'s; return it."""
+    dst = hf.parent / "step-1"
+    code, out, err = _cli(
+        capsys, "convert", hf, dst, "--to", "sharded", "--format", "torchtitan",
+        "--world-size", "2", "--map", name, *more,
+    )  # fmt: skip
+    assert code == 0, err
+    expected = titan.adapter.from_hf(_hf_weights(hf))
+    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+    dcp.load(loaded, checkpoint_id=dst, no_dist=True)
+    _bits_equal(loaded, expected)
+    return loaded
+
+
 def test_llama3_to_hf_is_torchtitans_to_hf_bit_for_bit_and_from_pretrained_loads_it(
     capsys, llama, tmp_path
 ):
     titan, step, config = llama
     doc = _to_hf(capsys, step, config, tmp_path / "hf")
     reference = titan.adapter.to_hf(dict(titan.state))
-    _bits_equal(_hf_weights(tmp_path / "hf"), reference)
     size = sum(t.nbytes for t in titan.state.values())
     assert doc["mapping"] == {
         "name": "llama3",
@@ -93,11 +117,7 @@ def test_llama3_to_hf_is_torchtitans_to_hf_bit_for_bit_and_from_pretrained_loads
         "out": {"tensors": len(reference), "bytes": size},
         "dropped": {"tensors": 0, "bytes": 0, "names": []},
     }
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set()
+    _loads_as_to_hf_gives(titan, tmp_path / "hf")
 
 
 def test_a_mapped_export_streams_in_small_batches_casts_and_verifies(capsys, llama, tmp_path):
@@ -138,65 +158,25 @@ def test_llama3_exported_logits_match_torchtitans_forward(capsys, llama, tmp_pat
 def test_hf_back_to_torchtitan_at_2_is_torchtitans_from_hf(capsys, llama, tmp_path):
     titan, step, config = llama
     _to_hf(capsys, step, config, tmp_path / "hf")
-    code, out, err = _cli(
-        capsys, "convert", tmp_path / "hf", tmp_path / "step-1", "--to", "sharded",
-        "--format", "torchtitan", "--world-size", "2", "--map", "llama3", "--json",
-    )  # fmt: skip
-    assert code == 0, err
-    assert json.loads(out)["mapping"]["direction"] == "from hf"
-    expected = titan.adapter.from_hf(_hf_weights(tmp_path / "hf"))
-    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
-    dcp.load(loaded, checkpoint_id=tmp_path / "step-1", no_dist=True)
-    _bits_equal(loaded, expected)
+    loaded = _back_is_from_hf(capsys, titan, tmp_path / "hf", "llama3")
     _bits_equal(loaded, titan.state)
 
 
 def test_qwen3_to_hf_is_torchtitans_to_hf_and_loads_and_comes_back_as_from_hf(capsys, tmp_path):
     titan = titan_models.qwen3()
     step, config = titan_models.save(titan, tmp_path)
-    doc = _to_hf(capsys, step, config, tmp_path / "hf")
-    assert doc["mapping"]["name"] == "qwen3"
-    _bits_equal(_hf_weights(tmp_path / "hf"), titan.adapter.to_hf(dict(titan.state)))
-    from transformers import AutoModelForCausalLM
-
-    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    code, _, err = _cli(
-        capsys, "convert", tmp_path / "hf", tmp_path / "step-1", "--to", "sharded",
-        "--format", "torchtitan", "--world-size", "2", "--map", "qwen3",
-    )  # fmt: skip
-    assert code == 0, err
-    expected = titan.adapter.from_hf(_hf_weights(tmp_path / "hf"))
-    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
-    dcp.load(loaded, checkpoint_id=tmp_path / "step-1", no_dist=True)
-    _bits_equal(loaded, expected)
+    assert _to_hf(capsys, step, config, tmp_path / "hf")["mapping"]["name"] == "qwen3"
+    _loads_as_to_hf_gives(titan, tmp_path / "hf")
+    _back_is_from_hf(capsys, titan, tmp_path / "hf", "qwen3")
 
 
-def test_deepseek_v3_moe_to_hf_is_torchtitans_to_hf_and_from_pretrained_loads_it(
+def test_deepseek_v3_moe_to_hf_is_torchtitans_to_hf_and_loads_and_comes_back_as_from_hf(
     capsys, deepseek, tmp_path
 ):
     titan, step, config = deepseek
-    doc = _to_hf(capsys, step, config, tmp_path / "hf")
-    assert doc["mapping"]["name"] == "deepseek_v3"
-    _bits_equal(_hf_weights(tmp_path / "hf"), titan.adapter.to_hf(dict(titan.state)))
-    from transformers import AutoModelForCausalLM
-
-    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-
-
-def test_deepseek_v3_hf_back_to_torchtitan_at_2_is_torchtitans_from_hf(capsys, deepseek, tmp_path):
-    titan, step, config = deepseek
-    _to_hf(capsys, step, config, tmp_path / "hf")
-    code, _, err = _cli(
-        capsys, "convert", tmp_path / "hf", tmp_path / "step-1", "--to", "sharded",
-        "--format", "torchtitan", "--world-size", "2", "--map", "deepseek_v3",
-    )  # fmt: skip
-    assert code == 0, err
-    expected = titan.adapter.from_hf(_hf_weights(tmp_path / "hf"))
-    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
-    dcp.load(loaded, checkpoint_id=tmp_path / "step-1", no_dist=True)
-    _bits_equal(loaded, expected)
+    assert _to_hf(capsys, step, config, tmp_path / "hf")["mapping"]["name"] == "deepseek_v3"
+    _loads_as_to_hf_gives(titan, tmp_path / "hf")
+    _back_is_from_hf(capsys, titan, tmp_path / "hf", "deepseek_v3")
 
 
 def test_a_layer_more_than_the_config_is_exit_3_naming_it(capsys, llama, tmp_path):
