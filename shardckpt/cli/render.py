@@ -277,18 +277,24 @@ def convert_text(result: ConvertResult, wall: float | None = None) -> str:
     )
     if result.dry_run:
         batches = len(result.plan.batches) if result.plan else 0
-        return (
+        text = (
             f"would write {result.dst}: {what}, in {counted(batches, 'batch', 'batches')} "
             "(dry run: nothing written)"
         )
+        return text + _mapping_line(result)
     seconds = result.seconds if wall is None else wall
     text = f"wrote {result.dst}: {what} in {seconds:.1f} s"
     if result.costs is not None:
         text += f" ({cost_phrase(result.costs)})"
     text += "; verified equal to the source" if result.verified else ""
-    if result.plan is not None and result.plan.mapping is not None:
-        text += "\n" + mapping_phrase(result.plan.mapping)
-    return text
+    return text + _mapping_line(result)
+
+
+def _mapping_line(result: ConvertResult) -> str:
+    """Return the ledger of ``--map`` on a line of its own, or nothing without a mapping."""
+    if result.plan is None or result.plan.mapping is None:
+        return ""
+    return "\n" + mapping_phrase(result.plan.mapping)
 
 
 def mapping_phrase(mapping: dict) -> str:

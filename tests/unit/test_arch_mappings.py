@@ -314,3 +314,18 @@ def test_the_proof_finds_an_element_read_twice_or_left_unread():
     )
     with pytest.raises(Exception, match="elements 6.. of 'w' would be left unread"):
         layout.prove(short, {"w": meta}, "src")
+
+
+def test_a_dry_run_says_which_mapping_and_its_ledger_and_writes_nothing(capsys, llama, tmp_path):
+    titan, step, config = llama
+    code, out, _ = _cli(
+        capsys, "convert", step, tmp_path / "hf", "--to", "full", "--format", "hf",
+        "--hf-config", config, "--dry-run",
+    )  # fmt: skip
+    size = sum(t.nbytes for t in titan.state.values())
+    assert code == 0
+    assert out.splitlines()[-1] == (
+        f"mapped with 'llama3' (to hf): every element of 21 tensors ({size / 2**10:.1f} KiB) in "
+        f"21 tensors ({size / 2**10:.1f} KiB) of DST"
+    )
+    _nothing_left(tmp_path)
