@@ -1,9 +1,11 @@
 """A Llama-style megatron-core GPT (GQA, SwiGLU, RMSNorm, RoPE, local spec, CPU): saved with ``dist_checkpointing``, and its logits.
 
-Run as a script, one process (``python megatron_gpt_jobs.py DIR``): it writes
+Run as a script, one process (``python megatron_gpt_jobs.py DIR [CKPT]``): it writes
 ``DIR/ckpt`` (``dist_checkpointing.save`` of the model's sharded state dict, torch_dist)
-and ``DIR/logits.pt`` (the tokens and Megatron's forward on them). CPU shims as in
-``megatron_jobs.py``.
+and ``DIR/logits.pt`` (the tokens and Megatron's forward on them); with CKPT, it loads
+CKPT into the model instead (``DIR/loaded.pt``). ``MEGATRON_EXPERTS=E`` makes every
+layer's MLP a mixture of E experts (SequentialMLP, top-2 router). CPU shims as in
+``megatron_jobs.py``, and one for the MoE router without Transformer Engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch.distributed as dist
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ = 2, 64, 8, 2, 96, 128, 16
 ROPE_BASE = 10000.0
+EXPERTS = int(os.environ.get("MEGATRON_EXPERTS", "0"))
+MOE = {"num_moe_experts": EXPERTS, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 
 
 def gpt():
@@ -43,10 +47,13 @@ def gpt():
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
+        **(MOE if EXPERTS else {}),
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=EXPERTS or None, normalization="RMSNorm"
+        ),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",
@@ -112,6 +119,12 @@ def main(out: str, load_into: str | None = None) -> None:
         tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
         positions = torch.arange(SEQ).unsqueeze(0)
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        if EXPERTS:
+            # megatron-core 0.16.1's router tests ``te_general_gemm is not None``, a name
+            # its module binds only when Transformer Engine imports: None is what it means.
+            from megatron.core.transformer.moe import moe_utils
+
+            moe_utils.te_general_gemm = None
         with torch.no_grad():
             logits = model(tokens, positions, mask)
         weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

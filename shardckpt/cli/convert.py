@@ -124,7 +124,7 @@ def convert(
             "--map",
             metavar="NAME|FILE.toml",
             help="Map SRC to Hugging Face's names and layouts, or back: llama3, qwen3, "
-            "deepseek_v3, megatron_gpt or FILE.toml (sizes: --hf-config).",
+            "deepseek_v3, megatron_gpt, megatron_moe or FILE.toml (sizes: --hf-config).",
         ),
     ] = None,
     optim_keys: Annotated[

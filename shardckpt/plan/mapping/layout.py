@@ -207,13 +207,15 @@ def _outputs(
 ) -> Iterator[tuple[str, TensorMeta, list[Run]]]:
     """Yield each tensor ``rule`` makes of source tensor ``name``: its name, meta and runs."""
     where = ctx.where
-    if rule.unstack is not None:
-        count = len(ctx.ranges[rule.unstack])
-        _check_dim0(meta, name, count, f"{rule.unstack}s", where)
-        slab = meta.numel // count if count else 0
+    if rule.unstack:
+        counts = [len(ctx.ranges[r]) for r in rule.unstack]
+        for dim, (axis, count) in enumerate(zip(rule.unstack, counts)):
+            _check_dim(meta, name, dim, count, f"{axis}s", where)
+        slab = meta.numel // prod(counts) if prod(counts) else 0
+        combos = itertools.product(*(ctx.ranges[r] for r in rule.unstack))
         pieces = [
-            ({**indices, rule.unstack: index}, meta.shape[1:], k * slab)
-            for k, index in enumerate(ctx.ranges[rule.unstack])
+            ({**indices, **dict(zip(rule.unstack, combo))}, meta.shape[len(counts) :], k * slab)
+            for k, combo in enumerate(combos)
         ]
     else:
         pieces = [(indices, meta.shape, 0)]
@@ -259,11 +261,11 @@ def backward(
     ctx = _Context(amap, sizes, where)
     found, uncovered, why = ctx.match(hf, "target")
     _refuse_uncovered(uncovered, why, hf, where)
-    parts: dict[str, tuple[Rule, dict[str, int], dict[tuple[int, int], TensorMeta]]] = {}
+    parts: dict[str, tuple[Rule, dict[str, int], dict[tuple[tuple, int], TensorMeta]]] = {}
     for name, (rule, t, indices) in found.items():
-        own = {k: v for k, v in indices.items() if k != rule.unstack}
+        own = {k: v for k, v in indices.items() if k not in rule.unstack}
         source = rule.source.format(**own)
-        index = indices[rule.unstack] if rule.unstack else 0
+        index = tuple(indices[r] for r in rule.unstack)
         parts.setdefault(source, (rule, own, {}))[2][(index, t)] = hf[name]
     inferred = {
         source: _inferred(ctx, source, rule, given) for source, (rule, _, given) in parts.items()
@@ -294,20 +296,18 @@ def backward(
 
 
 def _inferred(
-    ctx: _Context, source: str, rule: Rule, given: dict[tuple[int, int], TensorMeta]
+    ctx: _Context, source: str, rule: Rule, given: dict[tuple[tuple, int], TensorMeta]
 ) -> TensorMeta:
-    """Return the source tensor ``rule`` would map to ``given`` (its targets by (unstacked index, target))."""
+    """Return the source tensor ``rule`` would map to ``given`` (its targets by (unstacked indices, target))."""
     first = next(iter(given.values()))
-    indices = ctx.ranges[rule.unstack] if rule.unstack else range(1)
-    one = indices[0] if len(indices) else 0
+    one = next(iter(given))[0]
     if rule.split is not None:
         rows = sum(m.shape[0] for (i, _), m in given.items() if i == one and m.shape)
         shape = (rows, *first.shape[1:])
     else:
         shape = first.shape
-    if rule.unstack is not None:
-        shape = (len(indices), *shape)
-    return TensorMeta(source, tuple(shape), first.dtype)
+    counts = tuple(len(ctx.ranges[r]) for r in rule.unstack)
+    return TensorMeta(source, (*counts, *shape), first.dtype)
 
 
 def prove(mapped: Mapped, source: Mapping[str, TensorMeta], where: str) -> None:
@@ -376,11 +376,11 @@ def _refuse_missing(ctx: _Context, names: set[str]) -> None:
         )
 
 
-def _check_dim0(meta: TensorMeta, name: str, count: int, what: str, where: str) -> None:
-    if not meta.shape or meta.shape[0] != count:
-        held = meta.shape[0] if meta.shape else 0
+def _check_dim(meta: TensorMeta, name: str, dim: int, count: int, what: str, where: str) -> None:
+    if len(meta.shape) <= dim or meta.shape[dim] != count:
+        held = meta.shape[dim] if len(meta.shape) > dim else 0
         raise BadInputError(
-            f"'{name}' holds {held} {what} on dim 0, and the config says {count}",
+            f"'{name}' holds {held} {what} on dim {dim}, and the config says {count}",
             path=where,
             hint="pass the config of this model (--hf-config)",
         )

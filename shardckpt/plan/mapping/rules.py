@@ -9,7 +9,8 @@ written in the direction source -> Hugging Face and applied either way
 - ``tensors``: one rule per tensor family: ``from`` (source name), ``to`` (Hugging Face
   name), placeholders ``{range}`` in both, and at most one operation: ``rope = "SIZE"``
   (torchtitan's RoPE row order to Hugging Face's, over SIZE heads) or
-  ``unstack = "RANGE"`` (dim 0 of the source holds one tensor per index of RANGE, which
+  ``unstack = "RANGE"`` or ``["RANGE", ...]`` (the source's leading dims hold one tensor
+  per index of each RANGE, which
   only ``to`` names: grouped experts, one weight per expert).
 """
 
@@ -44,8 +45,9 @@ class Rule:
     """One name pattern, or one per part of a ``split``."""
     rope: str | None = None
     """The size naming how many heads the rows are in (torchtitan's RoPE order to HF's)."""
-    unstack: str | None = None
-    """The range dim 0 of the source runs over, one target tensor per index."""
+    unstack: tuple[str, ...] = ()
+    """The ranges the source's leading dims run over (a layer axis, then an expert
+    axis), one target tensor per combination of indices."""
     split: str | None = None
     """How the rows of the source (of each unstacked part) divide among ``targets``:
     ``chunks`` (equal parts, in order: SwiGLU's fused gate and up) or ``qkv``
@@ -200,7 +202,7 @@ def _checked(path: Path, data: dict) -> ArchMap:
             str(entry["from"]),
             tuple(str(t) for t in targets),
             entry.get("rope"),
-            entry.get("unstack"),
+            _unstacked(entry.get("unstack")),
             entry.get("split"),
             entry.get("heads"),
             entry.get("groups"),
@@ -237,9 +239,18 @@ def _check_rule(i: int, rule: Rule, sizes: dict, ranges: dict) -> None:
         unknown = [p for p in src + dst if p not in ranges]
         if unknown:
             raise ValueError(f"tensors[{i}] names range {unknown[0]!r}, which ranges lacks")
-        if sorted(src + ([rule.unstack] if rule.unstack else [])) != sorted(dst):
+        if sorted(src + list(rule.unstack)) != sorted(dst):
             raise ValueError(
-                f"tensors[{i}]: 'to' must name the placeholders of 'from', plus the unstacked one"
+                f"tensors[{i}]: 'to' must name the placeholders of 'from', plus the unstacked ones"
             )
         if len(set(dst)) != len(dst) or len(set(src)) != len(src):
             raise ValueError(f"tensors[{i}] names a placeholder twice")
+
+
+def _unstacked(value: object) -> tuple[str, ...]:
+    """Return ``unstack``'s ranges: none, one name, or a list of names (leading dim first)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return _strings(value, "unstack")
