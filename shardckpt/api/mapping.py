@@ -1,7 +1,7 @@
 """``--map``: a source read through an architecture mapping (``plan.mapping``), chosen, sized and proven.
 
 Which mapping: ``--map NAME|FILE.toml``; without it, for an ``hf`` output, the shipped
-mapping for SRC's format and ``--hf-config``'s ``architectures`` whose names SRC holds
+mapping for SRC's format and ``--hf-config``'s ``architectures`` that names most of SRC's weights
 (said once). Which way: SRC in one of the mapping's source formats is mapped to Hugging
 Face's names; an ``hf`` or ``safetensors`` SRC is mapped back. Sizes come from
 ``--hf-config``'s ``config.json``, or, mapping back, SRC's own.

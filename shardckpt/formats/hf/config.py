@@ -406,7 +406,7 @@ def expected_names(
             continue
         tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
         state = model.state_dict()
-        built.append(Expected(name, frozenset(state), tied, _loaded_as(model, state, names)))
+        built.append(Expected(name, frozenset(state), tied, _loaded_as(model, names)))
     if not built:
         return why
     # The head ``names`` fits best: fewest weights DST would lack, then fewest extra.
@@ -419,7 +419,7 @@ def expected_names(
     )
 
 
-def _loaded_as(model, state: Mapping, names: Collection[str]) -> dict[str, str]:
+def _loaded_as(model, names: Collection[str]) -> dict[str, str]:
     """Return the names of ``names`` that ``from_pretrained`` of ``model`` loads under another, with that name.
 
     transformers' own renaming (``core_model_loading.rename_source_key`` with the model's
@@ -434,10 +434,10 @@ def _loaded_as(model, state: Mapping, names: Collection[str]) -> dict[str, str]:
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    prefix = getattr(model, "base_model_prefix", None)
     out = {}
     for name in names:
-        renamed, _ = rename_source_key(name, renamings, converters, prefix, state)
+        # Without the base model's prefix: DST names the weights as the model itself does.
+        renamed, _ = rename_source_key(name, renamings, converters)
         if renamed != name:
             out[name] = renamed
     return out

@@ -131,14 +131,17 @@ def maps_from(src_format: str) -> bool:
 
 
 def chosen(src_format: str, architectures: object, names: Collection[str]) -> ArchMap | None:
-    """Return the shipped mapping for ``src_format`` and ``config.json``'s ``architectures`` whose names ``names`` holds; None when none fits."""
+    """Return the shipped mapping for ``src_format`` and ``config.json``'s ``architectures`` that names most of ``names``; None when none fits."""
     if not isinstance(architectures, list):
         return None
     for path in shipped().values():
         amap = read(path)
         if src_format in amap.sources and set(amap.architectures) & set(architectures):
             patterns = [_pattern(rule.source) for rule in amap.rules]
-            if any(p.fullmatch(name) for p in patterns for name in names):
+            # Most of SRC's names must be the mapping's: a Hugging Face model saved by FSDP
+            # shares a name or two with a trainer's (lm_head.weight), and is not mapped.
+            matched = sum(1 for name in names if any(p.fullmatch(name) for p in patterns))
+            if 2 * matched > len(names):
                 return amap
     return None
 
