@@ -329,3 +329,25 @@ def test_a_dry_run_says_which_mapping_and_its_ledger_and_writes_nothing(capsys, 
         f"21 tensors ({size / 2**10:.1f} KiB) of DST"
     )
     _nothing_left(tmp_path)
+
+
+def test_a_damaged_hf_source_mapped_back_is_exit_3_naming_the_file(capsys, llama, tmp_path):
+    """The mapped reader reads through the source's own: its checksums still judge every byte."""
+    _, step, config = llama
+    _to_hf(capsys, step, config, tmp_path / "hf")
+    shard = tmp_path / "hf" / "model-00001-of-00001.safetensors"
+    with open(shard, "r+b") as f:
+        f.seek(-1000, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-1000, os.SEEK_END)
+        f.write(bytes([byte ^ 1]))
+    code, _, line = _cli(
+        capsys, "convert", tmp_path / "hf", tmp_path / "step-1", "--to", "sharded",
+        "--format", "torchtitan", "--world-size", "2", "--map", "llama3",
+    )  # fmt: skip
+    assert code == 3
+    assert line.startswith(
+        f"shardckpt: error: '{shard}': the bytes of 'lm_head.weight' do not match the checksum "
+        "written with them"
+    )
+    _nothing_left(tmp_path, "hf")
