@@ -39,7 +39,6 @@ EPILOG = examples(
     "torchrun --standalone --nproc-per-node 2 -m shardckpt convert .demo/export.pt .demo/ckpt-2 --to sharded",
     "shardckpt convert .demo/ckpt-dcp .demo/ranks-at-2 --to local --world-size 2",
     "shardckpt convert .demo/ckpt-dcp .demo/hf-model --to full --format hf --dtype bf16",
-    "shardckpt convert titan/step-9 llama-hf --to full --format hf --hf-config llama --map llama3",
     "PYTHONPATH=examples shardckpt convert .demo/ckpt-dcp .demo/plain.pt --to full --optim-keys id --model make_checkpoint:model_and_param_groups",
 )
 

@@ -278,7 +278,7 @@ def test_a_mapping_without_sizes_and_a_bad_mapping_file_are_refused(capsys, llam
     assert _cli(capsys, *argv, "--map", bad)[::2] == (
         3,
         f"shardckpt: error: '{bad}': is not a mapping (ValueError: tensors[0] names range "
-        "'layer', which ranges lacks): write it as docs/mappings.md describes, or name a "
+        "'layer', which ranges lacks): write it as docs/trainers/mappings.md describes, or name a "
         "shipped mapping",
     )
     _nothing_left(tmp_path, "mine.toml")

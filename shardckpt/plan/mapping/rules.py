@@ -178,7 +178,7 @@ def _bad(path: Path, what: str) -> BadInputError:
     return BadInputError(
         what,
         path=path,
-        hint="write it as docs/mappings.md describes, or name a shipped mapping",
+        hint="write it as docs/trainers/mappings.md describes, or name a shipped mapping",
     )
 
 
