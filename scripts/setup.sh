@@ -98,6 +98,9 @@ if [[ ",$extras," == *",trainers,"* ]]; then
     # torchtitan's checkpoint code needs only what the trainers extra lists; its own
     # requirements would pull ~1.5 GB of data and logging packages (see pyproject.toml).
     pip_install -c "$constraints" --no-deps torchtitan==0.3.0
+    # Its model code (the llama3 and deepseek_v3 models the --map tests build) imports
+    # triton at import time, even on CPU, where no kernel of it runs.
+    pip_install -c "$constraints" --no-deps triton==3.9.0
 fi
 "$venv/bin/python" -c 'import torch' || {
     log "torch $torch_version is installed but does not import (error above)"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardckpt.api import applies
 from shardckpt.api.launch_notes import launch_notes
+from shardckpt.api.mapping import mapped_source, without_edits
 from shardckpt.api.requests import ConvertRequest
 from shardckpt.api.storage import named, on_storage
 from shardckpt.api.verification import verify_output
@@ -251,6 +252,23 @@ def prepare(
     if request.format is None and request.nest is None and request.unnest is None:
         form = _own_layout(request, form, reader.format, valid.world_size, runtime)
     applies.check(applies.CONVERT_RULES, replace(choice, fmt=form.name, src_format=reader.format))
+    mapped = mapped_source(
+        reader,
+        spec=request.map,
+        output=form.name,
+        companions=valid.companions,
+        selection=valid.selection,
+        coordinator=runtime.coordinator,
+    )
+    if mapped is not None:
+        if sight is not None and not sight.complete:
+            raise UsageError(
+                "--map reads SRC's files on every rank, and the ranks see different files of it",
+                path=request.src,
+                hint="convert where every rank sees all of SRC (a shared filesystem)",
+            )
+        reader = mapped.reader
+        valid = replace(valid, selection=without_edits(valid.selection))
     if format_named(reader.format).needs_model and flat_model is None:
         raise UsageError(
             f"{reader.format} flat parameters need the model to be read",
@@ -262,6 +280,8 @@ def prepare(
     plan = _plan(request, reader, form, valid, selection, flat_model, runtime)
     if request.to != "full":
         _check_rank_work(plan, form)
+    if mapped is not None:
+        plan = replace(plan, mapping=mapped.summary)
     if form.name == "hf":
         plan = _with_hf_config(plan, valid.companions, request.src, runtime)
     if request.zero_stage is not None:

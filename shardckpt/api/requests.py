@@ -112,6 +112,9 @@ class ConvertRequest:
     """A directory whose ``config.json`` and companions an ``hf`` output gets."""
     storage_options: Sequence[str] = ()
     """``KEY=VALUE`` options of the filesystem behind a URL SRC or DST (``--storage-option``)."""
+    map: str | None = None
+    """An architecture mapping (``plan.mapping``): a shipped one's name or a ``.toml`` file;
+    None: chosen for an ``hf`` output from SRC's format and the config's ``architectures``."""
 
     def __post_init__(self) -> None:
         _frozen(self)

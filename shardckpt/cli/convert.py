@@ -125,6 +125,15 @@ def convert(
             help="For --format hf: copy config.json and the tokenizer files from DIR.",
         ),
     ] = None,
+    map_name: Annotated[
+        str | None,
+        typer.Option(
+            "--map",
+            metavar="NAME|FILE.toml",
+            help="Map SRC to Hugging Face's names and layouts, or back: llama3, qwen3, "
+            "deepseek_v3, megatron_gpt, megatron_moe or FILE.toml (sizes: --hf-config).",
+        ),
+    ] = None,
     optim_keys: Annotated[
         str,
         choice(
@@ -245,6 +254,7 @@ def convert(
             src_local=src_local,
             hf_config=hf_config,
             storage_options=storage_options or (),
+            map=map_name,
         )
         progress = Progress(
             enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

@@ -177,6 +177,8 @@ class ConvertPlan:
     """What the selection did that the user is told once (``--only model`` re-rooting DST)."""
     zero_stage: int | None = None
     """For ``deepspeed``: the ZeRO stage written (``--zero-stage``); None: SRC's."""
+    mapping: Mapping[str, object] | None = None
+    """With an architecture mapping (``--map``): its name, file and ledger (``plan.mapping``)."""
 
     @property
     def batches(self) -> list[list[TensorMeta]]:

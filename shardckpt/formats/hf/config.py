@@ -313,6 +313,13 @@ class Expected:
     """Its state dict's names."""
     tied: Mapping[str, str]
     """Each name ``save_pretrained`` leaves out, with the name of the weight it is tied to."""
+    loaded_as: Mapping[str, str] = field(default_factory=dict)
+    """Each of DST's names that ``from_pretrained`` loads under another name: its weight
+    conversions (transformers 5 fuses a MoE layer's per-expert weights into one)."""
+
+    def loaded(self, names: Collection[str]) -> set[str]:
+        """Return the model's names ``from_pretrained`` fills from ``names``."""
+        return {self.loaded_as.get(n, n) for n in names}
 
 
 # The heads a config without ``architectures`` is tried as, in this order: a language
@@ -398,12 +405,42 @@ def expected_names(
             why = f"transformers could not build its {name} ({type(exc).__name__})"
             continue
         tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-        built.append(Expected(name, frozenset(model.state_dict()), tied))
+        state = model.state_dict()
+        built.append(Expected(name, frozenset(state), tied, _loaded_as(model, names)))
     if not built:
         return why
-    given = set(names)
     # The head ``names`` fits best: fewest weights DST would lack, then fewest extra.
-    return min(built, key=lambda e: (len(e.names - given - set(e.tied)), len(given - e.names)))
+    return min(
+        built,
+        key=lambda e: (
+            len(e.names - e.loaded(names) - set(e.tied)),
+            len(e.loaded(names) - e.names),
+        ),
+    )
+
+
+def _loaded_as(model, names: Collection[str]) -> dict[str, str]:
+    """Return the names of ``names`` that ``from_pretrained`` of ``model`` loads under another, with that name.
+
+    transformers' own renaming (``core_model_loading.rename_source_key`` with the model's
+    ``get_model_conversion_mapping``), as its loader applies it; none where this
+    transformers has no weight conversions.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:
+        return {}
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    out = {}
+    for name in names:
+        # Without the base model's prefix: DST names the weights as the model itself does.
+        renamed, _ = rename_source_key(name, renamings, converters)
+        if renamed != name:
+            out[name] = renamed
+    return out
 
 
 def check_names(
@@ -443,8 +480,9 @@ def check_names(
             f"'{where}': not checking DST's weight names against the model it describes: {expected}"
         )
         return config
-    missing = sorted(expected.names - names - set(expected.tied))
-    unexpected = sorted(names - expected.names)
+    loaded = expected.loaded(names)
+    missing = sorted(expected.names - loaded - set(expected.tied))
+    unexpected = sorted(n for n in names if expected.loaded_as.get(n, n) not in expected.names)
     if missing:
         first = missing[0]
         hint = _rename_hint(missing, unexpected)

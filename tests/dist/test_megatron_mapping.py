@@ -1,0 +1,152 @@
+"""``--map megatron_gpt``: a Llama-style megatron-core GPT to a Hugging Face model and back, against both libraries.
+
+megatron-core saves the model (GQA, SwiGLU, RMSNorm, RoPE, local spec, CPU) with
+``dist_checkpointing.save`` and runs its forward, in its own process
+(``tests/megatron_gpt_jobs.py``); shardckpt exports it; transformers'
+``from_pretrained`` loads the export and its logits are compared with Megatron's. The
+way back is loaded by ``dist_checkpointing.load`` into the same Megatron model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardckpt.cli import run
+
+pytestmark = pytest.mark.trainers
+for _needed in ("megatron.core", "psutil", "transformers"):
+    if importlib.util.find_spec(_needed) is None:
+        pytest.skip(f"could not find '{_needed}'", allow_module_level=True)
+
+JOBS = Path(__file__).resolve().parents[1] / "megatron_gpt_jobs.py"
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 16,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+}
+
+
+MOE_CONFIG = {
+    **CONFIG,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def _job(*argv, experts: int = 0) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_EXPERTS": str(experts)}
+    done = subprocess.run(
+        [sys.executable, str(JOBS), *map(str, argv)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _saved(root: Path, config: dict, experts: int = 0) -> Path:
+    root.mkdir(exist_ok=True)  # the job's file store lies in it
+    _job(root, experts=experts)
+    (root / "config").mkdir()
+    (root / "config" / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    return _saved(tmp_path_factory.mktemp("megatron"), CONFIG)
+
+
+def _exported_and_back(root: Path, tmp_path: Path, capsys, name: str, tensors: int, experts=0):
+    """Export ``root/ckpt`` to hf, compare its logits with Megatron's, map it back and load it into Megatron."""
+    argv = ["convert", root / "ckpt", tmp_path / "hf", "--to", "full", "--format", "hf",
+            "--hf-config", root / "config", "--json"]  # fmt: skip
+    assert run([str(a) for a in argv]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["mapping"]["name"], doc["mapping"]["in"]["tensors"]) == (name, tensors)
+    assert doc["mapping"]["in"]["bytes"] == doc["mapping"]["out"]["bytes"]
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    theirs = torch.load(root / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        ours = model(theirs["tokens"]).logits
+    assert theirs["logits"].abs().max() > 0.5
+    torch.testing.assert_close(ours, theirs["logits"], atol=1e-5, rtol=1e-5)
+
+    back = tmp_path / "torch_dist"
+    argv = ["convert", tmp_path / "hf", back, "--to", "sharded", "--format", "megatron",
+            "--world-size", "2", "--map", name, "-q"]  # fmt: skip
+    assert run([str(a) for a in argv]) == 0
+    _job(tmp_path, back, experts=experts)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    saved = theirs["weights"]
+    assert sorted(loaded) == sorted(saved)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_gpt_to_hf_loads_with_from_pretrained_and_its_logits_match_megatrons(
+    megatron, tmp_path, capsys
+):
+    """fp32 on CPU, both rotating halves (Megatron's rotate_half and transformers'): the
+    same arithmetic in another order; 1e-5 on logits of size ~2 (seen: 2e-6)."""
+    _exported_and_back(megatron, tmp_path, capsys, "megatron_gpt", 9)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_moe_gpt_to_mixtral_logits_match_megatrons_and_come_back(tmp_path, capsys):
+    """Four experts, top-2 routing over softmax scores, as Mixtral routes (seen: 1.4e-6)."""
+    root = _saved(tmp_path / "megatron-moe", MOE_CONFIG, experts=4)
+    _exported_and_back(root, tmp_path, capsys, "megatron_moe", 10, experts=4)
+    # One expert more than the config says: exit 3 naming the tensor and its expert axis.
+    (root / "config" / "config.json").write_text(json.dumps({**MOE_CONFIG, "num_local_experts": 3}))
+    argv = ["convert", root / "ckpt", tmp_path / "three", "--to", "full", "--format", "hf",
+            "--hf-config", root / "config"]  # fmt: skip
+    assert run([str(a) for a in argv]) == 3
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"shardckpt: error: '{root / 'ckpt'}': "
+        "'decoder.layers.mlp.experts.experts.linear_fc1.weight' holds 4 experts on dim 1, and "
+        "the config says 3: pass the config of this model (--hf-config)"
+    )
+    assert not (tmp_path / "three").exists()
+
+
+def test_a_megatron_layer_more_than_the_config_is_exit_3_naming_it(megatron, tmp_path, capsys):
+    config = tmp_path / "one-layer"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 1}))
+    argv = ["convert", megatron / "ckpt", tmp_path / "hf", "--to", "full", "--format", "hf",
+            "--hf-config", config]  # fmt: skip
+    assert run([str(a) for a in argv]) == 3
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        f"shardckpt: error: '{megatron / 'ckpt'}': "
+        "'decoder.layers.self_attention.linear_qkv.layer_norm_weight' holds 2 layers on dim 0, "
+        "and the config says 1: pass the config of this model (--hf-config)"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["one-layer"]
