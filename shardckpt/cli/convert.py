@@ -65,8 +65,8 @@ def convert(
         choice(
             "--to",
             LAYOUTS,
-            "Layout of DST: full (every tensor whole), sharded (metadata plus a file per rank: "
-            "any world size loads it) or local (per-rank files of one world size).",
+            "Layout of DST: full (tensors whole), sharded (any world size loads it) or "
+            "local (files of one world size).",
         ),
     ],
     fmt: Annotated[
@@ -130,8 +130,8 @@ def convert(
         typer.Option(
             "--map",
             metavar="NAME|FILE.toml",
-            help="Map SRC to Hugging Face's names and layouts, or back: llama3, qwen3, "
-            "deepseek_v3, megatron_gpt, megatron_moe or FILE.toml (sizes: --hf-config).",
+            help="Map names to Hugging Face's, or back: llama3, qwen3, deepseek_v3, "
+            "megatron_gpt, megatron_moe, FILE.toml.",
         ),
     ] = None,
     optim_keys: Annotated[
@@ -148,7 +148,7 @@ def convert(
         typer.Option(
             "--model",
             metavar="pkg.module:factory",
-            help="Builds the module, or (module, param_groups): param IDs, buffers, FSDP1 layouts.",
+            help="Builds the module or (module, param_groups): IDs, buffers, FSDP1 layouts.",
         ),
     ] = None,
     wraps: Wraps = None,

@@ -66,10 +66,7 @@ def only_option(help: str):
     return Annotated[str, choice("--only", ONLY, help)]
 
 
-OnlyOpt = only_option(
-    "model: all but optimizers (to one file, rooted as load_state_dict takes it); optim: "
-    "optimizers only."
-)
+OnlyOpt = only_option("model: all but optimizers; optim: optimizers only.")
 
 # The source-format option is ``--from`` in every command (``--from-a``/``--from-b`` in
 # diff), as convert spells it; convert's ``--format`` is the output's. The spellings
@@ -123,15 +120,14 @@ DeviceOpt = Annotated[
     choice(
         "--device",
         ("cpu", "cuda"),
-        "Under torchrun: cpu, or cuda (every rank needs a GPU of its own); "
-        "default: cuda when every rank has one, else cpu.",
+        "Under torchrun: cpu, or cuda (a GPU per rank); default: cuda if all have one.",
     ),
 ]
 CleanFqns = Annotated[
     bool,
     typer.Option(
         "--clean-fqns/--no-clean-fqns",
-        help="Strip FSDP, activation-checkpoint and compile wrappers and DDP's 'module.' from FQNs.",
+        help="Strip wrappers from FQNs (FSDP, compile, DDP's 'module.').",
     ),
 ]
 Wraps = Annotated[
