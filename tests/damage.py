@@ -67,11 +67,14 @@ def flip(file: Path, at: int) -> None:
         f.write(bytes([byte ^ 1]))
 
 
-def storages(source) -> dict[str, tuple[int, int]]:
-    """Return each tensor's storage as (data offset in the zip, bytes), by dotted path, per torch's loader."""
+def storages(source, weights_only: bool = True) -> dict[str, tuple[int, int]]:
+    """Return each tensor's storage as (data offset in the zip, bytes), by dotted path, per torch's loader.
+
+    ``weights_only=False`` for a file naming classes the test provides (DeepSpeed's look-alikes).
+    """
     # torch 2.15 logs that a DeviceMesh is unpickled outside its job: not the test's output.
     with torch.serialization.safe_globals(safe_globals()), quiet_protocol_warning():
-        obj = torch.load(source, map_location="meta", weights_only=True)
+        obj = torch.load(source, map_location="meta", weights_only=weights_only)
     out: dict[str, tuple[int, int]] = {}
 
     def visit(node, path: str) -> None:
@@ -108,9 +111,9 @@ def record_at(zip_bytes: bytes, start: int) -> str:
     raise AssertionError(f"no record starts at byte {start}")
 
 
-def flip_in_torch_file(file: Path, tensor: str) -> Flipped:
-    """Flip a byte in the middle of ``tensor``'s data in a ``torch.save`` file."""
-    found = storages(file)
+def flip_in_torch_file(file: Path, tensor: str, weights_only: bool = True) -> Flipped:
+    """Flip a byte in the middle of ``tensor``'s data in a ``torch.save`` file (loaded as ``storages``)."""
+    found = storages(file, weights_only)
     start, size = found[tensor]
     tied = tuple(name for name, (at, _) in found.items() if at == start)
     flipped = Flipped(file, tied, in_record(record_at(file.read_bytes(), start), start))

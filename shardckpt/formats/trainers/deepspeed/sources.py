@@ -2,10 +2,13 @@
 
 A ``Spans`` source is a tensor whose elements lie in pieces of 1-D tensors: a
 parameter's fp32 master weights (or one Adam moment) in the ranks' flat partitions,
-in element order. Rows [a, b) of it are elements [a * row, b * row), copied piece by
-piece from the memory-mapped files, so a read touches only the pages of those rows,
-wherever a rank's partition begins or ends. A ``Whole`` source is a tensor saved as
-it is (a buffer, a frozen parameter, the step counter), sliced by rows.
+in element order. Rows [a, b) of it are elements [a * row, b * row), read piece by
+piece from the files (``pread``, never through the mapping: ``state.checksums.checked``),
+so a read touches only the bytes of those rows, wherever a rank's partition begins or
+ends, and each piece is noted against the CRC-32 of the record it lies in: a flipped
+bit is exit 3, a file cut short since it was opened is exit 3 naming it. A ``Whole``
+source is a tensor saved as it is (a buffer, a frozen parameter, the step counter),
+sliced by rows and read the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardckpt.formats.base import Rows
+from shardckpt.state.checksums import checked
 from shardckpt.state.tree import TensorMeta
 
 
@@ -45,13 +49,13 @@ class Spans:
         out_shape = (last - first, *shape[1:]) if shape else ()
         inside = [s for s in self.spans if s.start < hi and s.start + s.numel > lo]
         if len(inside) == 1 and inside[0].flat.dtype == meta.dtype:
-            # One span holds every element asked for: a view of the mapped file, no copy.
+            # One span holds every element asked for: read as it lies, no second copy.
             s = inside[0]
-            return s.flat[s.at + lo - s.start : s.at + hi - s.start].view(out_shape)
+            return checked(s.flat[s.at + lo - s.start : s.at + hi - s.start]).view(out_shape)
         out = torch.empty(hi - lo, dtype=meta.dtype)
         for s in inside:
             a, b = max(lo, s.start), min(hi, s.start + s.numel)
-            out[a - lo : b - lo] = s.flat[s.at + a - s.start : s.at + b - s.start]
+            out[a - lo : b - lo] = checked(s.flat[s.at + a - s.start : s.at + b - s.start])
         return out.view(out_shape)
 
 
@@ -64,6 +68,7 @@ class Whole:
     def read(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         """Return ``rows`` of the tensor (all of it for None) in ``meta``'s dtype."""
         t = self.tensor if rows is None or not meta.shape else self.tensor[rows[0] : rows[1]]
+        t = checked(t)
         return t if t.dtype == meta.dtype else t.to(meta.dtype)
 
 
