@@ -51,6 +51,27 @@ def resume(src: str, local: bool = False) -> dict | None:
     return _load_and_step(model, optim, src, local, loss_of)
 
 
+def train_and_save(src: str, dst: str) -> dict | None:
+    """Resume ``src`` under FSDP2 as ``resume`` does, train one step, and save the job with DCP.
+
+    What an FSDP2 job writes itself (``dcp.save`` of ``get_state_dict``: its model, and its
+    optimizer keyed by FQN) at ``dst``. Returns on rank 0 the full model and optimizer state
+    the job saved.
+    """
+    model, optim = fsdp2_job()
+    gen = torch.Generator().manual_seed(200 + dist.get_rank())
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=src)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    deepspeed_model.loss_of(model, deepspeed_model.batch(gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=dst)
+    saved_model, saved_optim = _copied(get_state_dict(model, optim, options=FULL))
+    return {"model": saved_model, "optim": saved_optim} if dist.get_rank() == 0 else None
+
+
 def llama_job(config_dir: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Return the HF Trainer goldens' Llama under FSDP2 (each decoder layer, then the root) and
     torch's AdamW over its parameters as one group, as the Trainer's DeepSpeed run had them."""

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import deepspeed_jobs as jobs
 from deepspeed_goldens import MOMENTS, bits_equal, gathered, run_dir, universal_states
+from harness import run_ranks
 
 from shardckpt import api
 
@@ -174,6 +176,50 @@ def test_fsdp2_dcp_with_its_optimizer_resumes_in_deepspeed_at_m(tmp_path, native
     assert held["loss"] == pytest.approx(reference["loss"], rel=1e-6)
     for fqn, after in reference["stepped"].items():
         torch.testing.assert_close(held["stepped"][fqn], after, rtol=2e-3, atol=2e-3)
+
+
+def test_a_dcp_an_fsdp2_job_saved_resumes_in_deepspeed_at_3(tmp_path):
+    """FSDP2 -> DeepSpeed from what FSDP2 itself wrote: a job at 2 (gloo, ``fully_shard``)
+    trains a step and saves its model and FQN-keyed AdamW with ``dcp.save``; converted for
+    ZeRO-3 at 3, DeepSpeed's ``load_checkpoint`` holds the job's weights as fp32 masters and
+    its moments, bit for bit."""
+    start = tmp_path / "start"
+    api.convert(
+        api.ConvertRequest(
+            src=run_dir("z3-fp32"),
+            dst=start,
+            to="sharded",
+            world_size=2,
+            filters=("model.*", "optim.*"),
+        )
+    )
+    saved = tmp_path / "fsdp2"
+    job = run_ranks(jobs.train_and_save, 2, str(start), str(saved))[0]
+    dst = tmp_path / "ds"
+    api.convert(
+        api.ConvertRequest(
+            src=saved,
+            dst=dst,
+            to="local",
+            format="deepspeed",
+            world_size=3,
+            model="deepspeed_model:build",
+            zero_stage=3,
+            verify=True,
+        )
+    )
+    held = resume("z3-fp32", 3, dst, tmp_path / "held.pt", tmp_path / "resaved", "--no-scheduler")
+    assert held["fp32"] and set(held["fp32"]) == set(job["optim"]["state"])
+    for fqn, master in held["fp32"].items():
+        assert bits_equal(master, job["model"][fqn]), fqn
+    api.convert(
+        api.ConvertRequest(src=tmp_path / "resaved", dst=tmp_path / "resaved.pt", to="full")
+    )
+    state = torch.load(tmp_path / "resaved.pt", weights_only=True)["optim"]["state"]
+    for fqn, moments in job["optim"]["state"].items():
+        for moment in MOMENTS:
+            assert bits_equal(state[fqn][moment], moments[moment]), (fqn, moment)
+    assert torch.isfinite(torch.tensor(held["loss"]))
 
 
 @pytest.mark.parametrize("m", [1, 3])
