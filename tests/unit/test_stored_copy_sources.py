@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from shardckpt.cli.app import run
 from shardckpt.engine import stored_copy
+from shardckpt.state.tree import dotted, walk
 
 BIG = (1 << 20) + 7
 """Elements of the large tensor: 4 MiB and more of float32, more than one slice."""
@@ -51,14 +52,8 @@ def cli(capsys, *argv) -> tuple[int, list[str]]:
     return code, capsys.readouterr().err.strip().splitlines()
 
 
-def flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def flat(tree: dict) -> dict[str, torch.Tensor]:
+    return {dotted(path): leaf for path, leaf in walk(tree)}
 
 
 @pytest.mark.parametrize("out", ["out.pt", "out.safetensors"])
