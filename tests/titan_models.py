@@ -126,7 +126,18 @@ def llama3(layers: int = 2) -> TitanModel:
 
 
 def deepseek_v3(layers: int = 3, experts: int = 4) -> TitanModel:
-    """Return a DeepSeek-V3 of ``layers`` layers (the first dense, the others MoE of ``experts`` routed experts)."""
+    """Return a DeepSeek-V3 of ``layers`` layers (the first dense, the others MoE of ``experts`` routed experts).
+
+    The router is DeepSeek-V3's as transformers' ``DeepseekV3TopkRouter`` computes it (it
+    has no other): sigmoid scores, the top 2 chosen by score plus the expert bias,
+    their weights normalised to sum 1 and scaled by 2.5, one expert group. torchtitan
+    spells that ``router_score_func="sigmoid"``, ``router_route_norm=True``,
+    ``router_route_scale=2.5`` and no ``router_num_expert_groups``; the config.json
+    ``norm_topk_prob``, ``routed_scaling_factor`` and ``n_group = topk_group = 1``. Both
+    rotate interleaved pairs (``rope_interleave``, torchtitan's ``ComplexRoPE``), unscaled,
+    theta 10000, and normalise with eps 1e-5. The expert bias (a buffer torchtitan's
+    load balancing moves, zero when built) is drawn too, so it steers the routing.
+    """
     from torchtitan.models import deepseek_v3 as family
     from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.deepseek_v3 import (
@@ -154,7 +165,9 @@ def deepseek_v3(layers: int = 3, experts: int = 4) -> TitanModel:
             num_experts=experts,
             num_shared_experts=1,
             router_top_k=2,
-            router_score_func="softmax",
+            router_score_func="sigmoid",
+            router_route_norm=True,
+            router_route_scale=2.5,
             attn_backend="flex",
             moe_comm_backend="standard",
             non_blocking_capacity_factor=None,
@@ -184,8 +197,20 @@ def deepseek_v3(layers: int = 3, experts: int = 4) -> TitanModel:
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_interleave=True,
+        max_position_embeddings=256,
     )
-    state = _seeded(model)
+    _seeded(model)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for block in model.layers.values():
+            if block.moe_enabled:
+                block.moe.expert_bias_E.copy_(torch.randn(experts, generator=gen) * 0.5)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return TitanModel(model, config, state, DeepSeekV3StateDictAdapter(config, None), hf)
 
 

@@ -52,20 +52,26 @@ def _nothing_left(parent, *keep) -> None:
     assert sorted(os.listdir(parent)) == sorted(keep)
 
 
+def _saved(tmp_path_factory, build):
+    """Return a torchtitan model ``build`` makes, its saved step and its config directory."""
+    titan = build()
+    step, config = titan_models.save(titan, tmp_path_factory.mktemp(build.__name__))
+    return titan, step, config
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama")
-    titan = titan_models.llama3()
-    step, config = titan_models.save(titan, root)
-    return titan, step, config
+    return _saved(tmp_path_factory, titan_models.llama3)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return _saved(tmp_path_factory, titan_models.qwen3)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek")
-    titan = titan_models.deepseek_v3()
-    step, config = titan_models.save(titan, root)
-    return titan, step, config
+    return _saved(tmp_path_factory, titan_models.deepseek_v3)
 
 
 def _to_hf(capsys, step, config, dst, *more):
@@ -134,6 +140,22 @@ def test_a_mapped_export_streams_in_small_batches_casts_and_verifies(capsys, lla
     )
 
 
+def _logits(titan, hf) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return torchtitan's logits and ``from_pretrained(hf)``'s for the same 16 tokens (fp32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        masks = titan.model.get_attention_masks(positions)
+        theirs = titan.model(tokens, attention_masks=masks)
+        ours = model(tokens).logits
+    assert theirs.dtype == ours.dtype == torch.float32
+    assert theirs.abs().max() > 0.1
+    return theirs, ours
+
+
 @pytest.mark.slow
 def test_llama3_exported_logits_match_torchtitans_forward(capsys, llama, tmp_path):
     """fp32 on CPU: torchtitan rotates pairs as complex numbers, transformers by
@@ -142,16 +164,54 @@ def test_llama3_exported_logits_match_torchtitans_forward(capsys, llama, tmp_pat
     size ~1; 1e-4 leaves room and still fails any wrong row order (differences of ~1)."""
     titan, step, config = llama
     _to_hf(capsys, step, config, tmp_path / "hf")
-    from transformers import AutoModelForCausalLM
+    theirs, ours = _logits(titan, tmp_path / "hf")
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
-    positions = torch.arange(16).unsqueeze(0)
-    with torch.no_grad():
-        masks = titan.model.get_attention_masks(positions)
-        theirs = titan.model(tokens, attention_masks=masks)
-        ours = hf(tokens).logits
-    assert theirs.abs().max() > 0.1
+
+@pytest.mark.slow
+def test_qwen3_exported_logits_match_torchtitans_forward(capsys, qwen, tmp_path):
+    """fp32 on CPU: both rotate halves with cos/sin tables and normalise q and k per
+    head, the same operations in the same order (seen: equal, 0.0 apart, logits of
+    size ~2.7); 1e-4 as for Llama 3 leaves room for another torch's kernels to sum in
+    another order, and q's and k's norms swapped move them by 0.11."""
+    titan, step, config = qwen
+    _to_hf(capsys, step, config, tmp_path / "hf")
+    theirs, ours = _logits(titan, tmp_path / "hf")
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _grouped_experts_in_fp32(self, x_RD, num_tokens_per_expert_E):
+    """torchtitan 0.3's ``GroupedExperts.forward`` (no expert parallelism) without its casts to bf16."""
+    offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+
+    def mm(a, w):
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+
+    return mm(torch.nn.functional.silu(mm(x_RD, self.w1_EFD)) * mm(x_RD, self.w3_EFD), self.w2_EDF)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_exported_logits_match_torchtitans_forward(
+    capsys, deepseek, tmp_path, monkeypatch
+):
+    """torchtitan 0.3's grouped experts compute in bf16 whatever the model's dtype
+    (``GroupedExperts.forward`` casts the tokens and the three weights with
+    ``.bfloat16()``), transformers' in fp32: each expert's output is rounded apart by
+    bf16's 2**-9 relative step, which two MoE layers carry to ~1e-2 of logits of size ~2
+    (seen 1.3e-2); 5e-2 holds that and still fails a wrong mapping (the expert bias
+    left out: 2.4; two experts swapped: 1.2). With torchtitan's experts run in fp32 (the
+    same ``_grouped_mm`` calls, no casts) only float rounding is left (seen 3e-5:
+    interleaved RoPE and MLA's sums in another order, times the route scale 2.5), so
+    1e-4 there proves the bf16 casts are the whole difference. The routing agrees
+    because the config.json describes torchtitan's router (see ``titan_models``)."""
+    titan, step, config = deepseek
+    _to_hf(capsys, step, config, tmp_path / "hf")
+    theirs, ours = _logits(titan, tmp_path / "hf")
+    torch.testing.assert_close(ours, theirs, atol=5e-2, rtol=0)
+    from torchtitan.models.common.moe import GroupedExperts
+
+    monkeypatch.setattr(GroupedExperts, "forward", _grouped_experts_in_fp32)
+    theirs, ours = _logits(titan, tmp_path / "hf")
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
@@ -162,9 +222,10 @@ def test_hf_back_to_torchtitan_at_2_is_torchtitans_from_hf(capsys, llama, tmp_pa
     _bits_equal(loaded, titan.state)
 
 
-def test_qwen3_to_hf_is_torchtitans_to_hf_and_loads_and_comes_back_as_from_hf(capsys, tmp_path):
-    titan = titan_models.qwen3()
-    step, config = titan_models.save(titan, tmp_path)
+def test_qwen3_to_hf_is_torchtitans_to_hf_and_loads_and_comes_back_as_from_hf(
+    capsys, qwen, tmp_path
+):
+    titan, step, config = qwen
     assert _to_hf(capsys, step, config, tmp_path / "hf")["mapping"]["name"] == "qwen3"
     _loads_as_to_hf_gives(titan, tmp_path / "hf")
     _back_is_from_hf(capsys, titan, tmp_path / "hf", "qwen3")
