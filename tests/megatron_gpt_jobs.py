@@ -10,6 +10,7 @@ layer's MLP a mixture of E experts (SequentialMLP, top-2 router). CPU shims as i
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -68,6 +69,66 @@ def gpt():
     return model.eval()
 
 
+def training_args() -> argparse.Namespace:
+    """Return the ``args`` Megatron-LM's training loop saves with every checkpoint, for this model.
+
+    Megatron-LM's ``save_checkpoint`` (``megatron/training/checkpointing.py``, its
+    ``generate_state_dict``) puts its parsed command line, an ``argparse.Namespace``, in
+    the state dict as ``args``, beside ``checkpoint_version`` 3.0 and ``iteration``.
+    Megatron-LM is not on PyPI (megatron-core 0.16.1, installed, has no training loop),
+    so the namespace is built here with the model fields of Megatron-LM's
+    ``megatron/training/arguments.py`` (the names of its core_r0.16 line, from its
+    source as read by hand, not run), set as its parser and ``validate_args`` leave
+    them for this model (``padded_vocab_size`` by ``_vocab_size_with_padding``: the
+    vocabulary rounded up to 128 on one rank; 128 here).
+    """
+    return argparse.Namespace(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        group_query_attention=True,
+        num_query_groups=GROUPS,
+        kv_channels=HIDDEN // HEADS,
+        max_position_embeddings=SEQ,
+        seq_length=SEQ,
+        position_embedding_type="rope",
+        rotary_base=int(ROPE_BASE),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=False,
+        rope_scaling_factor=8.0,
+        normalization="RMSNorm",
+        norm_epsilon=1e-5,
+        apply_layernorm_1p=False,
+        swiglu=True,
+        squared_relu=False,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=False,
+        untie_embeddings_and_output_weights=True,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=128,
+        padded_vocab_size=VOCAB,
+        num_experts=EXPERTS or None,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=MOE["moe_ffn_hidden_size"] if EXPERTS else None,
+        moe_shared_expert_intermediate_size=None,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        params_dtype=torch.float32,
+        fp16=False,
+        bf16=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+    )
+
+
+def training_common_state() -> dict:
+    """Return what Megatron-LM's ``save_checkpoint`` puts in the state dict beside the model (``common.pt``)."""
+    return {"args": training_args(), "checkpoint_version": 3.0, "iteration": 10}
+
+
 def load(ckpt: str, out: str) -> None:
     """Load ``ckpt`` into the model with ``dist_checkpointing.load``; ``torch.save`` its weights to ``out``.
 
@@ -114,7 +175,8 @@ def main(out: str, load_into: str | None = None) -> None:
         tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         os.makedirs(os.path.join(out, "ckpt"))
         dist_checkpointing.save(
-            {"model": model.sharded_state_dict(prefix="")}, os.path.join(out, "ckpt")
+            {"model": model.sharded_state_dict(prefix=""), **training_common_state()},
+            os.path.join(out, "ckpt"),
         )
         tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
         positions = torch.arange(SEQ).unsqueeze(0)

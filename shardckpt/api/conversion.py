@@ -283,7 +283,8 @@ def prepare(
     if mapped is not None:
         plan = replace(plan, mapping=mapped.summary)
     if form.name == "hf":
-        plan = _with_hf_config(plan, valid.companions, request.src, runtime)
+        companions = mapped.made_config if mapped and mapped.made_config else valid.companions
+        plan = _with_hf_config(plan, companions, request.src, runtime)
     if request.zero_stage is not None:
         plan = replace(plan, zero_stage=request.zero_stage)
     reader.check_selected(plan.tree)
@@ -542,6 +543,11 @@ def _with_hf_config(
         note(
             f"leaving '{name}' out of DST: '{companions.root / CONFIG_FILE}' ties it to "
             f"'{source}', as save_pretrained does"
+        )
+    if companions.made:
+        note(
+            f"writing config.json ({', '.join(companions.config['architectures'])}) from the "
+            f"model arguments in '{Path(src) / 'common.pt'}' (pass --hf-config DIR for another)"
         )
     if companions.detected:
         more = len(companions.files) - 1

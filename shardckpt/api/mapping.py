@@ -15,17 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from shardckpt.core.errors import UsageError, notice
 from shardckpt.core.words import counted
 from shardckpt.formats.base import Reader
 from shardckpt.formats.hf.config import CONFIG_FILE, HfConfig, config_in, hf_config
+from shardckpt.formats.trainers.megatron import model_args as megatron_args
+from shardckpt.formats.trainers.megatron.config import COMMON_FILE
 from shardckpt.plan.mapping import layout, rules
 from shardckpt.plan.mapping.reader import MappedReader
 from shardckpt.plan.selection import Selection
 from shardckpt.state.tree import TensorMeta, model_prefix, tensor_leaves
 
 _HF_SOURCES = ("hf", "safetensors")
+_SIZED_SOURCES = ("megatron",)
+"""Formats whose checkpoints store their model arguments (Megatron-LM's ``args`` in ``common.pt``)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class MappedSource:
 
     reader: Reader
     summary: dict
+    made_config: HfConfig | None = None
+    """The ``config.json`` made from SRC's own model arguments (Megatron's ``args``), DST's."""
 
 
 def mapped_source(
@@ -47,10 +54,16 @@ def mapped_source(
 ) -> MappedSource | None:
     """Return ``reader`` read through the mapping ``spec`` names (or the one chosen); None for none."""
     if spec is None and (
-        output != "hf" or companions is None or not rules.maps_from(reader.format)
+        output != "hf"
+        or (companions is None and reader.format not in _SIZED_SOURCES)
+        or not rules.maps_from(reader.format)
     ):
         return None  # no mapping can be chosen: SRC's index is not read here
     index = reader.index()
+    made = _made_config(reader, index.tree) if output == "hf" and companions is None else None
+    companions = companions or made
+    if spec is None and companions is None:
+        return None
     prefix = model_prefix(index.tree)
     weights: dict[str, TensorMeta] = {}
     others = 0
@@ -96,7 +109,22 @@ def mapped_source(
         "direction": "from hf" if backward else "to hf",
         **ledger.as_json(),
     }
-    return MappedSource(MappedReader(reader, mapped, kept, tree, index.world_size), summary)
+    reader = MappedReader(reader, mapped, kept, tree, index.world_size)
+    return MappedSource(reader, summary, made)
+
+
+def _said_by(companions: HfConfig) -> Path:
+    """Return the file ``companions``' config was read from: ``config.json``, or Megatron's ``common.pt``."""
+    return companions.root / (COMMON_FILE if companions.made else CONFIG_FILE)
+
+
+def _made_config(reader: Reader, tree: Mapping) -> HfConfig | None:
+    """Return the ``config.json`` SRC's own model arguments describe, when it stores them (Megatron's ``args``)."""
+    if reader.format not in _SIZED_SOURCES or tree.get("args") is None:
+        return None
+    where = reader.src / COMMON_FILE
+    config = megatron_args.hf_config(tree["args"], where)
+    return HfConfig(reader.src, (CONFIG_FILE,), detected=False, config=config, made=True)
 
 
 def _mapping(
@@ -116,7 +144,7 @@ def _mapping(
     if amap is not None and coordinator:
         notice(
             f"mapping SRC's names to Hugging Face's with '{amap.name}', chosen by SRC's format "
-            f"and '{companions.root / CONFIG_FILE}' (pass --map to name another)"
+            f"and '{_said_by(companions)}' (pass --map to name another)"
         )
     return amap
 
@@ -142,7 +170,7 @@ def _sizes_config(
 ) -> tuple[Mapping, str]:
     """Return the ``config.json`` sizes are read from, and its path for messages."""
     if companions is not None:
-        return companions.config, str(companions.root / CONFIG_FILE)
+        return companions.config, str(_said_by(companions))
     found = config_in(reader.src) if backward else None
     if found is not None:
         config = hf_config(found, detected=True)

@@ -122,7 +122,8 @@ def convert(
         typer.Option(
             "--hf-config",
             metavar="DIR",
-            help="For --format hf: copy config.json and the tokenizer files from DIR.",
+            help="For --format hf: copy config.json and the tokenizer files from DIR "
+            "(without it, Megatron's saved args write one).",
         ),
     ] = None,
     map_name: Annotated[

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,40 @@ def megatron(tmp_path_factory):
     return _saved(tmp_path_factory.mktemp("megatron"), CONFIG)
 
 
+def _logits_match(root: Path, hf: Path) -> dict:
+    """Load ``hf`` with ``from_pretrained`` (no key missing or unexpected); check its logits are Megatron's; return Megatron's."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    theirs = torch.load(root / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        ours = model(theirs["tokens"]).logits
+    assert theirs["logits"].abs().max() > 0.5
+    torch.testing.assert_close(ours, theirs["logits"], atol=1e-5, rtol=1e-5)
+    return theirs
+
+
+def _from_common_pt(root: Path, dst: Path, capsys, name: str, config: dict) -> None:
+    """Export ``root/ckpt`` with no --hf-config: the mapping and DST's config.json come from common.pt's args."""
+    argv = ["convert", root / "ckpt", dst, "--to", "full", "--format", "hf", "--json"]
+    assert run([str(a) for a in argv]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["mapping"]["name"] == name
+    assert (
+        f"shardckpt: note: writing config.json ({config['architectures'][0]}) from the model "
+        f"arguments in '{root / 'ckpt' / 'common.pt'}' (pass --hf-config DIR for another)"
+    ) in err.splitlines()
+    written = json.loads((dst / "config.json").read_text())
+    assert {k: written[k] for k in config} == config
+    assert sorted(os.listdir(dst)) == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+    _logits_match(root, dst)
+
+
 def _exported_and_back(root: Path, tmp_path: Path, capsys, name: str, tensors: int, experts=0):
     """Export ``root/ckpt`` to hf, compare its logits with Megatron's, map it back and load it into Megatron."""
     argv = ["convert", root / "ckpt", tmp_path / "hf", "--to", "full", "--format", "hf",
@@ -88,15 +123,7 @@ def _exported_and_back(root: Path, tmp_path: Path, capsys, name: str, tensors: i
     doc = json.loads(capsys.readouterr().out)
     assert (doc["mapping"]["name"], doc["mapping"]["in"]["tensors"]) == (name, tensors)
     assert doc["mapping"]["in"]["bytes"] == doc["mapping"]["out"]["bytes"]
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    theirs = torch.load(root / "logits.pt", weights_only=True)
-    with torch.no_grad():
-        ours = model(theirs["tokens"]).logits
-    assert theirs["logits"].abs().max() > 0.5
-    torch.testing.assert_close(ours, theirs["logits"], atol=1e-5, rtol=1e-5)
+    theirs = _logits_match(root, tmp_path / "hf")
 
     back = tmp_path / "torch_dist"
     argv = ["convert", tmp_path / "hf", back, "--to", "sharded", "--format", "megatron",
@@ -119,10 +146,68 @@ def test_megatron_gpt_to_hf_loads_with_from_pretrained_and_its_logits_match_mega
 
 
 @pytest.mark.timeout(300)
+def test_megatron_gpt_to_hf_without_a_config_takes_its_sizes_from_common_pts_args(
+    megatron, tmp_path, capsys
+):
+    """Megatron-LM saves its arguments (``args``) in common.pt: they size the mapping and
+    make DST's config.json, which ``from_pretrained`` loads alone (logits within 1e-5)."""
+    _from_common_pt(megatron, tmp_path / "hf", capsys, "megatron_gpt", CONFIG)
+
+
+def _with_args(megatron: Path, tmp_path: Path, **changes) -> Path:
+    """Return a copy of ``megatron/ckpt`` whose common.pt holds args changed by ``changes`` (None: deleted)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(megatron / "ckpt", ckpt)
+    common = torch.load(ckpt / "common.pt", weights_only=False)  # written by this test's job
+    for field, value in changes.items():
+        if value is None:
+            delattr(common["args"], field)
+        else:
+            setattr(common["args"], field, value)
+    torch.save(common, ckpt / "common.pt")
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "changes, what",
+    [
+        (
+            {"norm_epsilon": None, "num_query_groups": None},
+            "its args lack 'norm_epsilon', 'num_query_groups', which the model's config.json needs",
+        ),
+        (
+            {"normalization": "LayerNorm"},
+            "its args say normalization='LayerNorm', and the Llama-style and Mixtral models the "
+            "Megatron mappings write need normalization='RMSNorm' (the norms are RMSNorm)",
+        ),
+        (
+            {"moe_shared_expert_intermediate_size": 64},
+            "its args say moe_shared_expert_intermediate_size=64, and the Llama-style and "
+            "Mixtral models the Megatron mappings write need "
+            "moe_shared_expert_intermediate_size=None (no shared experts)",
+        ),
+    ],
+    ids=["fields-missing", "layernorm", "shared-experts"],
+)
+def test_common_pt_args_that_cannot_say_the_config_are_exit_3_naming_what(
+    megatron, tmp_path, capsys, changes, what
+):
+    ckpt = _with_args(megatron, tmp_path, **changes)
+    argv = ["convert", ckpt, tmp_path / "hf", "--to", "full", "--format", "hf"]
+    assert run([str(a) for a in argv]) == 3
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"shardckpt: error: '{ckpt / 'common.pt'}': {what}: pass --hf-config DIR, the directory "
+        "of the model's config.json, or --format safetensors to keep Megatron's names"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.timeout(300)
 def test_megatron_moe_gpt_to_mixtral_logits_match_megatrons_and_come_back(tmp_path, capsys):
     """Four experts, top-2 routing over softmax scores, as Mixtral routes (seen: 1.4e-6)."""
     root = _saved(tmp_path / "megatron-moe", MOE_CONFIG, experts=4)
     _exported_and_back(root, tmp_path, capsys, "megatron_moe", 10, experts=4)
+    _from_common_pt(root, tmp_path / "from-args", capsys, "megatron_moe", MOE_CONFIG)
     # One expert more than the config says: exit 3 naming the tensor and its expert axis.
     (root / "config" / "config.json").write_text(json.dumps({**MOE_CONFIG, "num_local_experts": 3}))
     argv = ["convert", root / "ckpt", tmp_path / "three", "--to", "full", "--format", "hf",

@@ -81,6 +81,8 @@ class HfConfig:
     """The weights DST leaves out, as ``save_pretrained`` does, each with the one it is tied to."""
     dtype: str | None = None
     """The dtype DST's ``config.json`` says (its weights'), where it differs from this one's."""
+    made: bool = False
+    """Whether ``config`` was made from SRC's own model arguments: written, not copied from ``root``."""
 
 
 def read_config(path: Path) -> dict:
@@ -165,8 +167,9 @@ def copy_files(config: HfConfig, dst: Path) -> None:
     (``with_dtype``), keys sorted and indented as ``save_pretrained`` writes it.
     """
     for name in config.files:
-        if name == CONFIG_FILE and config.dtype is not None:
-            text = json.dumps(_retyped(config.config, config.dtype), indent=2, sort_keys=True)
+        if name == CONFIG_FILE and (config.dtype is not None or config.made):
+            said = _retyped(config.config, config.dtype) if config.dtype else config.config
+            text = json.dumps(said, indent=2, sort_keys=True)
             with writing(dst / name), open(dst / name, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
                 f.flush()
@@ -395,7 +398,11 @@ def expected_names(
     built: list[Expected] = []
     for name, cls in classes:
         try:
-            conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
+            if config.made:  # no file to read: the dict made from SRC's model arguments
+                made = dict(config.config)
+                conf = transformers.AutoConfig.for_model(made.pop("model_type"), **made)
+            else:
+                conf = transformers.AutoConfig.from_pretrained(config.root, trust_remote_code=False)
             claim = f"the {name.split()[0]} model it describes has more weights than DST"
             with torch.device("meta"), _registering_at_most(limit, claim):
                 model = cls(conf)
