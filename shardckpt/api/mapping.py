@@ -60,10 +60,6 @@ def mapped_source(
     ):
         return None  # no mapping can be chosen: SRC's index is not read here
     index = reader.index()
-    made = _made_config(reader, index.tree) if output == "hf" and companions is None else None
-    companions = companions or made
-    if spec is None and companions is None:
-        return None
     prefix = model_prefix(index.tree)
     weights: dict[str, TensorMeta] = {}
     others = 0
@@ -72,6 +68,12 @@ def mapped_source(
             weights[str(path[-1])] = meta
         else:
             others += 1
+    made = None
+    if output == "hf" and companions is None:
+        made = _made_config(reader, index.tree, weights)
+    companions = companions or made
+    if spec is None and companions is None:
+        return None
     amap = _mapping(spec, output, reader.format, companions, weights, coordinator)
     if amap is None:
         return None
@@ -118,12 +120,15 @@ def _said_by(companions: HfConfig) -> Path:
     return companions.root / (COMMON_FILE if companions.made else CONFIG_FILE)
 
 
-def _made_config(reader: Reader, tree: Mapping) -> HfConfig | None:
+def _made_config(
+    reader: Reader, tree: Mapping, weights: Mapping[str, TensorMeta]
+) -> HfConfig | None:
     """Return the ``config.json`` SRC's own model arguments describe, when it stores them (Megatron's ``args``)."""
     if reader.format not in _SIZED_SOURCES or tree.get("args") is None:
         return None
-    where = reader.src / COMMON_FILE
-    config = megatron_args.hf_config(tree["args"], where)
+    embedding = weights.get(megatron_args.EMBEDDING)
+    shape = embedding.shape if embedding is not None else None
+    config = megatron_args.hf_config(tree["args"], reader.src / COMMON_FILE, shape)
     return HfConfig(reader.src, (CONFIG_FILE,), detected=False, config=config, made=True)
 
 

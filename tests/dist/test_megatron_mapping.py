@@ -186,8 +186,13 @@ def _with_args(megatron: Path, tmp_path: Path, **changes) -> Path:
             "Mixtral models the Megatron mappings write need "
             "moe_shared_expert_intermediate_size=None (no shared experts)",
         ),
+        (
+            {"padded_vocab_size": 256},
+            "its args say padded_vocab_size=256, hidden_size=64, and SRC's "
+            "'embedding.word_embeddings.weight' is 128x64: they describe another model",
+        ),
     ],
-    ids=["fields-missing", "layernorm", "shared-experts"],
+    ids=["fields-missing", "layernorm", "shared-experts", "another-vocabulary"],
 )
 def test_common_pt_args_that_cannot_say_the_config_are_exit_3_naming_what(
     megatron, tmp_path, capsys, changes, what

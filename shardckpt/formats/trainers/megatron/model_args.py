@@ -78,8 +78,16 @@ _HINT = (
 )
 
 
-def hf_config(args: object, path: Path) -> dict:
-    """Return the ``config.json`` of the model Megatron's ``args`` (from ``path``) describe, or refuse naming what it lacks."""
+EMBEDDING = "embedding.word_embeddings.weight"
+"""megatron-core's GPT input embedding: (padded vocabulary, hidden size)."""
+
+
+def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None) -> dict:
+    """Return the ``config.json`` of the model Megatron's ``args`` (from ``path``) describe, or refuse naming what it lacks.
+
+    ``embedding`` is the shape of SRC's ``EMBEDDING``: args that say another vocabulary or
+    width belong to another model (a ``common.pt`` copied beside the wrong weights).
+    """
     given: Mapping = vars(args) if hasattr(args, "__dict__") else args  # type: ignore[assignment]
     if not isinstance(given, Mapping):
         raise BadInputError(
@@ -106,6 +114,14 @@ def hf_config(args: object, path: Path) -> dict:
                 path=path,
                 hint=_HINT,
             )
+    said = (a["padded_vocab_size"], a["hidden_size"])
+    if embedding is not None and tuple(embedding) != said:
+        raise BadInputError(
+            f"its args say padded_vocab_size={said[0]}, hidden_size={said[1]}, and SRC's "
+            f"'{EMBEDDING}' is {'x'.join(map(str, embedding))}: they describe another model",
+            path=path,
+            hint=_HINT,
+        )
     heads = a["num_attention_heads"]
     experts = a["num_experts"]
     config = {
