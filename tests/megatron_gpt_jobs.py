@@ -4,7 +4,8 @@ Run as a script, one process (``python megatron_gpt_jobs.py DIR [CKPT]``): it wr
 ``DIR/ckpt`` (``dist_checkpointing.save`` of the model's sharded state dict, torch_dist)
 and ``DIR/logits.pt`` (the tokens and Megatron's forward on them); with CKPT, it loads
 CKPT into the model instead (``DIR/loaded.pt``). ``MEGATRON_EXPERTS=E`` makes every
-layer's MLP a mixture of E experts (SequentialMLP, top-2 router). CPU shims as in
+layer's MLP a mixture of E experts (SequentialMLP, top-2 router); ``MEGATRON_TIED=1``
+shares the embedding with the output layer (which then stores no weight). CPU shims as in
 ``megatron_jobs.py``, and one for the MoE router without Transformer Engine.
 """
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ = 2, 64, 8, 2, 96, 128, 16
 ROPE_BASE = 10000.0
 EXPERTS = int(os.environ.get("MEGATRON_EXPERTS", "0"))
+TIED = os.environ.get("MEGATRON_TIED") == "1"
 MOE = {"num_moe_experts": EXPERTS, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 
 
@@ -59,7 +61,7 @@ def gpt():
         max_sequence_length=SEQ,
         position_embedding_type="rope",
         rotary_base=ROPE_BASE,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=TIED,
     )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -106,7 +108,7 @@ def training_args() -> argparse.Namespace:
         add_bias_linear=False,
         add_qkv_bias=False,
         qk_layernorm=False,
-        untie_embeddings_and_output_weights=True,
+        untie_embeddings_and_output_weights=not TIED,
         vocab_size=VOCAB,
         make_vocab_size_divisible_by=128,
         padded_vocab_size=VOCAB,

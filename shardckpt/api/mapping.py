@@ -88,7 +88,15 @@ def mapped_source(
         )
     config, where = _sizes_config(amap, companions, reader, backward)
     sizes = amap.sizes_from(config, where)
+    untied = amap
+    amap = amap.for_config(config)
     kept, dropped = _edited(weights, selection, str(reader.src))
+    tied = _tied_names(untied, amap, kept) if backward else {}
+    if coordinator and tied:
+        notice(
+            f"leaving SRC's {', '.join(repr(n) for n in tied)} out: its config ties "
+            f"{'them' if len(tied) > 1 else 'it'} to the embedding, as from_pretrained does"
+        )
     apply = layout.backward if backward else layout.forward
     mapped = apply(amap, sizes, kept, str(reader.src))
     tree = {"model": dict(mapped.metas)} if output == "hf" else dict(mapped.metas)
@@ -102,8 +110,9 @@ def mapped_source(
         bytes_in=sum(m.nbytes for m in weights.values()),
         tensors_out=len(mapped.metas),
         bytes_out=sum(m.nbytes for m in mapped.metas.values()),
-        dropped=tuple(dropped),
-        bytes_dropped=sum(weights[n].nbytes for n in dropped),
+        dropped=(*dropped, *tied),
+        bytes_dropped=sum(weights[n].nbytes for n in dropped)
+        + sum(m.nbytes for m in tied.values()),
     )
     summary = {
         "name": amap.name,
@@ -113,6 +122,21 @@ def mapped_source(
     }
     reader = MappedReader(reader, mapped, kept, tree, index.world_size)
     return MappedSource(reader, summary, made)
+
+
+def _tied_names(
+    untied: rules.ArchMap, tied: rules.ArchMap, kept: dict[str, TensorMeta]
+) -> dict[str, TensorMeta]:
+    """Take out of ``kept`` (Hugging Face names) those of the rules the config's flags left out; return them.
+
+    A tied model's ``lm_head.weight`` is the embedding: ``save_pretrained`` leaves it out
+    (the reader gives it back, as ``from_pretrained`` does), and a trainer that ties
+    stores no output layer for it to become.
+    """
+    left_out = [rule for rule in untied.rules if rule not in tied.rules]
+    patterns = [rules.pattern(r, "target", i) for r in left_out for i in range(len(r.targets))]
+    names = [n for n in kept if any(p.fullmatch(n) for p in patterns)]
+    return {n: kept.pop(n) for n in names}
 
 
 def _said_by(companions: HfConfig) -> Path:

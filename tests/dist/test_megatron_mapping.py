@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from shardckpt.cli import run
 
@@ -56,8 +57,13 @@ MOE_CONFIG = {
 }
 
 
-def _job(*argv, experts: int = 0) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_EXPERTS": str(experts)}
+def _job(*argv, experts: int = 0, tied: bool = False) -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MEGATRON_EXPERTS": str(experts),
+        "MEGATRON_TIED": str(int(tied)),
+    }
     done = subprocess.run(
         [sys.executable, str(JOBS), *map(str, argv)],
         env=env,
@@ -68,9 +74,9 @@ def _job(*argv, experts: int = 0) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _saved(root: Path, config: dict, experts: int = 0) -> Path:
+def _saved(root: Path, config: dict, experts: int = 0, tied: bool = False) -> Path:
     root.mkdir(exist_ok=True)  # the job's file store lies in it
-    _job(root, experts=experts)
+    _job(root, experts=experts, tied=tied)
     (root / "config").mkdir()
     (root / "config" / "config.json").write_text(json.dumps(config))
     return root
@@ -123,13 +129,16 @@ def _exported_and_back(root: Path, tmp_path: Path, capsys, name: str, tensors: i
     doc = json.loads(capsys.readouterr().out)
     assert (doc["mapping"]["name"], doc["mapping"]["in"]["tensors"]) == (name, tensors)
     assert doc["mapping"]["in"]["bytes"] == doc["mapping"]["out"]["bytes"]
-    theirs = _logits_match(root, tmp_path / "hf")
+    _back_loads_into_megatron(_logits_match(root, tmp_path / "hf"), tmp_path, name, experts)
 
+
+def _back_loads_into_megatron(theirs: dict, tmp_path: Path, name: str, experts=0, tied=False):
+    """Map ``tmp_path/hf`` back to torch_dist at 2; load it into the Megatron model; check its weights are ``theirs``."""
     back = tmp_path / "torch_dist"
     argv = ["convert", tmp_path / "hf", back, "--to", "sharded", "--format", "megatron",
             "--world-size", "2", "--map", name, "-q"]  # fmt: skip
     assert run([str(a) for a in argv]) == 0
-    _job(tmp_path, back, experts=experts)
+    _job(tmp_path, back, experts=experts, tied=tied)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     saved = theirs["weights"]
     assert sorted(loaded) == sorted(saved)
@@ -214,16 +223,47 @@ def test_megatron_moe_gpt_to_mixtral_logits_match_megatrons_and_come_back(tmp_pa
     _exported_and_back(root, tmp_path, capsys, "megatron_moe", 10, experts=4)
     _from_common_pt(root, tmp_path / "from-args", capsys, "megatron_moe", MOE_CONFIG)
     # One expert more than the config says: exit 3 naming the tensor and its expert axis.
-    (root / "config" / "config.json").write_text(json.dumps({**MOE_CONFIG, "num_local_experts": 3}))
-    argv = ["convert", root / "ckpt", tmp_path / "three", "--to", "full", "--format", "hf",
+    _refused_under(
+        root, {**MOE_CONFIG, "num_local_experts": 3}, tmp_path / "three", capsys,
+        "'decoder.layers.mlp.experts.experts.linear_fc1.weight' holds 4 experts on dim 1, and "
+        "the config says 3: pass the config of this model (--hf-config)",
+    )  # fmt: skip
+
+
+def _refused_under(root: Path, config: dict, dst: Path, capsys, what: str) -> None:
+    """Check that exporting ``root/ckpt`` under ``config`` is exit 3 saying ``what`` of SRC, and leaves no ``dst``."""
+    (root / "config" / "config.json").write_text(json.dumps(config))
+    argv = ["convert", root / "ckpt", dst, "--to", "full", "--format", "hf",
             "--hf-config", root / "config"]  # fmt: skip
     assert run([str(a) for a in argv]) == 3
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"shardckpt: error: '{root / 'ckpt'}': "
-        "'decoder.layers.mlp.experts.experts.linear_fc1.weight' holds 4 experts on dim 1, and "
-        "the config says 3: pass the config of this model (--hf-config)"
-    )
-    assert not (tmp_path / "three").exists()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == f"shardckpt: error: '{root / 'ckpt'}': {what}"
+    assert not dst.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_tied_megatron_gpt_maps_to_tied_embeddings_and_back(tmp_path, capsys):
+    """share_embeddings_and_output_weights: Megatron stores no output layer, its args say
+    untie_embeddings_and_output_weights=False, DST's config.json says tie_word_embeddings
+    and holds no lm_head.weight, as save_pretrained writes a tied model; from_pretrained
+    ties it to the embedding (logits within 1e-5), and back, the tied Megatron model
+    loads it with equal weights. The same SRC under a config that does not tie is exit 3."""
+    tied = {**CONFIG, "tie_word_embeddings": True}
+    root = _saved(tmp_path / "tied", tied, tied=True)
+    _from_common_pt(root, tmp_path / "hf", capsys, "megatron_gpt", tied)
+    with safe_open(tmp_path / "hf" / "model-00001-of-00001.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    theirs = torch.load(root / "logits.pt", weights_only=True)
+    assert "output_layer.weight" not in theirs["weights"]
+    _back_loads_into_megatron(theirs, tmp_path, "megatron_gpt", tied=True)
+
+    _refused_under(
+        root, CONFIG, tmp_path / "untied", capsys,
+        "lacks 1 tensor the mapping 'megatron_gpt' expects at its config's sizes, e.g. "
+        "'output_layer.weight': pass the config of this model (--hf-config), or --map the "
+        "mapping of its architecture",
+    )  # fmt: skip
 
 
 def test_a_megatron_layer_more_than_the_config_is_exit_3_naming_it(megatron, tmp_path, capsys):

@@ -412,3 +412,16 @@ def test_a_damaged_hf_source_mapped_back_is_exit_3_naming_the_file(capsys, llama
         "written with them"
     )
     _nothing_left(tmp_path, "hf")
+
+
+def test_a_rule_left_out_by_a_flag_goes_only_where_the_config_sets_it(tmp_path):
+    amap = rules.load("megatron_gpt")
+    lm_head = [r for r in amap.rules if r.targets == ("lm_head.weight",)]
+    assert [r.unless for r in lm_head] == ["tied"]
+    for config, kept in (({}, True), ({"tie_word_embeddings": False}, True),
+                         ({"tie_word_embeddings": True}, False)):  # fmt: skip
+        assert (lm_head[0] in amap.for_config(config).rules) is kept
+    bad = tmp_path / "mine.toml"
+    bad.write_text('name = "mine"\n[[tensors]]\nfrom = "a"\nto = "b"\nunless = "tied"\n')
+    with pytest.raises(Exception, match="tensors\\[0\\] names flag 'tied', which flags lacks"):
+        rules.read(bad)

@@ -6,12 +6,16 @@ written in the direction source -> Hugging Face and applied either way
 
 - ``sizes``: each size the rules use, read from ``config.json`` (the first key present);
 - ``ranges``: the indices a placeholder runs over, ``[stop]`` or ``[start, stop]``, in sizes;
+- ``flags``: each switch the rules use, read from ``config.json`` (the first key
+  present; absent is off);
 - ``tensors``: one rule per tensor family: ``from`` (source name), ``to`` (Hugging Face
   name), placeholders ``{range}`` in both, and at most one operation: ``rope = "SIZE"``
   (torchtitan's RoPE row order to Hugging Face's, over SIZE heads) or
   ``unstack = "RANGE"`` or ``["RANGE", ...]`` (the source's leading dims hold one tensor
   per index of each RANGE, which
-  only ``to`` names: grouped experts, one weight per expert).
+  only ``to`` names: grouped experts, one weight per expert). ``unless = "FLAG"`` leaves
+  the rule out where the config sets FLAG: an output layer tied to the embedding is
+  stored by neither side.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -32,7 +36,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_KEYS = ("from", "to", "rope", "unstack", "split", "heads", "groups")
+_KEYS = ("from", "to", "rope", "unstack", "split", "heads", "groups", "unless")
 _SPLITS = ("chunks", "qkv")
 
 
@@ -57,6 +61,8 @@ class Rule:
     """For ``split = "qkv"``: the size counting query heads."""
     groups: str | None = None
     """For ``split = "qkv"``: the size counting key/value heads (query groups)."""
+    unless: str | None = None
+    """The flag that, set in the config, leaves this rule out (a tied output layer)."""
 
     def placeholders(self, side: str, i: int = 0) -> list[str]:
         """Return the range names ``side`` (``source``, or target ``i``) names, in order."""
@@ -77,6 +83,16 @@ class ArchMap:
     sizes: Mapping[str, tuple[str, ...]]
     ranges: Mapping[str, tuple[str, ...]]
     rules: tuple[Rule, ...]
+    flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def for_config(self, config: Mapping) -> ArchMap:
+        """Return this mapping less the rules whose ``unless`` flag ``config`` sets."""
+        on = {
+            flag
+            for flag, keys in self.flags.items()
+            if next((config[k] for k in keys if k in config), False) is True
+        }
+        return replace(self, rules=tuple(r for r in self.rules if r.unless not in on))
 
     def sizes_from(self, config: Mapping, where: str) -> dict[str, int]:
         """Return each size read from ``config`` (a ``config.json``); refuse one it lacks."""
@@ -191,6 +207,7 @@ def _strings(value: object, what: str) -> tuple[str, ...]:
 def _checked(path: Path, data: dict) -> ArchMap:
     sizes = {k: _strings(v, f"sizes.{k}") for k, v in data.get("sizes", {}).items()}
     ranges = {k: _strings(v, f"ranges.{k}") for k, v in data.get("ranges", {}).items()}
+    flags = {k: _strings(v, f"flags.{k}") for k, v in data.get("flags", {}).items()}
     for name, bounds in ranges.items():
         if len(bounds) > 2 or any(b not in sizes and not b.isdigit() for b in bounds):
             raise ValueError(f"ranges.{name} is not [stop] or [start, stop] of sizes")
@@ -209,8 +226,11 @@ def _checked(path: Path, data: dict) -> ArchMap:
             entry.get("split"),
             entry.get("heads"),
             entry.get("groups"),
+            entry.get("unless"),
         )
         _check_rule(i, rule, sizes, ranges)
+        if rule.unless is not None and rule.unless not in flags:
+            raise ValueError(f"tensors[{i}] names flag {rule.unless!r}, which flags lacks")
         rules.append(rule)
     return ArchMap(
         name=str(data.get("name", path.stem)),
@@ -221,6 +241,7 @@ def _checked(path: Path, data: dict) -> ArchMap:
         sizes=sizes,
         ranges=ranges,
         rules=tuple(rules),
+        flags=flags,
     )
 
 
