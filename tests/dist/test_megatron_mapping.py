@@ -129,15 +129,22 @@ def _exported_and_back(root: Path, tmp_path: Path, capsys, name: str, tensors: i
     doc = json.loads(capsys.readouterr().out)
     assert (doc["mapping"]["name"], doc["mapping"]["in"]["tensors"]) == (name, tensors)
     assert doc["mapping"]["in"]["bytes"] == doc["mapping"]["out"]["bytes"]
-    _back_loads_into_megatron(_logits_match(root, tmp_path / "hf"), tmp_path, name, experts)
+    theirs = _logits_match(root, tmp_path / "hf")
+    _back_loads_into_megatron(theirs, tmp_path, capsys, name, experts)
 
 
-def _back_loads_into_megatron(theirs: dict, tmp_path: Path, name: str, experts=0, tied=False):
+def _back_loads_into_megatron(
+    theirs: dict, tmp_path: Path, capsys, name: str, experts=0, tied=False
+):
     """Map ``tmp_path/hf`` back to torch_dist at 2; load it into the Megatron model; check its weights are ``theirs``."""
     back = tmp_path / "torch_dist"
     argv = ["convert", tmp_path / "hf", back, "--to", "sharded", "--format", "megatron",
-            "--world-size", "2", "--map", name, "-q"]  # fmt: skip
+            "--world-size", "2", "--map", name, "--json"]  # fmt: skip
     assert run([str(a) for a in argv]) == 0
+    out, err = capsys.readouterr()
+    # A tied model's lm_head.weight is its embedding, given back by the reader: left out, counted.
+    assert json.loads(out)["mapping"]["dropped"]["names"] == (["lm_head.weight"] if tied else [])
+    assert ("leaving SRC's 'lm_head.weight' out" in err) is tied
     _job(tmp_path, back, experts=experts, tied=tied)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     saved = theirs["weights"]
@@ -256,7 +263,7 @@ def test_a_tied_megatron_gpt_maps_to_tied_embeddings_and_back(tmp_path, capsys):
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     theirs = torch.load(root / "logits.pt", weights_only=True)
     assert "output_layer.weight" not in theirs["weights"]
-    _back_loads_into_megatron(theirs, tmp_path, "megatron_gpt", tied=True)
+    _back_loads_into_megatron(theirs, tmp_path, capsys, "megatron_gpt", tied=True)
 
     _refused_under(
         root, CONFIG, tmp_path / "untied", capsys,
