@@ -5,7 +5,8 @@ Run as a script, one process (``python megatron_gpt_jobs.py DIR [CKPT]``): it wr
 and ``DIR/logits.pt`` (the tokens and Megatron's forward on them); with CKPT, it loads
 CKPT into the model instead (``DIR/loaded.pt``). ``MEGATRON_EXPERTS=E`` makes every
 layer's MLP a mixture of E experts (SequentialMLP, top-2 router); ``MEGATRON_TIED=1``
-shares the embedding with the output layer (which then stores no weight). CPU shims as in
+shares the embedding with the output layer (which then stores no weight);
+``MEGATRON_QKV_BIAS=1`` gives the QKV projection a bias (Qwen 2's layout). CPU shims as in
 ``megatron_jobs.py``, and one for the MoE router without Transformer Engine.
 """
 
@@ -23,6 +24,7 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ = 2, 64, 8, 2, 96, 128, 16
 ROPE_BASE = 10000.0
 EXPERTS = int(os.environ.get("MEGATRON_EXPERTS", "0"))
 TIED = os.environ.get("MEGATRON_TIED") == "1"
+QKV_BIAS = os.environ.get("MEGATRON_QKV_BIAS") == "1"
 MOE = {"num_moe_experts": EXPERTS, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 
 
@@ -47,6 +49,7 @@ def gpt():
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=QKV_BIAS,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -106,7 +109,7 @@ def training_args() -> argparse.Namespace:
         swiglu=True,
         squared_relu=False,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=QKV_BIAS,
         qk_layernorm=False,
         untie_embeddings_and_output_weights=not TIED,
         vocab_size=VOCAB,

@@ -122,8 +122,8 @@ def convert(
         typer.Option(
             "--hf-config",
             metavar="DIR",
-            help="For --format hf: copy config.json and the tokenizer files from DIR "
-            "(without it, Megatron's saved args write one).",
+            help="For --format hf: copy config.json, tokenizer from DIR (else from "
+            "Megatron's args).",
         ),
     ] = None,
     map_name: Annotated[
@@ -132,7 +132,7 @@ def convert(
             "--map",
             metavar="NAME|FILE.toml",
             help="Map names to Hugging Face's, or back: llama3, qwen3, deepseek_v3, "
-            "megatron_gpt, megatron_moe, FILE.toml.",
+            "megatron_gpt, megatron_qwen2, megatron_moe, FILE.toml.",
         ),
     ] = None,
     optim_keys: Annotated[

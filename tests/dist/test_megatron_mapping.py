@@ -57,12 +57,13 @@ MOE_CONFIG = {
 }
 
 
-def _job(*argv, experts: int = 0, tied: bool = False) -> None:
+def _job(*argv, experts: int = 0, tied: bool = False, qkv_bias: bool = False) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MEGATRON_EXPERTS": str(experts),
         "MEGATRON_TIED": str(int(tied)),
+        "MEGATRON_QKV_BIAS": str(int(qkv_bias)),
     }
     done = subprocess.run(
         [sys.executable, str(JOBS), *map(str, argv)],
@@ -74,9 +75,9 @@ def _job(*argv, experts: int = 0, tied: bool = False) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _saved(root: Path, config: dict, experts: int = 0, tied: bool = False) -> Path:
+def _saved(root: Path, config: dict, experts=0, tied=False, qkv_bias=False) -> Path:
     root.mkdir(exist_ok=True)  # the job's file store lies in it
-    _job(root, experts=experts, tied=tied)
+    _job(root, experts=experts, tied=tied, qkv_bias=qkv_bias)
     (root / "config").mkdir()
     (root / "config" / "config.json").write_text(json.dumps(config))
     return root
@@ -134,7 +135,7 @@ def _exported_and_back(root: Path, tmp_path: Path, capsys, name: str, tensors: i
 
 
 def _back_loads_into_megatron(
-    theirs: dict, tmp_path: Path, capsys, name: str, experts=0, tied=False
+    theirs: dict, tmp_path: Path, capsys, name: str, experts=0, tied=False, qkv_bias=False
 ):
     """Map ``tmp_path/hf`` back to torch_dist at 2; load it into the Megatron model; check its weights are ``theirs``."""
     back = tmp_path / "torch_dist"
@@ -145,7 +146,7 @@ def _back_loads_into_megatron(
     # A tied model's lm_head.weight is its embedding, given back by the reader: left out, counted.
     assert json.loads(out)["mapping"]["dropped"]["names"] == (["lm_head.weight"] if tied else [])
     assert ("leaving SRC's 'lm_head.weight' out" in err) is tied
-    _job(tmp_path, back, experts=experts, tied=tied)
+    _job(tmp_path, back, experts=experts, tied=tied, qkv_bias=qkv_bias)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     saved = theirs["weights"]
     assert sorted(loaded) == sorted(saved)
@@ -193,12 +194,12 @@ def _with_args(megatron: Path, tmp_path: Path, **changes) -> Path:
         ),
         (
             {"normalization": "LayerNorm"},
-            "its args say normalization='LayerNorm', and the Llama-style and Mixtral models the "
+            "its args say normalization='LayerNorm', and the Llama, Qwen 2 and Mixtral models the "
             "Megatron mappings write need normalization='RMSNorm' (the norms are RMSNorm)",
         ),
         (
             {"moe_shared_expert_intermediate_size": 64},
-            "its args say moe_shared_expert_intermediate_size=64, and the Llama-style and "
+            "its args say moe_shared_expert_intermediate_size=64, and the Llama, Qwen 2 and "
             "Mixtral models the Megatron mappings write need "
             "moe_shared_expert_intermediate_size=None (no shared experts)",
         ),
@@ -235,6 +236,19 @@ def test_megatron_moe_gpt_to_mixtral_logits_match_megatrons_and_come_back(tmp_pa
         "'decoder.layers.mlp.experts.experts.linear_fc1.weight' holds 4 experts on dim 1, and "
         "the config says 3: pass the config of this model (--hf-config)",
     )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_qwen2_style_megatron_gpt_with_a_qkv_bias_maps_to_qwen2_and_back(tmp_path, capsys):
+    """add_qkv_bias: the fused QKV bias splits per query group as its weight's rows; the
+    args make a Qwen2ForCausalLM config.json, from_pretrained loads DST alone (logits
+    within 1e-5, as the Llama-style GPT), and back, the same Megatron model loads it."""
+    qwen2 = {**CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    root = _saved(tmp_path / "qwen2", qwen2, qkv_bias=True)
+    _from_common_pt(root, tmp_path / "hf", capsys, "megatron_qwen2", qwen2)
+    theirs = torch.load(root / "logits.pt", weights_only=True)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in theirs["weights"]
+    _back_loads_into_megatron(theirs, tmp_path, capsys, "megatron_qwen2", qkv_bias=True)
 
 
 def _refused_under(root: Path, config: dict, dst: Path, capsys, what: str) -> None:

@@ -332,7 +332,7 @@ def test_a_mapping_without_sizes_and_a_bad_mapping_file_are_refused(capsys, llam
     assert _cli(capsys, *argv, "--map", "llama9")[::2] == (
         2,
         "shardckpt: error: --map 'llama9': no such mapping: name one of deepseek_v3, llama3, "
-        "megatron_gpt, megatron_moe, qwen3, or a mapping file ending in .toml",
+        "megatron_gpt, megatron_moe, megatron_qwen2, qwen3, or a mapping file ending in .toml",
     )
     bad = tmp_path / "mine.toml"
     bad.write_text('name = "mine"\n[[tensors]]\nfrom = "a.{layer}"\nto = "b"\n')

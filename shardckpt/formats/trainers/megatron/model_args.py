@@ -3,8 +3,9 @@
 Megatron-LM's training loop saves its parsed command line (an ``argparse.Namespace``,
 read here as the attribute bag the weights-only loader admits, never run) with every
 checkpoint. Its model fields (``megatron/training/arguments.py``) say what a
-``config.json`` needs for the Llama-style GPT the ``megatron_gpt`` mapping covers, or
-its mixture-of-experts form (``megatron_moe``, as Mixtral): sizes, grouped-query
+``config.json`` needs for the Llama-style GPT the ``megatron_gpt`` mapping covers, its
+Qwen 2 form with a QKV bias (``megatron_qwen2``), or its mixture-of-experts form
+(``megatron_moe``, as Mixtral): sizes, grouped-query
 attention, the SwiGLU width, RoPE's base and scaling, the norm's epsilon, the padded
 vocabulary, whether the output layer is the embedding. A field missing, or a value
 that no such model computes (LayerNorm, biases, a GELU MLP, shared experts), is
@@ -62,7 +63,6 @@ _MUST = (
     ("position_embedding_type", "rope", "positions are rotary"),
     ("swiglu", True, "the MLP is SwiGLU"),
     ("add_bias_linear", False, "the linear layers have no bias"),
-    ("add_qkv_bias", False, "the QKV projection has no bias"),
     ("qk_layernorm", False, "queries and keys are not normalised"),
     ("apply_layernorm_1p", False, "norm weights are not stored minus one"),
     ("rotary_percent", 1.0, "every channel of a head rotates"),
@@ -109,7 +109,7 @@ def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None
     for field, value, meaning in _MUST:
         if a[field] != value:
             raise BadInputError(
-                f"its args say {field}={a[field]!r}, and the Llama-style and Mixtral models "
+                f"its args say {field}={a[field]!r}, and the Llama, Qwen 2 and Mixtral models "
                 f"the Megatron mappings write need {field}={value!r} ({meaning})",
                 path=path,
                 hint=_HINT,
@@ -124,9 +124,23 @@ def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None
         )
     heads = a["num_attention_heads"]
     experts = a["num_experts"]
+    if experts and a["add_qkv_bias"]:
+        raise BadInputError(
+            "its args say add_qkv_bias=True with num_experts: no shipped mapping writes a "
+            "mixture of experts with a QKV bias",
+            path=path,
+            hint=_HINT,
+        )
+    arch, model_type = (
+        ("MixtralForCausalLM", "mixtral")
+        if experts
+        else ("Qwen2ForCausalLM", "qwen2")
+        if a["add_qkv_bias"]
+        else ("LlamaForCausalLM", "llama")
+    )
     config = {
-        "architectures": ["MixtralForCausalLM" if experts else "LlamaForCausalLM"],
-        "model_type": "mixtral" if experts else "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": a["padded_vocab_size"],
         "hidden_size": a["hidden_size"],
         "intermediate_size": (a["moe_ffn_hidden_size"] or a["ffn_hidden_size"])
@@ -141,7 +155,6 @@ def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None
         "rope_theta": float(a["rotary_base"]),
         "max_position_embeddings": a["max_position_embeddings"],
         "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
-        "attention_bias": False,
         "torch_dtype": _dtype(a),
     }
     if a["use_rope_scaling"]:
@@ -156,8 +169,8 @@ def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None
     if experts:
         config["num_local_experts"] = experts
         config["num_experts_per_tok"] = a.get("moe_router_topk", 2)
-    else:
-        config["mlp_bias"] = False
+    elif not a["add_qkv_bias"]:
+        config["attention_bias"] = config["mlp_bias"] = False
     return config
 
 
