@@ -187,27 +187,26 @@ def _fill(
     batch = [r for r in batch if r.stop > r.start]
     # Each region's work: its pieces' futures, each a CRC-32 of bytes at an offset.
     work: dict[Region, list[tuple[int, Future[int]]]] = {}
-    copied: set[Region] = set()
+    # Every chunk located before any is copied: a source that changes meanwhile is found
+    # by the copies, whatever the number of threads.
+    located = {
+        region: runs
+        for region in batch
+        if region.cast is None
+        and (runs := reader.stored_runs(metas[region.key], region.start, region.stop)) is not None
+        and worth_copying(runs)
+    }
+    copied = set(located)
     try:
-        for region in batch:
-            runs = (
-                None
-                if region.cast is not None
-                else reader.stored_runs(metas[region.key], region.start, region.stop)
-            )
-            if runs is not None and worth_copying(runs):
-                fd, path = _pinned(files, region.file, work, workers), files.path(region.file)
-                work[region] = [
-                    (
-                        length,
-                        workers.submit(
-                            copy_runs, part, fd, region.offset + at, path, region.key, size
-                        ),
-                    )
-                    for at, part in pieces_of(runs)
-                    for length in [sum(r.length for r in part)]
-                ]
-                copied.add(region)
+        for region, runs in located.items():
+            fd, path = _pinned(files, region.file, work, workers), files.path(region.file)
+            work[region] = [
+                (
+                    sum(r.length for r in part),
+                    workers.submit(copy_runs, part, fd, region.offset + at, path, region.key, size),
+                )
+                for at, part in pieces_of(runs)
+            ]
         asked = [r for r in batch if r not in copied]
         asked += [r for _, segments in jobs for r in regions_of(segments)]
         lookup, read = read_regions(reader, asked, metas, runtime)

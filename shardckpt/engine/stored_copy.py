@@ -56,13 +56,14 @@ def worth_copying(runs: Sequence[StoredRun]) -> bool:
 
 
 def pieces_of(
-    runs: Sequence[StoredRun], size: int = PIECE
+    runs: Sequence[StoredRun], size: int | None = None
 ) -> Iterator[tuple[int, list[StoredRun]]]:
     """Yield ``runs`` cut into pieces of at most ``size`` bytes: (bytes before the piece, its runs).
 
     Each piece is copied on a worker of its own (``engine.workers``); their CRC-32s,
     combined in this order, are the CRC-32 of all the runs, however many threads copied them.
     """
+    size = size or PIECE
     at, piece, held = 0, [], 0
     for run in runs:
         done = 0
