@@ -7,8 +7,9 @@ a failure on one rank into the same error on all of them before the next collect
   1) ``writer.frame(runtime)``: headers and skeletons are written, and each process
      learns the regions it fills: its rows of every tensor of a full file, or every
      region of the files of the target ranks it acts for (``shardckpt.formats.ranks.target_ranks``).
-  2) per batch of at most ``plan.buffer_bytes``: read the rows that hold the batch's
-     regions, ``pwrite`` each region's bytes at its offset, note its CRC-32. Every rank
+  2) per batch of at most ``plan.buffer_bytes`` (less the worker threads' slices,
+     ``engine.workers``): read the rows that hold the batch's regions, ``pwrite`` each
+     region's bytes at its offset, note its CRC-32, on the worker threads. Every rank
      runs the same number of steps; a rank with fewer batches runs empty ones.
   3) each process flushes what it wrote to disk; the pieces of every zip record are
      gathered to the coordinator, which patches each record's CRC-32.

@@ -1,7 +1,8 @@
 """Every byte of a checkpoint read once, split over the ranks, each checksummed span CRC'd as it passes.
 
-The files are laid end to end and cut into one contiguous share per rank, so each
-rank reads about as much, sequentially, through one buffer of ``BLOCK`` bytes: memory
+The files are laid end to end and cut into one contiguous share per rank, and each share
+into one part per worker thread (``--threads``), so each reads about as much,
+sequentially, through one buffer of ``BLOCK`` bytes of its own: memory
 stays bounded whatever the files' sizes, and each block is still in the CPU's cache when
 it is CRC'd (a larger buffer measured slower: the bytes went to memory and back).
 ``pread`` rather than a memory map: a disk that fails a read gives an error to report,
