@@ -35,7 +35,7 @@ site="${PYTHONPATH:-}"
 export OMP_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 
 {
-    echo "cores: $(nproc); $(grep MemTotal /proc/meminfo)"
+    echo "cores: $(nproc --all), this process may use $("$python" -c "import os; print(len(os.sched_getaffinity(0)))"); $(grep MemTotal /proc/meminfo)"
     df -h /dev/shm | tail -1
     TIMEFORMAT="python -c 'import torch, torch.distributed.checkpoint': %R s wall"
     for _ in 1 2; do time "$python" -c "import torch, torch.distributed.checkpoint"; done
@@ -69,7 +69,11 @@ sys.path.insert(0, "scripts")
 import bench
 fields = bench.Result.__dataclass_fields__
 for i, path in enumerate(sys.argv[1:]):
-    doc = json.load(open(path))
+    try:
+        doc = json.load(open(path))
+    except (OSError, ValueError):
+        print(f"({path}: no results, see bench.log)\n")
+        continue
     rows = [bench.Result(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]]
     if i:  # the references ran again: only the torchrun rows are new
         rows = rows[:1] + [r for r in rows if r.nproc > 1]

@@ -37,7 +37,7 @@ from shardckpt.codecs.zip_skeleton import patch_crc, pwrite_all
 from shardckpt.core.costs import Costs
 from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
-from shardckpt.engine.jobs import JobQueue, regions_of
+from shardckpt.engine.jobs import JobQueue, blobs_of, regions_of
 from shardckpt.engine.rows import read_regions
 from shardckpt.engine.stored_copy import copy_runs, pieces_of, worth_copying
 from shardckpt.engine.workers import Workers, default_threads, rows_budget, slice_bytes
@@ -208,8 +208,24 @@ def _fill(
                 )
                 for at, part in pieces_of(runs)
             ]
+        # A file job's blobs stored as they lie (a DCP chunk's rows, whole) are copied into
+        # place when the job writes them (``JobWriter.write``), not read.
+        stored = {
+            blob.region: runs
+            for _, segments in jobs
+            for blob in blobs_of(segments)
+            if blob.region.cast is None
+            and blob.region.stop > blob.region.start
+            and (
+                runs := reader.stored_runs(
+                    metas[blob.region.key], blob.region.start, blob.region.stop
+                )
+            )
+            is not None
+            and worth_copying(runs)
+        }
         asked = [r for r in batch if r not in copied]
-        asked += [r for _, segments in jobs for r in regions_of(segments)]
+        asked += [r for _, segments in jobs for r in regions_of(segments) if r not in stored]
         lookup, read = read_regions(reader, asked, metas, runtime)
         costs.read_bytes += read
         for region in batch:
@@ -238,9 +254,21 @@ def _fill(
             record = region.record
             offset = region.offset - record.start
             pieces_written.append(Piece(record.file, record.start, offset, length, crcs[region]))
+
+    def copy(runs, fd: int, offset: int, path: Path, key: str) -> int:
+        parts = [
+            (
+                sum(r.length for r in part),
+                workers.submit(copy_runs, part, fd, offset + at, path, key, size),
+            )
+            for at, part in pieces_of(runs)
+        ]
+        return _combined(parts, workers)
+
+    costs.read_bytes += sum(sum(r.length for r in runs) for runs in stored.values())
     for job, segments in jobs:
         before = job.written
-        job.write(segments, lookup)
+        job.write(segments, lookup, stored, copy)
         costs.written_bytes += job.written - before
         moved += sum(nbytes(r, metas) for r in regions_of(segments))
     return pieces_written, moved

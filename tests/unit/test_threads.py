@@ -118,9 +118,10 @@ def test_dst_and_its_json_are_the_same_bytes_at_one_thread_and_at_four(
         pieces.clear()
     assert got[1][0] == got[4][0]
     assert got[1][1] == got[4][1]
-    if layout[1] == "full":  # a full file's tensors are copied as they lie, piece by piece
-        assert got[1][2] == {threading.get_ident()}  # one thread: this one, no pool
-        assert got[4][2] and threading.get_ident() not in got[4][2]  # the pool's, not this one
+    # Tensors are copied as they lie, piece by piece: a full file's regions, and the
+    # blobs of DCP's files at 3 (each target rank's file a job written front to back).
+    assert got[1][2] == {threading.get_ident()}  # one thread: this one, no pool
+    assert got[4][2] and threading.get_ident() not in got[4][2]  # the pool's, not this one
     # And they are intact, checked by four threads.
     assert cli(capsys, "verify", dst, "-q", "--threads", "4")[0] == 0
 
@@ -162,12 +163,20 @@ def test_verify_finds_the_same_at_one_thread_and_at_four(src, tmp_path, capsys):
         ]
 
 
-def test_a_flipped_bit_a_worker_copies_is_exit_3_and_leaves_nothing(src, tmp_path, capsys, pieces):
+@pytest.mark.parametrize(
+    "layout",
+    [("out.safetensors", "--to", "full"), ("out-dcp", "--to", "sharded", "--world-size", "3")],
+    ids=["full", "dcp-at-3"],
+)
+def test_a_flipped_bit_a_worker_copies_is_exit_3_and_leaves_nothing(
+    src, tmp_path, capsys, pieces, layout
+):
     damaged = tmp_path / "damaged"
     copy(src, damaged)
     flipped = flip_in_dcp(damaged, "model.big")
-    dst = tmp_path / "out.safetensors"
-    code, _, err = cli(capsys, "convert", damaged, dst, "--to", "full", "--threads", "4")
+    name, *flags = layout
+    dst = tmp_path / name
+    code, _, err = cli(capsys, "convert", damaged, dst, *flags, "--threads", "4")
     assert code == 3
     assert len(err) == 1 and err[0].startswith(f"shardckpt: error: '{flipped.file}': ")
     assert flipped.message() in err[0]
@@ -220,12 +229,20 @@ def _cut_at_first_copy(target: str, size: int) -> None:
 
 @pytest.mark.launches
 @pytest.mark.parametrize("size", [100, 6_000_000])
-def test_a_source_cut_short_while_workers_copy_it_is_exit_3_naming_it(copied, tmp_path, size):
+@pytest.mark.parametrize(
+    "layout",
+    [("out.safetensors", "--to", "full"), ("out-dcp", "--to", "sharded", "--world-size", "3")],
+    ids=["full", "dcp-at-3"],
+)
+def test_a_source_cut_short_while_workers_copy_it_is_exit_3_naming_it(
+    copied, tmp_path, size, layout
+):
     cut = tmp_path / "dcp"
     copy(copied, cut)
     data = cut / "__0_0.distcp"
-    dst = tmp_path / "out.safetensors"
-    argv = ["convert", cut, dst, "--to", "full", "--threads", "4"]
+    name, *flags = layout
+    dst = tmp_path / name
+    argv = ["convert", cut, dst, *flags, "--threads", "4"]
     done = warm_cli.run(argv, setup=(_cut_at_first_copy, str(data), size))
     assert done.returncode == 3, done.stderr
     assert re.fullmatch(
