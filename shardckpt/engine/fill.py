@@ -41,7 +41,7 @@ from shardckpt.engine.jobs import JobQueue, blobs_of, regions_of
 from shardckpt.engine.rows import read_regions
 from shardckpt.engine.stored_copy import copy_runs, pieces_of, worth_copying
 from shardckpt.engine.workers import Workers, default_threads, rows_budget, slice_bytes
-from shardckpt.formats.base import Reader, Writer
+from shardckpt.formats.base import Reader, StoredRun, Writer
 from shardckpt.state.regions import (
     Piece,
     Record,
@@ -190,40 +190,16 @@ def _fill(
     work: dict[Region, list[tuple[int, Future[int]]]] = {}
     # Every chunk located before any is copied: a source that changes meanwhile is found
     # by the copies, whatever the number of threads.
-    located = {
-        region: runs
-        for region in batch
-        if region.cast is None
-        and (runs := reader.stored_runs(metas[region.key], region.start, region.stop)) is not None
-        and worth_copying(runs)
-    }
+    located = _located(reader, batch, metas)
     copied = set(located)
     try:
         for region, runs in located.items():
             fd, path = _pinned(files, region.file, work, workers), files.path(region.file)
-            work[region] = [
-                (
-                    sum(r.length for r in part),
-                    workers.submit(copy_runs, part, fd, region.offset + at, path, region.key, size),
-                )
-                for at, part in pieces_of(runs)
-            ]
+            work[region] = _copies(workers, runs, fd, region.offset, path, region.key, size)
         # A file job's blobs stored as they lie (a DCP chunk's rows, whole) are copied into
         # place when the job writes them (``JobWriter.write``), not read.
-        stored = {
-            blob.region: runs
-            for _, segments in jobs
-            for blob in blobs_of(segments)
-            if blob.region.cast is None
-            and blob.region.stop > blob.region.start
-            and (
-                runs := reader.stored_runs(
-                    metas[blob.region.key], blob.region.start, blob.region.stop
-                )
-            )
-            is not None
-            and worth_copying(runs)
-        }
+        blobs = [blob.region for _, segments in jobs for blob in blobs_of(segments)]
+        stored = _located(reader, blobs, metas)
         asked = [r for r in batch if r not in copied]
         asked += [r for _, segments in jobs for r in regions_of(segments) if r not in stored]
         lookup, read = read_regions(reader, asked, metas, runtime)
@@ -256,14 +232,7 @@ def _fill(
             pieces_written.append(Piece(record.file, record.start, offset, length, crcs[region]))
 
     def copy(runs, fd: int, offset: int, path: Path, key: str) -> int:
-        parts = [
-            (
-                sum(r.length for r in part),
-                workers.submit(copy_runs, part, fd, offset + at, path, key, size),
-            )
-            for at, part in pieces_of(runs)
-        ]
-        return _combined(parts, workers)
+        return _combined(_copies(workers, runs, fd, offset, path, key, size), workers)
 
     costs.read_bytes += sum(sum(r.length for r in runs) for runs in stored.values())
     for job, segments in jobs:
@@ -272,6 +241,31 @@ def _fill(
         costs.written_bytes += job.written - before
         moved += sum(nbytes(r, metas) for r in regions_of(segments))
     return pieces_written, moved
+
+
+def _located(reader: Reader, regions: list[Region], metas) -> dict[Region, list[StoredRun]]:
+    """Return those of ``regions`` whose bytes lie in SRC as they are to be written (``worth_copying``), with their runs."""
+    return {
+        region: runs
+        for region in regions
+        if region.cast is None
+        and region.stop > region.start
+        and (runs := reader.stored_runs(metas[region.key], region.start, region.stop)) is not None
+        and worth_copying(runs)
+    }
+
+
+def _copies(
+    workers: Workers, runs, fd: int, offset: int, path: Path, key: str, size: int
+) -> list[tuple[int, Future[int]]]:
+    """Give the workers ``runs`` to copy from byte ``offset`` of ``fd``, a piece each; return (length, CRC-32 to come) per piece."""
+    return [
+        (
+            sum(r.length for r in part),
+            workers.submit(copy_runs, part, fd, offset + at, path, key, size),
+        )
+        for at, part in pieces_of(runs)
+    ]
 
 
 def _pinned(files: DstFiles, file: str, work, workers: Workers) -> int:
