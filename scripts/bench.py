@@ -2,6 +2,7 @@
 
     python scripts/bench.py [--size-gb 1.0] [--nproc 1,2] [--layouts all] [--world-size 4]
                             [--mem-cap 1.5GiB] [--buffer-size 256MiB] [--workdir .bench]
+                            [--tmpfs] [--threads 1,2,4] [--rounds R]
                             [--keep] [--warmup] [--repeat R] [--json] [--source dcp]
     python scripts/bench.py --scale [--tensors 2000] [--world-sizes 8,64,256,1024] ...
 
@@ -20,11 +21,17 @@ each launch size N (N=1 standalone, N>1 under torchrun); the layout ``verify`` i
 ``shardckpt verify SRC`` instead (reads every byte, writes nothing). One markdown table
 on stdout (or one JSON document with --json); progress and failures on stderr.
 
+- Threads: with --threads 1,2,4 each shardckpt case runs once per thread count
+  (``--threads T`` on convert and verify; without it, shardckpt's default: the cores
+  the process may use, shared by the ranks on the node).
+- Rounds: with --rounds R every case after the reference runs R times, the cases taking
+  turns (round 1: every case, then round 2 ...), so that the load other processes put
+  on the machine falls on every case alike; each row is the round of median wall time.
 - CPU: each case's user + system seconds (all its processes, from the kernel's
   accounting of reaped children) and CPU seconds per GB of source, beside wall time:
   on a fast disk or tmpfs, the CPU a byte costs is what bounds the speed. Put WORKDIR
-  on a tmpfs (``--workdir /dev/shm/bench``) to take the disk out of the numbers; the
-  header names WORKDIR's filesystem.
+  on a tmpfs (``--tmpfs``, or ``--workdir /dev/shm/bench``) to take the disk out of the
+  numbers; the header names WORKDIR's filesystem.
 
 - Memory cap: with --mem-cap, each converting process (the standalone process, or
   each torchrun rank; never torchrun's agent) runs in a memory cgroup of its own
@@ -86,6 +93,9 @@ DCP_TO_TORCH_SAVE = (
     "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
     "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
 )
+COPY_CASES = ("cp -r", "cp -r && sync")
+TMPFS = Path("/dev/shm")
+"""Where --tmpfs puts WORKDIR."""
 SAMPLE_INTERVAL_S = 0.05
 RSS_SLACK_BYTES = 300 * 2**20
 """The fixed part of the RSS target (importing torch alone costs ~0.3 GiB)."""
@@ -160,6 +170,8 @@ class Case:
     capped: bool = False
     """Run under --mem-cap (the references run uncapped: dcp_to_torch_save needs the
     whole checkpoint in memory, and neither is what the cap is about)."""
+    threads: int | None = None
+    """shardckpt's --threads; None: its default."""
 
 
 def shardckpt_argv() -> list[str]:
@@ -215,7 +227,9 @@ def reference_cases(src: Path, workdir: Path, source: str = "dcp") -> list[Case]
     ]
 
 
-def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> Case:
+def shardckpt_case(
+    src: Path, workdir: Path, nproc: int, layout: str, args, threads: int | None = None
+) -> Case:
     """Return `shardckpt convert SRC` into layout, standalone or under torchrun at nproc."""
     spec = LAYOUTS[layout]
     dst = workdir / spec.dst_name
@@ -223,9 +237,10 @@ def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> C
     world_size = args.world_size if spec.per_rank else None
     if world_size:
         flags += ["--world-size", str(world_size)]
-    convert = ["convert", str(src), str(dst), *flags]
+    more = [] if threads is None else ["--threads", str(threads)]
+    convert = ["convert", str(src), str(dst), *flags, *more]
     if spec.command == "verify":
-        convert = ["verify", str(src), "--quiet"]
+        convert = ["verify", str(src), "--quiet", *more]
     if nproc == 1:
         return Case(
             name="shardckpt",
@@ -235,6 +250,7 @@ def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> C
             dst=dst,
             world_size=world_size,
             capped=True,
+            threads=threads,
         )
     return Case(
         name="torchrun -m shardckpt",
@@ -248,6 +264,7 @@ def shardckpt_case(src: Path, workdir: Path, nproc: int, layout: str, args) -> C
         world_size=world_size,
         env=TORCHRUN_ENV,
         capped=True,
+        threads=threads,
     )
 
 
@@ -575,6 +592,8 @@ class Result:
     world_size: int | None
     """M of a sharded or local output."""
     returncode: int
+    threads: int | None = None
+    """shardckpt's --threads (per process); None: its default, or not shardckpt."""
     oom: bool
     """The OOM killer killed a process of the case (in its cgroup)."""
     wall_s: float
@@ -602,7 +621,9 @@ class Result:
     difference: str | None = None
     """Where the output first differs from the reference, when exact is no."""
     walls_s: list[float] = field(default_factory=list)
-    """Every timed run's wall_s, when --repeat asked for several."""
+    """Every timed run's wall_s, when --repeat or --rounds asked for several."""
+    cpus_s: list[float] = field(default_factory=list)
+    """Every round's cpu_s, with --rounds."""
     vs_dcp_to_torch_save: float | None = None
     """wall_s over dcp_to_torch_save's (None if either failed)."""
     vs_reference: float | None = None
@@ -669,6 +690,7 @@ def measure(case: Case, src_bytes: int, cap: MemoryCap) -> Result:
         nproc=case.nproc,
         layout=case.layout,
         world_size=case.world_size,
+        threads=case.threads,
         returncode=returncode,
         oom=oom,
         wall_s=wall,
@@ -738,6 +760,45 @@ def run_case(case: Case, args, src_bytes: int, cap: MemoryCap, check) -> Result:
                 log(f"{label}: output differs from the reference: {run.difference}")
         runs.append(run)
     return best(runs)
+
+
+def checked_run(case: Case, args, src_bytes: int, cap: MemoryCap, check) -> Result:
+    """Run case once, timed, then (outside the timing) check what it wrote."""
+    run = measure(case, src_bytes, cap)
+    # `cp -r` (layout "copy") writes what is not checked; verify writes nothing.
+    writes = case.layout in LAYOUTS and LAYOUTS[case.layout].command == "convert"
+    if run.ok and check is not None and writes:
+        run.difference = check(case)
+        run.exact = "no" if run.difference else "yes"
+        if run.difference:
+            log(f"{case.name} (N={case.nproc}, {case.layout}): output differs: {run.difference}")
+    return run
+
+
+def in_rounds(cases: list[Case], args, src_bytes: int, cap: MemoryCap, check) -> list[Result]:
+    """Run every case ``args.rounds`` times, the cases taking turns; return each case's median round."""
+    runs: list[list[Result]] = [[] for _ in cases]
+    for r in range(args.rounds):
+        for case, seen in zip(cases, runs):
+            log(
+                f"round {r + 1}/{args.rounds}: {case.name} (N={case.nproc}, {case.layout}, threads {case.threads or 'default'})"
+            )
+            seen.append(checked_run(case, args, src_bytes, cap, check))
+            remove(case.dst)
+    return [median(seen) for seen in runs]
+
+
+def median(runs: list[Result]) -> Result:
+    """Return the run of median wall time (the first failed one if any); peaks are the max over all."""
+    failed = [r for r in runs if not r.ok]
+    chosen = failed[0] if failed else sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
+    chosen.peak_rss_gib = max(r.peak_rss_gib for r in runs)
+    inexact = [r for r in runs if r.exact == "no"]
+    if inexact:
+        chosen.exact, chosen.difference = "no", inexact[0].difference
+    chosen.walls_s = [r.wall_s for r in runs]
+    chosen.cpus_s = [r.cpu_s for r in runs]
+    return chosen
 
 
 def best(runs: list[Result]) -> Result:
@@ -1073,8 +1134,13 @@ def header(doc: dict) -> str:
         f"buffer: --buffer-size {doc['buffer_size']}; RSS target per process: buffer + 10% "
         f"of the largest tensor + 300 MiB = {doc['rss_target_bytes'] / gib:.2f} GiB",
         f"memory cap: {doc['cap']}",
-        f"sharded and local outputs at M={doc['world_size']}; best of {doc['repeat']} timed "
-        f"run(s); peak RSS: VmHWM every {SAMPLE_INTERVAL_S * 1000:.0f} ms, largest worker "
+        f"sharded and local outputs at M={doc['world_size']}; "
+        + (
+            f"median of {doc['rounds']} rounds (every case once a round, taking turns)"
+            if doc.get("rounds")
+            else f"best of {doc['repeat']} timed run(s)"
+        )
+        + f"; peak RSS: VmHWM every {SAMPLE_INTERVAL_S * 1000:.0f} ms, largest worker "
         "(N>1) or the process (N=1)",
     ]
     if doc["cap_bytes"] is not None:
@@ -1089,15 +1155,18 @@ def table(results: list[Result]) -> str:
         return "–" if value is None else f"{value:.2f}x"
 
     lines = [
-        f"| case | N | layout | wall s | GB/s | CPU s | CPU s/GB | × cp -r | × cp -r && sync "
-        f"| × {results[0].case} | peak RSS/process GiB | capped | result | exact |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        f"| case | N | threads | layout | wall s | GB/s | CPU s | CPU s/GB | × cp -r "
+        f"| × cp -r && sync | × {results[0].case} | peak RSS/process GiB | capped | result | exact |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         layout = r.layout if r.world_size is None else f"{r.layout} (M={r.world_size})"
         speed = f"{r.gb_per_s:.2f}" if r.ok else "–"
+        threads = (
+            "–" if r.case in COPY_CASES or r.case == results[0].case else r.threads or "default"
+        )
         lines.append(
-            f"| {r.case} | {r.nproc} | {layout} | {r.wall_s:.2f} | {speed} "
+            f"| {r.case} | {r.nproc} | {threads} | {layout} | {r.wall_s:.2f} | {speed} "
             f"| {r.cpu_s:.2f} | {r.cpu_s_per_gb:.2f} | {ratio(r.vs_copy)} | {ratio(r.vs_copy_synced)} | {ratio(r.vs_reference)} "
             f"| {r.peak_rss_gib:.2f} "
             f"| {r.capped} | {r.outcome} | {r.exact} |"
@@ -1166,6 +1235,22 @@ def parse_args() -> argparse.Namespace:
     )
     add("--buffer-size", default="256MiB", help="passed to shardckpt convert (default 256MiB)")
     add("--workdir", type=Path, default=ROOT / ".bench")
+    add(
+        "--tmpfs",
+        action="store_true",
+        help=f"WORKDIR on tmpfs ({TMPFS}/shardckpt-bench): no disk in the numbers, only CPU",
+    )
+    add(
+        "--threads",
+        type=parse_nproc,
+        help="shardckpt's --threads, one case per count, e.g. 1,2,4 (default: its own default)",
+    )
+    add(
+        "--rounds",
+        type=int,
+        default=0,
+        help="run the cases R times taking turns and report each one's median (paired runs)",
+    )
     add("--keep", action="store_true", help="keep the source checkpoint for the next run")
     add("--warmup", action="store_true", help="run each case once untimed")
     add("--repeat", type=int, default=1, help="timed runs per case; the fastest is reported")
@@ -1182,6 +1267,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--size-gb must be positive, got {args.size_gb}")
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.rounds < 0:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.tmpfs:
+        if not TMPFS.is_dir():
+            parser.error(f"--tmpfs: there is no {TMPFS} on this machine; pass --workdir")
+        args.workdir = TMPFS / "shardckpt-bench"
     if args.world_size < 1:
         parser.error(f"--world-size must be at least 1, got {args.world_size}")
     try:
@@ -1215,7 +1306,10 @@ def main() -> int:
 
     ref_case, *copy_cases = reference_cases(src, workdir, args.source)
     convert_cases = [
-        shardckpt_case(src, workdir, n, layout, args) for n in args.nproc for layout in args.layouts
+        shardckpt_case(src, workdir, n, layout, args, threads)
+        for n in args.nproc
+        for layout in args.layouts
+        for threads in args.threads or [None]
     ]
     results = []
     try:
@@ -1231,12 +1325,15 @@ def main() -> int:
         else:
             log(f"{ref_case.name} failed: outputs cannot be checked (exact: –)")
             check = None
-        for copy_case in copy_cases:
-            results.append(run_case(copy_case, args, src_bytes, cap, check=None))
-            remove(copy_case.dst)
-        for case in convert_cases:
-            results.append(run_case(case, args, src_bytes, cap, check=check))
-            remove(case.dst)
+        if args.rounds:
+            results += in_rounds([*copy_cases, *convert_cases], args, src_bytes, cap, check)
+        else:
+            for copy_case in copy_cases:
+                results.append(run_case(copy_case, args, src_bytes, cap, check=None))
+                remove(copy_case.dst)
+            for case in convert_cases:
+                results.append(run_case(case, args, src_bytes, cap, check=check))
+                remove(case.dst)
     finally:
         outputs = [ref_case.dst, *(c.dst for c in [*copy_cases, *convert_cases])]
         sources = [] if args.keep else [src, src.with_name(src.name + ".partial")]
@@ -1259,6 +1356,7 @@ def main() -> int:
         "cap_applied": cap.applies,
         "world_size": args.world_size,
         "repeat": args.repeat,
+        "rounds": args.rounds,
         "results": [asdict(r) | {"result": r.outcome} for r in results],
     }
     if args.json:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The one-node table of docs/benchmark.md: a full export and a verify on tmpfs, at N=1, 2
-# and 8 processes, wall and CPU seconds per GB, on whatever machine runs it (written for
-# a 16-core GPU node: about 5 minutes there with the default 6 GB).
+# The one-node table of docs/benchmark.md: a full export and a verify on tmpfs, one process
+# at --threads 1, 2, 4, 8 and 16, then N=2 and 8 processes under torchrun (each with its
+# share of the cores, shardckpt's default), wall, CPU seconds per GB and peak RSS, on
+# whatever machine runs it (written for a 16-core GPU node: under 8 minutes there with
+# the default 4 GB, each case twice, taking turns, the median reported).
 #
 #   bash scripts/bench_node.sh [SIZE_GB] [OUT_DIR] [BASE]
 #
@@ -18,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-size_gb="${1:-6}"
+size_gb="${1:-4}"
 out="${2:-.bench-node}"
 base="${3:-}"
 mkdir -p "$out"
@@ -33,7 +35,7 @@ site="${PYTHONPATH:-}"
 export OMP_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 
 {
-    echo "cores: $(nproc); $(grep MemTotal /proc/meminfo)"
+    echo "cores: $(nproc --all), this process may use $("$python" -c "import os; print(len(os.sched_getaffinity(0)))"); $(grep MemTotal /proc/meminfo)"
     df -h /dev/shm | tail -1
     TIMEFORMAT="python -c 'import torch, torch.distributed.checkpoint': %R s wall"
     for _ in 1 2; do time "$python" -c "import torch, torch.distributed.checkpoint"; done
@@ -49,18 +51,35 @@ for run in "${runs[@]}"; do
     name="${run%%:*}" tree="${run#*:}"
     export PYTHONPATH="$tree${site:+:$site}"
     echo "== $name: shardckpt from $tree" | tee -a "$out/bench.log"
-    "$python" scripts/bench.py --size-gb "$size_gb" --nproc 1,2,8 \
+    # The threads axis in one process, then the ranks axis (each rank's default threads:
+    # the node's cores over LOCAL_WORLD_SIZE). A version without --threads runs the
+    # first part at its own default only.
+    threads=(--threads 1,2,4,8,16)
+    "$python" -c "import shardckpt.engine.workers" 2>/dev/null || threads=()
+    "$python" scripts/bench.py --size-gb "$size_gb" --nproc 1 "${threads[@]}" --rounds 2 \
         --layouts full-safetensors,verify --world-size 8 --workdir "$workdir" --keep \
-        --json >"$out/bench-$name.json" 2>>"$out/bench.log" || rc=$?
-    "$python" - "$out/bench-$name.json" >"$out/table-$name.md" <<'EOF'
+        --json >"$out/bench-$name-threads.json" 2>>"$out/bench.log" || rc=$?
+    "$python" scripts/bench.py --size-gb "$size_gb" --nproc 2,8 --rounds 2 \
+        --layouts full-safetensors,verify --world-size 8 --workdir "$workdir" --keep \
+        --json >"$out/bench-$name-ranks.json" 2>>"$out/bench.log" || rc=$?
+    "$python" - "$out/bench-$name-threads.json" "$out/bench-$name-ranks.json" \
+        >"$out/table-$name.md" <<'EOF'
 import json, sys
 sys.path.insert(0, "scripts")
 import bench
-doc = json.load(open(sys.argv[1]))
 fields = bench.Result.__dataclass_fields__
-rows = [bench.Result(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]]
-print(bench.header(doc) + "\n")
-print(bench.table(rows))
+for i, path in enumerate(sys.argv[1:]):
+    try:
+        doc = json.load(open(path))
+    except (OSError, ValueError):
+        print(f"({path}: no results, see bench.log)\n")
+        continue
+    rows = [bench.Result(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]]
+    if i:  # the references ran again: only the torchrun rows are new
+        rows = rows[:1] + [r for r in rows if r.nproc > 1]
+    else:
+        print(bench.header(doc) + "\n")
+    print(bench.table(rows) + "\n")
 EOF
     cat "$out/table-$name.md"
 done

@@ -592,7 +592,7 @@ def write(
         # Laying out DST's files (DCP's own planning, at M target ranks) comes before the bar.
         progress.status(_planning(request, plan.world_size))
         try:
-            fill.run(reader, plan, writer, runtime, progress, costs)
+            fill.run(reader, plan, writer, runtime, progress, costs, request.threads)
             with costs.phase("finish"):  # SRC's checksums judged: a record each chunk
                 check_reads(runtime, request.src)
             if request.verify:

@@ -80,6 +80,7 @@ def verify(
 
 
 def _verify(request: VerifyRequest, runtime: Runtime, progress: Progress) -> Integrity:
+    request.check()
     start = time.perf_counter()
     with checking(always=True) as ledger:
 
@@ -102,7 +103,12 @@ def _verify(request: VerifyRequest, runtime: Runtime, progress: Progress) -> Int
         try:
             runtime.agreed(
                 lambda: scan(
-                    checks, ledger, runtime.rank, runtime.world_size, _scaled(progress, runtime)
+                    checks,
+                    ledger,
+                    runtime.rank,
+                    runtime.world_size,
+                    _scaled(progress, runtime),
+                    request.threads,
                 )
             )
         finally:

@@ -115,6 +115,9 @@ class ConvertRequest:
     map: str | None = None
     """An architecture mapping (``plan.mapping``): a shipped one's name or a ``.toml`` file;
     None: chosen for an ``hf`` output from SRC's format and the config's ``architectures``."""
+    threads: int | None = None
+    """Worker threads that move the bytes in each process; None: the cores it may use
+    (shared by the ranks on a node under torchrun)."""
 
     def __post_init__(self) -> None:
         _frozen(self)
@@ -130,6 +133,7 @@ class ConvertRequest:
                 hint="pass the number of ranks that will load the output",
             )
         _check_buffer(self.buffer_bytes)
+        _check_threads(self.threads)
         if self.max_shard_size is not None and self.max_shard_size <= 0:
             raise UsageError("--max-shard-size must be positive", hint="write it like 5GB or 500MB")
         if self.zero_stage is not None and self.zero_stage not in (1, 2, 3):
@@ -206,6 +210,21 @@ class VerifyRequest:
     """Load pickles that may run code (only for files you trust)."""
     storage_options: Sequence[str] = ()
     """``KEY=VALUE`` options of the filesystem behind a URL SRC or DST (``--storage-option``)."""
+    threads: int | None = None
+    """Threads that read and checksum in each process; None: as ``ConvertRequest.threads``."""
+
+    def check(self) -> None:
+        """Raise a usage error for a thread count below 1 (pure)."""
+        _check_threads(self.threads)
+
+
+def _check_threads(threads: int | None) -> None:
+    """Raise a usage error for a ``--threads`` below 1."""
+    if threads is not None and threads < 1:
+        raise UsageError(
+            f"--threads must be at least 1, not {threads}",
+            hint="leave it out to use every core the process may run on",
+        )
 
 
 def _check_buffer(buffer_bytes: int) -> None:

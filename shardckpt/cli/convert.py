@@ -19,6 +19,7 @@ from shardckpt.cli.options import (
     OnlyOpt,
     Quiet,
     StorageOptions,
+    Threads,
     TrustPickle,
     Unnest,
     Version,
@@ -200,9 +201,10 @@ def convert(
         bool, typer.Option("--dry-run", help="Print what would be written; write nothing.")
     ] = False,
     buffer_size: BufferSize = "256MiB",
+    threads: Threads = None,
     src_local: Annotated[
         bool,
-        typer.Option("--src-local", help="Under torchrun: SRC is on each node's own disk."),
+        typer.Option("--src-local", help="Under torchrun: each node has its own SRC."),
     ] = False,
     json_out: JsonOut = False,
     quiet: Quiet = False,
@@ -256,6 +258,7 @@ def convert(
             hf_config=hf_config,
             storage_options=storage_options or (),
             map=map_name,
+            threads=threads,
         )
         progress = Progress(
             enabled=runtime.coordinator and not quiet and not json_out, desc="convert"

@@ -100,6 +100,10 @@ BufferSize = Annotated[
         "--buffer-size", metavar="SIZE", help="Most tensor bytes a process holds at a time."
     ),
 ]
+Threads = Annotated[
+    int | None,
+    typer.Option("--threads", metavar="N", help="Threads per process (default: its cores)."),
+]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
 StorageOptions = Annotated[
     list[str] | None,

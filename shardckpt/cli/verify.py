@@ -15,6 +15,7 @@ from shardckpt.cli.options import (
     Quiet,
     SrcFormat,
     StorageOptions,
+    Threads,
     TrustPickle,
     Version,
     emit,
@@ -48,6 +49,7 @@ def verify(
     trust_pickle: TrustPickle = False,
     storage_options: StorageOptions = None,
     device: DeviceOpt = None,
+    threads: Threads = None,
     version: Version = False,
 ) -> int:
     """Read every byte of a checkpoint once and check it against the checksums written with it."""
@@ -60,7 +62,11 @@ def verify(
 
     applies.check(applies.VERIFY_RULES, applies.Choice(quiet=quiet, json_out=json_out))
     request = api.VerifyRequest(
-        src=src, format=fmt, trust_pickle=trust_pickle, storage_options=storage_options or ()
+        src=src,
+        format=fmt,
+        trust_pickle=trust_pickle,
+        storage_options=storage_options or (),
+        threads=threads,
     )
     with launch(device.value if device else None) as runtime:
         if not quiet:

@@ -9,7 +9,10 @@ MiB or more are written from the step's read buffer where they lie, not copied i
 job's own: the process holds one buffer of tensor data (``--buffer-size``), not two, and
 nothing of a step's reads is held past it. Every zip record's CRC-32 is taken over the bytes as they are written and put
 into its fields before those are written (or, for a field already written, right after):
-no checksum is left to patch at the end, and nothing passes between ranks.
+no checksum is left to patch at the end, and nothing passes between ranks. A blob whose
+bytes lie in SRC as they are to be written (a DCP chunk's rows, ``Reader.stored_runs``)
+is not read at all: the workers copy it into place (``engine.stored_copy``), and the
+CRC-32 their copy took goes into the blob's fields.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from isal import isal_zlib
 
 from shardckpt.codecs.zip_skeleton import pwrite_all
 from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
+from shardckpt.formats.base import StoredRun
 from shardckpt.state.regions import Blob, FileJob, Record, Region, nbytes, row_elements
 from shardckpt.state.tree import TensorMeta
 
@@ -50,7 +55,16 @@ class _Close:
     blob: Blob
 
 
+@dataclass(frozen=True, slots=True)
+class _InPlace:
+    """Bytes already written where they go (a blob's data the workers copied): skipped, not written."""
+
+    length: int
+
+
 Segment = bytes | Region | Blob | _Open | _Close
+Copy = Callable[[Sequence[StoredRun], int, int, Path, str], int]
+"""Copies runs of SRC to an offset of a DST file (descriptor, offset, path, tensor); returns their CRC-32."""
 
 
 def _blob_ends(blob: Blob, length: int, crc: int) -> tuple[bytearray, bytearray]:
@@ -79,9 +93,9 @@ class JobWriter:
         self._pending: deque[Segment] = deque()
         self._fd: int | None = None
         """Created at the first write: a step hands out many small jobs, written one at a time."""
-        # What is to be written next, in order: bytes copied here (bytearrays) and views
-        # of the step's read buffer (WRITTEN_IN_PLACE).
-        self._pieces: list[bytearray | memoryview] = []
+        # What is to be written next, in order: bytes copied here (bytearrays), views
+        # of the step's read buffer (WRITTEN_IN_PLACE) and bytes copied into place (_InPlace).
+        self._pieces: list[bytearray | memoryview | _InPlace] = []
         self._length = 0  # of the pieces
         self._copied = 0  # of the pieces, in bytearrays
         self._base = 0  # the file offset of the first piece's first byte
@@ -153,15 +167,34 @@ class JobWriter:
                 self._pending.appendleft(tail)
             return out, taken
 
-    def write(self, segments: Sequence[Segment], lookup: Callable[[Region], memoryview]) -> None:
+    def write(
+        self,
+        segments: Sequence[Segment],
+        lookup: Callable[[Region], memoryview],
+        stored: Mapping[Region, Sequence[StoredRun]] | None = None,
+        copy: Copy | None = None,
+    ) -> None:
         """Write ``segments`` at the end of what this job wrote, with the source bytes ``lookup`` gives.
 
+        A blob whose region ``stored`` holds is copied into place by ``copy`` instead.
         Everything is written before returning: the views of the step's reads go with it.
         """
         for segment in segments:
             kind = type(segment)
             if kind is bytes:
                 self._put(segment, copy=True)
+            elif kind is Blob and stored and segment.region in stored and copy is not None:
+                runs = stored[segment.region]
+                length = sum(run.length for run in runs)
+                at = self._base + self._length + len(segment.head)
+                crc = copy(
+                    runs, self._open(), at, self.files.path(self.job.file), segment.region.key
+                )
+                head, tail = _blob_ends(segment, length, crc)
+                self._put(head, copy=True)
+                self._pieces.append(_InPlace(length))
+                self._length += length
+                self._put(tail, copy=True)
             elif kind is Blob:
                 region = segment.region
                 data = lookup(region) if region.stop > region.start else b""
@@ -207,8 +240,12 @@ class JobWriter:
         """Yield the pieces' bytes from file offset ``lo`` to ``hi``, in order."""
         at = self._base
         for piece in self._pieces:
-            end = at + len(piece)
+            end = at + _length(piece)
             if end > lo and at < hi:
+                if type(piece) is _InPlace:
+                    raise RuntimeError(
+                        f"internal: a record of file job {self.job.file!r} holds bytes copied in place"
+                    )
                 yield memoryview(piece)[max(lo, at) - at : min(hi, end) - at]
             if end >= hi:
                 return
@@ -241,18 +278,24 @@ class JobWriter:
             else:
                 late.append((at, packed))
         path = self.files.path(self.job.file)
-        if self._fd is None:
-            self._fd = self.files.create(self.job.file)
+        fd = self._open()
         with writing(path):
             at = base
             for piece in self._pieces:
-                pwrite_all(self._fd, memoryview(piece), at)
-                at += len(piece)
+                if type(piece) is not _InPlace:
+                    pwrite_all(fd, memoryview(piece), at)
+                at += _length(piece)
             for at, packed in late:
-                pwrite_all(self._fd, memoryview(packed), at)
+                pwrite_all(fd, memoryview(packed), at)
         self.written += self._length
         self._base = end
         self._pieces, self._length, self._copied = [], 0, 0
+
+    def _open(self) -> int:
+        """Return the job's file, created (empty) the first time."""
+        if self._fd is None:
+            self._fd = self.files.create(self.job.file)
+        return self._fd
 
     def _finish(self) -> None:
         if self._records or self._patches:
@@ -261,6 +304,18 @@ class JobWriter:
                 "records (or their checksums) were written"
             )
         self.files.done(self.job.file)
+
+
+def _length(piece) -> int:
+    """Return the bytes ``piece`` stands for in the file."""
+    return piece.length if type(piece) is _InPlace else len(piece)
+
+
+def blobs_of(segments: Sequence[Segment]) -> Iterator[Blob]:
+    """Yield the blobs among ``segments``."""
+    for segment in segments:
+        if type(segment) is Blob:
+            yield segment  # type: ignore[misc]
 
 
 def regions_of(segments: Sequence[Segment]) -> Iterator[Region]:

@@ -1,7 +1,8 @@
 """Every byte of a checkpoint read once, split over the ranks, each checksummed span CRC'd as it passes.
 
-The files are laid end to end and cut into one contiguous share per rank, so each
-rank reads about as much, sequentially, through one buffer of ``BLOCK`` bytes: memory
+The files are laid end to end and cut into one contiguous share per rank, and each share
+into one part per worker thread (``--threads``), so each reads about as much,
+sequentially, through one buffer of ``BLOCK`` bytes of its own: memory
 stays bounded whatever the files' sizes, and each block is still in the CPU's cache when
 it is CRC'd (a larger buffer measured slower: the bytes went to memory and back).
 ``pread`` rather than a memory map: a disk that fails a read gives an error to report,
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import open_source, os_error
+from shardckpt.engine.workers import Workers, default_threads
 from shardckpt.formats.file_checks import FileCheck
 from shardckpt.state.checksums import Ledger
 
@@ -39,19 +42,52 @@ def share(sizes: list[int], world_size: int, rank: int) -> list[tuple[int, int, 
     return out
 
 
-def scan(checks: list[FileCheck], ledger: Ledger, rank: int, world_size: int, progress) -> int:
-    """Read this rank's share of every file, noting each span's bytes in ``ledger``; return the bytes read."""
-    buffer = memoryview(bytearray(BLOCK))
-    done = 0
-    for i, start, stop in share([c.size for c in checks], world_size, rank):
-        done += _read(checks[i], start, stop, ledger, buffer, progress)
-    return done
+def scan(
+    checks: list[FileCheck],
+    ledger: Ledger,
+    rank: int,
+    world_size: int,
+    progress,
+    threads: int | None = None,
+) -> int:
+    """Read this rank's share of every file, noting each span's bytes in ``ledger``; return the bytes read.
+
+    The share is cut again into one contiguous part per worker thread (``threads``; None:
+    ``engine.workers.default_threads``), each read through a ``BLOCK`` of its own: the
+    part of thread t is the share of rank ``rank * threads + t`` of ``world_size * threads``.
+    """
+    threads = threads or default_threads()
+    sizes = [c.size for c in checks]
+    workers = Workers(threads)
+    lock = threading.Lock()
+
+    def counted(n: int) -> None:
+        with lock:
+            progress(n)
+
+    def part(t: int) -> int:
+        buffer = memoryview(bytearray(BLOCK))
+        done = 0
+        for i, start, stop in share(sizes, world_size * threads, rank * threads + t):
+            done += _read(checks[i], start, stop, ledger, buffer, counted, workers.stopping)
+        return done
+
+    try:
+        return sum(workers.results(workers.submit(part, t) for t in range(threads)))
+    finally:
+        workers.close()
 
 
 def _read(
-    check: FileCheck, start: int, stop: int, ledger: Ledger, buffer: memoryview, progress
+    check: FileCheck,
+    start: int,
+    stop: int,
+    ledger: Ledger,
+    buffer: memoryview,
+    progress,
+    stopping: threading.Event,
 ) -> int:
-    """Read bytes [start, stop) of one file, noting the spans they overlap."""
+    """Read bytes [start, stop) of one file, noting the spans they overlap; give up once ``stopping`` is set."""
     spans = check.spans
     ends = [s.start + s.length for s in spans]
     first = bisect.bisect_right(ends, start)
@@ -59,7 +95,7 @@ def _read(
     try:
         os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_SEQUENTIAL)
         at = start
-        while at < stop:
+        while at < stop and not stopping.is_set():
             n = os.preadv(fd, [buffer[: min(len(buffer), stop - at)]], at)
             if n == 0:
                 raise BadInputError(

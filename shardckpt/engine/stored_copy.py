@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from isal import isal_zlib
@@ -36,7 +38,10 @@ from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import active
 
 SLICE = 4 << 20
-"""Bytes CRC'd and then copied at a time: they are still in the CPU's cache when copied."""
+"""Bytes CRC'd and then copied at a time: they are still in the CPU's cache when copied
+(``engine.workers.slice_bytes`` makes it smaller where many threads share a small buffer)."""
+PIECE = 16 << 20
+"""Bytes of a region one worker thread copies (``pieces_of``): a 64 MiB tensor goes to four."""
 MIN_RUN = 1 << 20
 """The fewest bytes a region's runs hold on average for it to be copied here.
 
@@ -50,14 +55,40 @@ def worth_copying(runs: Sequence[StoredRun]) -> bool:
     return sum(run.length for run in runs) >= MIN_RUN * len(runs)
 
 
-def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: str) -> int:
-    """Write ``runs`` one after another from byte ``offset`` of ``fd`` (file ``dst``).
+def pieces_of(
+    runs: Sequence[StoredRun], size: int | None = None
+) -> Iterator[tuple[int, list[StoredRun]]]:
+    """Yield ``runs`` cut into pieces of at most ``size`` bytes: (bytes before the piece, its runs).
+
+    Each piece is copied on a worker of its own (``engine.workers``); their CRC-32s,
+    combined in this order, are the CRC-32 of all the runs, however many threads copied them.
+    """
+    size = size or PIECE
+    at, piece, held = 0, [], 0
+    for run in runs:
+        done = 0
+        while done < run.length:
+            take = min(run.length - done, size - held)
+            piece.append(replace(run, offset=run.offset + done, length=take))
+            done += take
+            held += take
+            if held == size:
+                yield at, piece
+                at, piece, held = at + held, [], 0
+    if piece:
+        yield at, piece
+
+
+def copy_runs(
+    runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: str, size: int = SLICE
+) -> int:
+    """Write ``runs`` one after another from byte ``offset`` of ``fd`` (file ``dst``), ``size`` bytes at a time.
 
     Returns the CRC-32 of all the bytes written. Each run's bytes are noted in the
     active ledger against the source record they lie in (tensor ``key``'s).
     """
     ledger = active()
-    buffer = memoryview(bytearray(SLICE))
+    buffer = _buffer(size)
     crc = 0
     for run in runs:
         names = [key] if run.names is None else list(run.names)
@@ -66,7 +97,7 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
         try:
             run_crc = 0
             with writing(dst):
-                for at in range(0, run.length, SLICE):
+                for at in range(0, run.length, size):
                     part = _read_slice(src_fd, buffer, run, at, what)
                     part_crc = isal_zlib.crc32(part)
                     run_crc = isal_zlib.crc32_combine(run_crc, part_crc, len(part))
@@ -82,6 +113,17 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
     return crc
 
 
+_THREAD = threading.local()
+
+
+def _buffer(size: int) -> memoryview:
+    """Return this thread's slice buffer of ``size`` bytes: made once, not once per region (its pages faulted in once)."""
+    buffer = getattr(_THREAD, "buffer", None)
+    if buffer is None or len(buffer) != size:
+        buffer = _THREAD.buffer = memoryview(bytearray(size))
+    return buffer
+
+
 def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, what: str) -> memoryview:
     """Read the slice of ``run`` from byte ``at`` into ``buffer``; return it, whole, or raise (exit 3).
 
@@ -89,7 +131,7 @@ def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, what: 
     here, where touching a mapping past the file's new end kills the process (SIGBUS)
     with the partial output and the lock left behind.
     """
-    part = buffer[: min(SLICE, run.length - at)]
+    part = buffer[: min(len(buffer), run.length - at)]
     read_exactly(src_fd, part, run.offset + at, run.path, what)
     return part
 

@@ -107,8 +107,8 @@ class Ledger:
         # kept, so its address cannot be given to another mapping while the ledger lives.
         self._mapped: dict[int, tuple[Key, torch.UntypedStorage]] = {}
         # ``diff`` reads its two sides in two threads, and both may read one file; the engine
-        # copies mapped runs on a thread of its own while this one reads other rows: a
-        # span's gaps and its insertion must be one step, or both could note a byte.
+        # copies and ``verify`` reads on worker threads (``engine.workers``): a span's gaps
+        # and its insertion must be one step, or two threads could note a byte.
         self._lock = threading.Lock()
 
     def expect(self, written: Written, names: Iterable[str] = ()) -> None:
@@ -168,6 +168,10 @@ class Ledger:
         written = self._written.get((file, start))
         if written is None:
             return
+        if crc is None:
+            # Outside the lock, so that worker threads CRC at once (isal lets go of the
+            # GIL): most bytes are read once, and this CRC then serves as it is.
+            crc = isal_zlib.crc32(data)
         with self._lock:
             self._note(written, offset, data, crc)
 

@@ -109,9 +109,9 @@ def test_rows_stored_as_written_are_copied_from_the_mapped_chunk_with_their_dige
     copied = []
     original = stored_copy.copy_runs
 
-    def spy(runs, fd, offset, dst, key):
+    def spy(runs, fd, offset, dst, key, *size):
         copied.append(key)
-        return original(runs, fd, offset, dst, key)
+        return original(runs, fd, offset, dst, key, *size)
 
     monkeypatch.setattr(fill, "copy_runs", spy)
     monkeypatch.setattr(stored_copy, "MIN_RUN", 1)  # runs of a few bytes copied all the same
@@ -139,7 +139,7 @@ def test_runs_shorter_than_a_mib_on_average_are_read_not_mapped_and_write_the_sa
     original = stored_copy.copy_runs
 
     def spy(*args):
-        copied.append(args[-1])
+        copied.append(args[4])
         return original(*args)
 
     monkeypatch.setattr(fill, "copy_runs", spy)
