@@ -74,7 +74,7 @@ def gpt():
     return model.eval()
 
 
-def training_args() -> argparse.Namespace:
+def training_args(older: bool = False) -> argparse.Namespace:
     """Return the ``args`` Megatron-LM's training loop saves with every checkpoint, for this model.
 
     Megatron-LM's ``save_checkpoint`` (``megatron/training/checkpointing.py``, its
@@ -82,9 +82,12 @@ def training_args() -> argparse.Namespace:
     the state dict as ``args``, beside ``checkpoint_version`` 3.0 and ``iteration``.
     Megatron-LM is not on PyPI (megatron-core 0.16.1, installed, has no training loop),
     so the namespace is built here with the model fields of Megatron-LM's
-    ``megatron/training/arguments.py`` (the names of its core_r0.16 line, from its
-    source as read by hand, not run), set as its parser and ``validate_args`` leave
-    them for this model (``padded_vocab_size`` by ``_vocab_size_with_padding``: the
+    ``megatron/training/arguments.py`` at tag ``core_v0.16.1`` (checked against that
+    source; its transformer options are ``TransformerConfig``'s fields there, so the
+    norm's epsilon is ``layernorm_epsilon`` and ``--apply-layernorm-1p`` is
+    ``layernorm_zero_centered_gamma``; ``older=True`` gives the names Megatron-LM used
+    before, ``norm_epsilon`` and ``apply_layernorm_1p``), set as its parser and
+    ``validate_args`` leave them for this model (``padded_vocab_size`` by ``_vocab_size_with_padding``: the
     vocabulary rounded up to 128 on one rank; 128 here).
     """
     return argparse.Namespace(
@@ -104,8 +107,11 @@ def training_args() -> argparse.Namespace:
         use_rope_scaling=False,
         rope_scaling_factor=8.0,
         normalization="RMSNorm",
-        norm_epsilon=1e-5,
-        apply_layernorm_1p=False,
+        **(
+            {"norm_epsilon": 1e-5, "apply_layernorm_1p": False}
+            if older
+            else {"layernorm_epsilon": 1e-5, "layernorm_zero_centered_gamma": False}
+        ),
         swiglu=True,
         squared_relu=False,
         add_bias_linear=False,

@@ -171,6 +171,28 @@ def test_megatron_gpt_to_hf_without_a_config_takes_its_sizes_from_common_pts_arg
     _from_common_pt(megatron, tmp_path / "hf", capsys, "megatron_gpt", CONFIG)
 
 
+@pytest.mark.timeout(300)
+def test_common_pt_args_of_a_megatron_lm_before_core_v0_16_are_read_by_their_older_names(
+    megatron, tmp_path, capsys
+):
+    """Before core_v0.16 Megatron-LM saved the norm's epsilon as ``norm_epsilon`` and
+    ``--apply-layernorm-1p`` as ``apply_layernorm_1p`` (``layernorm_epsilon`` and
+    ``layernorm_zero_centered_gamma`` since): either names the same model."""
+    older = {"norm_epsilon": 1e-6, "apply_layernorm_1p": False}
+    ckpt = _with_args(
+        megatron, tmp_path, layernorm_epsilon=None, layernorm_zero_centered_gamma=None, **older
+    )
+    argv = ["convert", ckpt, tmp_path / "hf", "--to", "full", "--format", "hf"]
+    assert run([str(a) for a in argv]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    bent = _with_args(megatron, tmp_path / "bent", layernorm_epsilon=None,
+                      layernorm_zero_centered_gamma=None, norm_epsilon=1e-5,
+                      apply_layernorm_1p=True)  # fmt: skip
+    capsys.readouterr()
+    assert run([str(a) for a in ["convert", bent, tmp_path / "hf2", *argv[3:]]]) == 3
+    assert "its args say layernorm_zero_centered_gamma=True" in capsys.readouterr().err
+
+
 def _with_args(megatron: Path, tmp_path: Path, **changes) -> Path:
     """Return a copy of ``megatron/ckpt`` whose common.pt holds args changed by ``changes`` (None: deleted)."""
     ckpt = tmp_path / "ckpt"
@@ -189,8 +211,9 @@ def _with_args(megatron: Path, tmp_path: Path, **changes) -> Path:
     "changes, what",
     [
         (
-            {"norm_epsilon": None, "num_query_groups": None},
-            "its args lack 'norm_epsilon', 'num_query_groups', which the model's config.json needs",
+            {"layernorm_epsilon": None, "num_query_groups": None},
+            "its args lack 'layernorm_epsilon', 'num_query_groups', which the model's config.json "
+            "needs",
         ),
         (
             {"normalization": "LayerNorm"},

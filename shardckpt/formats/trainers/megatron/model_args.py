@@ -29,7 +29,7 @@ _NEEDED = (
     "padded_vocab_size",
     "max_position_embeddings",
     "normalization",
-    "norm_epsilon",
+    "layernorm_epsilon",
     "position_embedding_type",
     "swiglu",
     "add_bias_linear",
@@ -49,7 +49,7 @@ _DEFAULTS = {
     "rope_scaling_factor": 8.0,
     "add_qkv_bias": False,
     "qk_layernorm": False,
-    "apply_layernorm_1p": False,
+    "layernorm_zero_centered_gamma": False,
     "num_experts": None,
     "moe_ffn_hidden_size": None,
     "moe_shared_expert_intermediate_size": None,
@@ -64,12 +64,21 @@ _MUST = (
     ("swiglu", True, "the MLP is SwiGLU"),
     ("add_bias_linear", False, "the linear layers have no bias"),
     ("qk_layernorm", False, "queries and keys are not normalised"),
-    ("apply_layernorm_1p", False, "norm weights are not stored minus one"),
+    ("layernorm_zero_centered_gamma", False, "norm weights are not stored minus one"),
     ("rotary_percent", 1.0, "every channel of a head rotates"),
     ("rotary_interleaved", False, "RoPE rotates halves"),
     ("moe_shared_expert_intermediate_size", None, "no shared experts"),
     ("moe_router_pre_softmax", False, "the router softmaxes its top k"),
     ("moe_router_score_function", "softmax", "the router softmaxes its top k"),
+)
+
+# Fields Megatron-LM saves under another name since its transformer options became
+# ``TransformerConfig``'s (core_v0.16: ``--norm-epsilon`` is kept as
+# ``layernorm_epsilon``, ``--apply-layernorm-1p`` as ``layernorm_zero_centered_gamma``):
+# the newer name, then the older one, read where the newer is absent.
+_RENAMED = (
+    ("layernorm_epsilon", "norm_epsilon"),
+    ("layernorm_zero_centered_gamma", "apply_layernorm_1p"),
 )
 
 _HINT = (
@@ -95,6 +104,10 @@ def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None
             path=path,
             hint=_HINT,
         )
+    given = {**given}
+    for newer, older in _RENAMED:
+        if given.get(newer) is None and given.get(older) is not None:
+            given[newer] = given[older]
     missing = [f for f in _NEEDED if given.get(f) is None]
     if given.get("group_query_attention") and given.get("num_query_groups") is None:
         missing.append("num_query_groups")
@@ -151,7 +164,7 @@ def hf_config(args: object, path: Path, embedding: tuple[int, ...] | None = None
         "num_key_value_heads": a["num_query_groups"] if a["group_query_attention"] else heads,
         "head_dim": a["kv_channels"] or a["hidden_size"] // heads,
         "hidden_act": "silu",
-        "rms_norm_eps": a["norm_epsilon"],
+        "rms_norm_eps": a["layernorm_epsilon"],
         "rope_theta": float(a["rotary_base"]),
         "max_position_embeddings": a["max_position_embeddings"],
         "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
