@@ -21,7 +21,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shardckpt.core import storage
+from shardckpt.core import remote_files, storage
 from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
@@ -109,7 +109,9 @@ class OnStorage:
         self.staged: Path | None = None
         self.url_lock: FileLock | None = None
         self.fetched: Path | None = None
-        """The node's copy of the URL SRCs, on the rank that fetched it."""
+        """The node's stand-ins of the URL SRCs, on the rank that laid them out."""
+        self.stand_ins: list[tuple[int, int]] = []
+        """The stand-ins this process registered (``core.remote_files``)."""
 
     def local_request(self) -> Any:
         """Return the request on local paths: SRCs fetched, DST staged (and checked where it is)."""
@@ -136,7 +138,12 @@ class OnStorage:
         return replace(request, **changes)
 
     def _fetch(self, options: dict[str, Any], *, fetcher: bool) -> dict[str, Path]:
-        """Return the local copy of each URL SRC: one per node, fetched by ``fetcher`` (agreed)."""
+        """Return the local stand-in of each URL SRC: one per node, laid out by ``fetcher`` (agreed).
+
+        Its data objects are read where they lie (``core.remote_files``): each rank lists
+        SRC once and registers the node's stand-ins once they exist; the rest of SRC's
+        objects (metadata) are fetched whole, once per node.
+        """
         token = uuid.uuid4().hex
         if self.runtime.distributed:
             token = self.runtime.broadcast(token)
@@ -149,14 +156,28 @@ class OnStorage:
                 self.fetched = tmp
             for n in self.srcs:
                 store = storage.open_store(getattr(self.asked, n), options)
+                objects = storage.listing(store)
                 if fetcher:
                     (tmp / n).mkdir()
-                    storage.download(store, tmp / n)
+                    storage.lay_out(store, tmp / n, objects)
                 fetched[n] = storage.local_name(store, tmp / n)
                 self.names[str(fetched[n])] = store.url
+                laid[n] = (store, objects)
             return fetched
 
-        return self.runtime.agreed(fetch)
+        laid: dict[str, tuple[storage.Store, dict[str, int]]] = {}
+        fetched = self.runtime.agreed(fetch)
+
+        def register() -> None:
+            for n, (store, objects) in laid.items():
+                for name, size in objects.items():
+                    if storage.read_in_place(name):
+                        url = f"{store.url}/{name}"
+                        obj = remote_files.RemoteObject(store.fs, store.child(name), url, size)
+                        self.stand_ins.append(remote_files.stand_in(fetched[n] / name, obj))
+
+        self.runtime.agreed(register)  # once the node's stand-ins exist
+        return fetched
 
     def _stage(self, options: dict[str, Any], *, nodes: int) -> Path:
         """Return where DST is staged on this node; take the URL's lock, clear leftovers, check DST (agreed)."""
@@ -219,7 +240,8 @@ class OnStorage:
             self.runtime.agreed(lambda: None)
 
     def cleanup(self) -> None:
-        """Remove the node's copy of SRC (on the rank that fetched it) and the staged DST."""
+        """Remove the node's stand-ins of SRC (on the rank that laid them out) and the staged DST."""
+        remote_files.forget(self.stand_ins)
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)

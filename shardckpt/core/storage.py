@@ -270,6 +270,50 @@ def download(store: Store, into: Path) -> Path:
     return local
 
 
+READ_WHERE_THEY_LIE = (".distcp",)
+"""The objects of a URL SRC that are not fetched: every reader of them reads through
+``core.files`` (DCP's data files, in any directory: a trainer's DCP too), so a stand-in
+(``core.remote_files``) reads their bytes from the store as they are needed."""
+
+
+def listing(store: Store) -> dict[str, int]:
+    """Return the objects of SRC (a prefix) by name under it, with their sizes; {} when SRC is one object."""
+    info = retried(lambda: store.fs.info(store.path), store.url)
+    if info.get("type") != "directory":
+        return {}
+    found = retried(lambda: store.fs.find(store.path + "/", detail=True), store.url)
+    return {_object_name(store, key): int(entry.get("size") or 0) for key, entry in found.items()}
+
+
+def read_in_place(name: str) -> bool:
+    """Return whether SRC's object ``name`` is read where it lies, through a stand-in."""
+    return name.endswith(READ_WHERE_THEY_LIE)
+
+
+def lay_out(store: Store, into: Path, objects: dict[str, int]) -> Path:
+    """Lay SRC out in the directory ``into``: its small objects fetched, its data objects as stand-ins; return its path.
+
+    ``objects``: ``listing(store)``. A data object (``read_in_place``) becomes an empty
+    sparse file of its size, registered with ``core.remote_files`` by the caller; every
+    other object is fetched whole. SRC that is one object is fetched whole.
+    """
+    local = local_name(store, into)
+    if not objects:
+        return download(store, into)
+    local.mkdir()
+    fetched = [name for name in objects if not read_in_place(name)]
+    for name in objects:
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        if read_in_place(name):
+            with open(local / name, "xb") as f:
+                f.truncate(objects[name])
+    if fetched:
+        keys = [store.child(name) for name in fetched]
+        targets = [str(local / name) for name in fetched]
+        retried(lambda: store.fs.get(keys, targets), store.url)
+    return local
+
+
 def _object_name(store: Store, key: str) -> str:
     """Return the name of object ``key`` under SRC's prefix; refuse one that is no plain relative path.
 

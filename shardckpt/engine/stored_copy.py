@@ -31,7 +31,7 @@ from pathlib import Path
 from isal import isal_zlib
 
 from shardckpt.codecs.zip_skeleton import pwrite_all
-from shardckpt.core.files import open_source, read_exactly, writing
+from shardckpt.core.files import is_remote, open_source, read_exactly, will_read, writing
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import active
 
@@ -59,6 +59,8 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
     ledger = active()
     buffer = memoryview(bytearray(SLICE))
     crc = 0
+    for run in runs:
+        will_read(run.path, [(run.offset, run.length)])  # a URL SRC's fetched ahead
     for run in runs:
         names = [key] if run.names is None else list(run.names)
         what = "the data of " + " and ".join(map(repr, names))
@@ -96,7 +98,7 @@ def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, what: 
 
 def _copy_slice(src_fd: int, part: memoryview, src_offset: int, fd: int, offset: int) -> None:
     """Write ``part`` (read from ``src_offset`` of ``src_fd``) at ``offset`` of ``fd``: by the kernel where it can."""
-    if _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
+    if not is_remote(src_fd) and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
         return
     # Written from what was read and CRC'd, over what the kernel copied before it stopped.
     pwrite_all(fd, part, offset)

@@ -40,7 +40,14 @@ from shardckpt.codecs.pickle_scan import first_line
 from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
-from shardckpt.core.files import OutOfDescriptors, kept_open, open_source, os_error
+from shardckpt.core.files import (
+    OutOfDescriptors,
+    kept_open,
+    open_source,
+    os_error,
+    preadv,
+    will_read,
+)
 from shardckpt.core.torch_internals import stored_offset
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import Written, active
@@ -164,10 +171,11 @@ class StoredRows:
         # One file open at a time: a tensor split over a 1,024-rank save's files must not
         # hold 1,024 descriptors at once (``ulimit -n`` is often 1,024, or lower).
         for file, in_file in by_file.items():
+            size = target.element_size()
+            will_read(self._files.path(file), [_span(part, size) for part in in_file])
             with self._files.opened(file) as fd:
                 for placed, offsets, sizes, lo, hi in in_file:
-                    row_bytes = math.prod(sizes[1:]) * target.element_size()
-                    at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
+                    at = _span((placed, offsets, sizes, lo, hi), size)[0]
                     dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
                     check = ledger is not None and placed.written is not None
                     read, crc = self._read(fd, dest, at, key, file, check)
@@ -189,7 +197,7 @@ class StoredRows:
         done, total = 0, 0 if crc else None
         while done < len(view):
             try:
-                n = os.preadv(fd, [view[done : done + _READ]], at + done)
+                n = preadv(fd, view[done : done + _READ], at + done)
             except OSError as exc:
                 raise os_error(exc, self.src / file) from None
             if n == 0:
@@ -375,6 +383,15 @@ def _written(path: Path, offset: int, stored: ZipRecord) -> Written:
     """Return the storage record ``stored`` of a chunk's zip (at ``offset`` of ``path``) as checked bytes."""
     where = f"record '{stored.name}' at byte {offset + stored.start}"
     return Written(str(path), offset + stored.start, stored.length, stored.crcs, where)
+
+
+def _span(part: tuple, element_size: int) -> tuple[int, int]:
+    """Return where rows ``lo``..``hi`` of a placed chunk lie in its file: (first byte, length)."""
+    placed, offsets, sizes, lo, hi = part
+    if not sizes:
+        return placed.start, element_size
+    row_bytes = math.prod(sizes[1:]) * element_size
+    return placed.start + (lo - offsets[0]) * row_bytes, (hi - lo) * row_bytes
 
 
 def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:

@@ -1,0 +1,217 @@
+"""SRC's data objects read where they lie: local stand-ins whose bytes come from ranged requests.
+
+A URL SRC is laid out on the node's disk as a directory of stand-ins (``api/storage``): its
+small objects (DCP's ``.metadata``) fetched whole, and each data object a reader reads
+only through ``core.files`` (``preadv``, ``pread``, ``source_stream``; DCP's ``.distcp``)
+as an empty sparse file of the object's size, registered here by its inode
+(``stand_in``). The gate, the listings and the sizes work on a stand-in as on any local
+file and no byte of it is on the disk; every byte read from one comes from the store, in
+ranged GETs of at most ``PART`` bytes, ``IN_FLIGHT`` at once.
+
+A reader that knows what it will read says so first (``files.will_read``: the runs a
+stored copy copies, the chunks a tensor's rows lie in, the span ``verify`` reads): those
+ranges are fetched ahead, in order, ``IN_FLIGHT`` parts at a time, and the reads that
+follow take their bytes from there. Memory: at most ``IN_FLIGHT`` parts fetched and not
+yet read, per process. Each request is retried as any request to the store is
+(``storage.retried``), then one line names the object.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardckpt.core.storage import retried
+
+PART = 8 << 20
+"""Bytes asked for in one ranged GET: large enough that the request's cost is small beside its transfer."""
+IN_FLIGHT = 4
+"""Ranged GETs a process has in flight at once (and parts it holds fetched ahead)."""
+
+
+@dataclass(frozen=True, eq=False)
+class RemoteObject:
+    """One object of SRC that a local stand-in stands for."""
+
+    fs: Any
+    """The fsspec filesystem that reaches it."""
+    key: str
+    """Its path in the filesystem's own form (``bucket/prefix/__0_0.distcp``)."""
+    url: str
+    """Its URL, as errors name it."""
+    size: int
+
+
+@dataclass
+class Requests:
+    """What this process asked the store for, for data objects: requests and bytes."""
+
+    count: int = 0
+    bytes: int = 0
+
+
+requests = Requests()
+"""The ranged GETs this process sent (``--verbose`` says them; the tests count them)."""
+
+_objects: dict[tuple[int, int], RemoteObject] = {}
+_lock = threading.RLock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def stand_in(path: Path, obj: RemoteObject) -> tuple[int, int]:
+    """Register the file ``path`` (empty, sparse, of ``obj``'s size) as the stand-in of ``obj``; return its key."""
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino)
+    with _lock:
+        _objects[key] = obj
+    return key
+
+
+def forget(keys: Iterable[tuple[int, int]]) -> None:
+    """Unregister stand-ins (their files are about to be removed: an inode may be used again)."""
+    with _lock:
+        for key in keys:
+            _objects.pop(key, None)
+        if not _objects:
+            _ahead.clear()
+
+
+def of_fd(fd: int) -> RemoteObject | None:
+    """Return the object the file open as ``fd`` stands for; None for a local file (no cost without stand-ins)."""
+    if not _objects:
+        return None
+    st = os.fstat(fd)
+    return _objects.get((st.st_dev, st.st_ino))
+
+
+def of_path(path: str | os.PathLike) -> RemoteObject | None:
+    """Return the object the file ``path`` stands for; None for a local file."""
+    if not _objects:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _objects.get((st.st_dev, st.st_ino))
+
+
+def _fetch(obj: RemoteObject, start: int, end: int) -> bytes:
+    """Return bytes [start, end) of ``obj`` (fewer where the object now ends first): one ranged GET."""
+    data = retried(lambda: obj.fs.cat_file(obj.key, start=start, end=end), obj.url)
+    with _lock:
+        requests.count += 1
+        requests.bytes += len(data)
+    return data
+
+
+def _submit(obj: RemoteObject, start: int, end: int) -> Future:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shardckpt-get")
+        pool = _pool
+    return pool.submit(_fetch, obj, start, end)
+
+
+class _Part:
+    __slots__ = ("obj", "start", "end", "future")
+
+    def __init__(self, obj: RemoteObject, start: int, end: int):
+        self.obj, self.start, self.end = obj, start, end
+        self.future: Future | None = None
+
+
+class _Ahead:
+    """The parts said to be read next (``will_read``), in order; the first ``IN_FLIGHT`` fetched."""
+
+    def __init__(self) -> None:
+        self.parts: list[_Part] = []
+
+    def clear(self) -> None:
+        self.parts = []
+
+    def plan(self, obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> None:
+        """Fetch ``ranges`` (start, length) of ``obj`` ahead, after the parts still planned."""
+        with _lock:
+            for start, length in ranges:
+                end = min(start + length, obj.size)
+                for at in range(start, end, PART):
+                    self.parts.append(_Part(obj, at, min(at + PART, end)))
+            self._start()
+
+    def _start(self) -> None:
+        for part in self.parts[:IN_FLIGHT]:
+            if part.future is None:
+                part.future = _submit(part.obj, part.start, part.end)
+
+    def take(self, obj: RemoteObject, at: int) -> _Part | None:
+        """Return the planned part holding byte ``at`` of ``obj`` (fetched or on its way); the ones before it are dropped."""
+        with _lock:
+            for i, part in enumerate(self.parts[: 4 * IN_FLIGHT]):
+                if part.obj is obj and part.start <= at < part.end:
+                    del self.parts[:i]  # passed over: never to be read
+                    if part.future is None:
+                        part.future = _submit(obj, part.start, part.end)
+                    return part
+        return None
+
+    def done_with(self, part: _Part) -> None:
+        """Drop ``part``, read to its end, and start the next."""
+        with _lock:
+            if self.parts and self.parts[0] is part:
+                del self.parts[0]
+            self._start()
+
+
+_ahead = _Ahead()
+
+
+def will_read(obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> None:
+    """Say that ranges (start, length) of ``obj`` are read next, in this order: they are fetched ahead."""
+    _ahead.plan(obj, ranges)
+
+
+def read_into(obj: RemoteObject, view: memoryview, at: int) -> int:
+    """Fill ``view`` from byte ``at`` of ``obj``; return how many bytes (fewer where the object ends)."""
+    n = max(0, min(len(view), obj.size - at))
+    done = 0
+    while done < n:
+        pos = at + done
+        part = _ahead.take(obj, pos)
+        if part is not None:
+            data = part.future.result()  # type: ignore[union-attr]
+            got = data[pos - part.start : min(part.end, at + n) - part.start]
+            view[done : done + len(got)] = got
+            done += len(got)
+            if at + n >= part.end or len(got) == 0:
+                _ahead.done_with(part)
+            if len(data) < part.end - part.start and pos + len(got) >= part.start + len(data):
+                return done  # the object is shorter than when it was listed
+            continue
+        got = _read_unplanned(obj, view[done:n], pos)
+        done += got
+        if done < n:
+            return done  # the object is shorter than when it was listed
+    return done
+
+
+def _read_unplanned(obj: RemoteObject, view: memoryview, at: int) -> int:
+    """Read ``view`` from byte ``at`` in parts, ``IN_FLIGHT`` at once; return how many bytes."""
+    done = 0
+    while done < len(view):
+        window = []
+        for start in range(done, min(len(view), done + IN_FLIGHT * PART), PART):
+            end = min(start + PART, len(view))
+            window.append((start, end, _submit(obj, at + start, at + end)))
+        for start, end, future in window:
+            data = future.result()
+            view[start : start + len(data)] = data
+            if len(data) < end - start:
+                return start + len(data)
+        done = window[-1][1]
+    return done
