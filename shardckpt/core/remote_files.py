@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardckpt.core.errors import BadInputError
 from shardckpt.core.storage import retried
 
 PART = 8 << 20
@@ -102,7 +103,15 @@ def of_path(path: str | os.PathLike) -> RemoteObject | None:
 
 def _fetch(obj: RemoteObject, start: int, end: int) -> bytes:
     """Return bytes [start, end) of ``obj`` (fewer where the object now ends first): one ranged GET."""
-    data = retried(lambda: obj.fs.cat_file(obj.key, start=start, end=end), obj.url)
+    try:
+        data = retried(lambda: obj.fs.cat_file(obj.key, start=start, end=end), obj.url)
+    except BadInputError as missing:  # listed when the run began: removed since
+        raise BadInputError(
+            missing.message.replace("no such object or prefix", "was removed while it was read"),
+            path=obj.url,
+            hint="SRC changed during the run; convert a checkpoint that no process is writing "
+            "or removing",
+        ) from None
     with _lock:
         requests.count += 1
         requests.bytes += len(data)
