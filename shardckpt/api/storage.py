@@ -26,7 +26,7 @@ from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
 from shardckpt.core.lock import FileLock, LockBusy
-from shardckpt.core.signals import sheltered
+from shardckpt.core.signals import reopened, sheltered
 
 R = TypeVar("R")
 
@@ -223,16 +223,30 @@ class OnStorage:
             raise written_by_another(busy, self.dst_url) from None
 
     def publish(self) -> None:
-        """Upload the staged DST (coordinator), the commit objects last; every rank agrees on the outcome."""
+        """Upload the staged DST: each rank its share of the data files, then the coordinator the commit objects.
+
+        Agreed at each step: the commit objects are put only once every rank's uploads
+        are complete; a failure on any rank aborts the open multipart uploads.
+        """
         if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
             return
-        store, staged = self.dst_store, self.staged
-
-        def send() -> None:
-            if self.runtime.coordinator:
-                storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
-
-        self.runtime.agreed(send)
+        store, staged, runtime = self.dst_store, self.staged, self.runtime
+        if not runtime.distributed:
+            storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
+            return
+        reopened()  # the local output was only DST's stand-in: a signal stops the upload
+        first, last = storage.split(staged, self.commits)
+        mine = storage.share(first, runtime.rank, runtime.world_size)
+        coordinator = runtime.coordinator
+        try:
+            runtime.agreed(
+                lambda: coordinator and storage.begin_upload(store, overwrite=self.asked.overwrite)
+            )
+            runtime.agreed(lambda: storage.put_data(staged, store, mine))
+            runtime.agreed(lambda: coordinator and storage.commit(staged, store, last))
+        except BaseException:
+            storage.abort(store)
+            raise
 
     def done_reading(self) -> None:
         """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""

@@ -8,14 +8,14 @@ as an empty sparse file of the object's size, registered here by its inode
 file and no byte of it is on the disk; every byte read from one comes from the store, in
 ranged GETs of at most ``PART`` bytes, ``IN_FLIGHT`` at once.
 
-Bytes are fetched in blocks of ``PART`` on a grid of the object, ``IN_FLIGHT`` requests at
-once, and a process holds the last ``HELD`` blocks: a chunk's zip headers, its rows and
-the next chunk's headers are one request, not three. A reader that reads on (the next
-block) has the ``AHEAD`` blocks after it fetched ahead; one that says what it reads next
-(``files.will_read``: the runs a stored copy copies, a tensor's chunks, verify's span) has
-their first blocks fetched at once. Memory: ``HELD * PART`` bytes per process at most.
-Each request is retried as any request to the store is (``storage.retried``), then one
-line names the object.
+A reader that says what it reads next (``files.will_read``: the runs a stored copy
+copies, said for a whole batch as the copies are queued; a tensor's chunks; verify's
+span) has those ranges fetched ahead in order, in ``PART``s, ``IN_FLIGHT`` requests at
+once, and takes its bytes from there; a small read (a chunk's zip headers) is served from a
+``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers and rows of
+neighbouring small chunks are one request; any other read is fetched as asked. Memory:
+``IN_FLIGHT * PART + HELD * SMALL`` bytes per process (24 MiB). Each request is retried as
+any request to the store is (``storage.retried``), then one line names the object.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ PART = 4 << 20
 """Bytes asked for in one ranged GET: large enough that the request's cost is small beside its transfer."""
 IN_FLIGHT = 4
 """Ranged GETs a process has in flight at once."""
-AHEAD = 4
-"""Blocks fetched ahead of a reader that reads on."""
-HELD = 16
-"""Blocks a process holds (fetched, or on their way): ``HELD * PART`` bytes of memory at most."""
+SMALL = 256 << 10
+"""A read of fewer bytes is served from a block of this many on a grid of the object."""
+HELD = 32
+"""Small blocks a process keeps (``HELD * SMALL`` bytes)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +86,8 @@ def forget(keys: Iterable[tuple[int, int]]) -> None:
         for key in keys:
             _objects.pop(key, None)
         if not _objects:
-            _held.clear()
+            _small.clear()
+            _ahead.clear()
 
 
 def of_fd(fd: int) -> RemoteObject | None:
@@ -135,81 +136,138 @@ def _submit(obj: RemoteObject, start: int, end: int) -> Future:
 
 
 class _Blocks:
-    """The blocks of SRC's objects fetched or on their way: ``PART`` bytes each, on a grid, least recently used dropped.
+    """Small blocks of SRC's objects (``SMALL`` bytes on a grid), the last ``HELD`` kept: for small reads.
 
-    A reader that reads on (the next block, or a whole one) has the ``AHEAD`` blocks after
-    it fetched ahead; one that jumps back (a chunk's rows after its zip's last record)
-    finds its block still held. Held: ``HELD`` blocks, so memory stays bounded.
+    A chunk's zip headers (its first and last 32 KiB), the next chunk's, and the rows of a
+    small chunk lie in one block: one request, not one per read.
     """
 
     def __init__(self) -> None:
         self.held: OrderedDict[tuple[int, int], Future] = OrderedDict()
-        self.last: dict[int, int] = {}  # the last block read of each object
 
     def clear(self) -> None:
         with _lock:
             self.held.clear()
-            self.last.clear()
 
     def get(self, obj: RemoteObject, index: int) -> Future:
-        """Return the block ``index`` of ``obj`` (fetched, or on its way)."""
         with _lock:
             key = (id(obj), index)
             found = self.held.get(key)
             if found is None:
-                start = index * PART
-                found = _submit(obj, start, min(start + PART, obj.size))
-                self.held[key] = found
+                start = index * SMALL
+                found = self.held[key] = _submit(obj, start, min(start + SMALL, obj.size))
                 while len(self.held) > HELD:
                     self.held.popitem(last=False)
             self.held.move_to_end(key)
             return found
 
-    def read_on(self, obj: RemoteObject, first: int, last: int) -> None:
-        """Note that blocks ``first``..``last`` of ``obj`` are read; fetch ahead when it reads on."""
+
+class _Part:
+    __slots__ = ("obj", "start", "end", "future")
+
+    def __init__(self, obj: RemoteObject, start: int, end: int):
+        self.obj, self.start, self.end = obj, start, end
+        self.future: Future | None = None
+
+
+class _Ahead:
+    """The ranges said to be read next (``will_read``), in ``PART``s, in order; the first ``IN_FLIGHT`` fetched."""
+
+    def __init__(self) -> None:
+        self.parts: list[_Part] = []
+
+    def clear(self) -> None:
         with _lock:
-            before = self.last.get(id(obj))
-            self.last[id(obj)] = last
-            if before is None or not before <= first <= before + 1 and first == last:
-                return  # a first or a lone read: nothing says what comes next
-            for index in range(last + 1, min(last + 1 + AHEAD, _blocks(obj))):
-                self.get(obj, index)
+            self.parts = []
+
+    def plan(self, obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> None:
+        with _lock:
+            for start, length in ranges:
+                end = min(start + length, obj.size)
+                self.parts += [_Part(obj, a, min(a + PART, end)) for a in range(start, end, PART)]
+            self._start()
+
+    def _start(self) -> None:
+        for part in self.parts[:IN_FLIGHT]:
+            if part.future is None:
+                part.future = _submit(part.obj, part.start, part.end)
+
+    def take(self, obj: RemoteObject, at: int) -> _Part | None:
+        """Return the planned part holding byte ``at`` of ``obj``; the parts before it are dropped (passed over)."""
+        with _lock:
+            for i, part in enumerate(self.parts[: 4 * IN_FLIGHT]):
+                if part.obj is obj and part.start <= at < part.end:
+                    del self.parts[:i]
+                    if part.future is None:
+                        part.future = _submit(obj, part.start, part.end)
+                    return part
+        return None
+
+    def done_with(self, part: _Part) -> None:
+        """Drop ``part``, read to its end, and start the next."""
+        with _lock:
+            if part in self.parts:
+                self.parts.remove(part)
+            self._start()
 
 
-def _blocks(obj: RemoteObject) -> int:
-    return -(-obj.size // PART)
-
-
-_held = _Blocks()
+_small = _Blocks()
+_ahead = _Ahead()
 
 
 def will_read(obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> None:
-    """Say that ranges (start, length) of ``obj`` are read next, in this order: their first blocks are fetched ahead."""
-    wanted: list[int] = []
-    for start, length in ranges:
-        if length > 0 and start < obj.size:
-            end = min(start + length, obj.size)
-            wanted += range(start // PART, (end - 1) // PART + 1)
-            if len(wanted) >= AHEAD:
-                break
-    for index in list(dict.fromkeys(wanted))[:AHEAD]:
-        _held.get(obj, index)
+    """Say that ranges (start, length) of ``obj`` are read next, in this order: they are fetched ahead."""
+    _ahead.plan(obj, ranges)
 
 
 def read_into(obj: RemoteObject, view: memoryview, at: int) -> int:
-    """Fill ``view`` from byte ``at`` of ``obj``; return how many bytes (fewer where the object ends)."""
+    """Fill ``view`` from byte ``at`` of ``obj``; return how many bytes (fewer where the object ends).
+
+    From the parts fetched ahead where it was planned; a small read from a small block;
+    any other in ``PART``s, ``IN_FLIGHT`` at once.
+    """
     n = max(0, min(len(view), obj.size - at))
-    if n == 0:
-        return 0
-    first, last = at // PART, (at + n - 1) // PART
-    _held.read_on(obj, first, last)
     done = 0
-    for index in range(first, last + 1):
-        block = _held.get(obj, index).result()
-        lo = max(at, index * PART) - index * PART
-        got = block[lo : lo + n - done]
-        view[done : done + len(got)] = got
-        done += len(got)
-        if len(block) < min(PART, obj.size - index * PART):
-            break  # the object is shorter than when it was listed
+    while done < n:
+        pos = at + done
+        part = _ahead.take(obj, pos)
+        if part is not None:
+            data = part.future.result()  # type: ignore[union-attr]
+            got = data[pos - part.start : min(part.end, at + n) - part.start]
+            view[done : done + len(got)] = got
+            done += len(got)
+            if pos + len(got) >= part.end or not got:
+                _ahead.done_with(part)
+            if len(data) < part.end - part.start and not got:
+                break  # the object is shorter than when it was listed
+        elif n - done < SMALL:
+            index = pos // SMALL
+            block = _small.get(obj, index).result()
+            got = block[pos - index * SMALL : pos - index * SMALL + n - done]
+            view[done : done + len(got)] = got
+            done += len(got)
+            if not got:
+                break
+        else:
+            got = _read_unplanned(obj, view[done:n], pos)
+            done += got
+            if done < n:
+                break
+    return done
+
+
+def _read_unplanned(obj: RemoteObject, view: memoryview, at: int) -> int:
+    """Read ``view`` from byte ``at`` in ``PART``s, ``IN_FLIGHT`` at once; return how many bytes."""
+    done = 0
+    while done < len(view):
+        window = []
+        for start in range(done, min(len(view), done + IN_FLIGHT * PART), PART):
+            end = min(start + PART, len(view))
+            window.append((start, end, _submit(obj, at + start, at + end)))
+        for start, end, future in window:
+            data = future.result()
+            view[start : start + len(data)] = data
+            if len(data) < end - start:
+                return start + len(data)
+        done = window[-1][1]
     return done

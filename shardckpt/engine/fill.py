@@ -38,7 +38,7 @@ from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
 from shardckpt.engine.jobs import JobQueue, regions_of
 from shardckpt.engine.rows import read_regions
-from shardckpt.engine.stored_copy import copy_runs, worth_copying
+from shardckpt.engine.stored_copy import copy_runs, fetch_ahead, worth_copying
 from shardckpt.formats.base import Reader, Writer
 from shardckpt.state.regions import (
     Piece,
@@ -177,6 +177,7 @@ def _fill(
                 fd, path = files.pin(region.file), files.path(region.file)
                 # In this thread's context: the copy notes what it read in the command's ledger.
                 run = contextvars.copy_context().run
+                fetch_ahead(runs)
                 copies[region] = copier.submit(
                     run, copy_runs, runs, fd, region.offset, path, region.key
                 )

@@ -50,6 +50,12 @@ def worth_copying(runs: Sequence[StoredRun]) -> bool:
     return sum(run.length for run in runs) >= MIN_RUN * len(runs)
 
 
+def fetch_ahead(runs: Sequence[StoredRun]) -> None:
+    """Say that ``runs`` are copied next (as their copy is queued): a URL SRC's are fetched ahead, in order."""
+    for run in runs:
+        will_read(run.path, [(run.offset, run.length)])
+
+
 def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: str) -> int:
     """Write ``runs`` one after another from byte ``offset`` of ``fd`` (file ``dst``).
 
@@ -59,8 +65,6 @@ def copy_runs(runs: Sequence[StoredRun], fd: int, offset: int, dst: Path, key: s
     ledger = active()
     buffer = memoryview(bytearray(SLICE))
     crc = 0
-    for run in runs:
-        will_read(run.path, [(run.offset, run.length)])  # a URL SRC's fetched ahead
     for run in runs:
         names = [key] if run.names is None else list(run.names)
         what = "the data of " + " and ".join(map(repr, names))

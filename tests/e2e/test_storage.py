@@ -540,3 +540,27 @@ def test_a_data_object_removed_during_the_run_is_one_line_naming_it(
     ]
     assert list(tmp_path.iterdir()) == []
     no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_commits(s3, src):  # noqa: F811
+    import ranks
+    from harness import run_ranks
+
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/at-4-by-2"
+    env = {
+        k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    }
+    env["TMPDIR"] = tempfile.gettempdir()
+    got = run_ranks(ranks.convert_on_storage, 2, src, dst, "sharded", {"world_size": 4}, env)
+    # Target rank r's file is written by process r mod 2, which uploads it; rank 0 alone
+    # puts .metadata, after both ranks' uploads.
+    assert [g["data"] for g in got] == [
+        ["__0_0.distcp", "__2_0.distcp"],
+        ["__1_0.distcp", "__3_0.distcp"],
+    ]
+    assert [g["commit"] for g in got] == [[".metadata"], []]
+    assert all(g["ranged_bytes"] > 0 for g in got)  # each rank read SRC's data itself
+    assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
