@@ -1,10 +1,11 @@
 """SRC and DST given as URLs (``s3://bucket/prefix``): each command runs on local paths standing for them.
 
-For now a URL SRC is copied into a private temporary directory, once per node (its lowest
-rank fetches, every rank of the node reads that copy; removed when the command ends), and
-a URL DST is written under a staging directory on this node, named for the URL (so every
-rank of a ``torchrun`` on one node writes the same one), then uploaded by the
-coordinator with the commit objects last (``core.storage.upload``). Errors and results
+A URL SRC is laid out in a private temporary directory, once per node (by its lowest
+rank; removed when the command ends): its DCP data objects as stand-ins that every rank
+reads from the store by ranges (``core.remote_files``), its other objects fetched. A URL
+DST is written under a staging directory on this node, named for the URL (so every rank
+of a ``torchrun`` on one node writes the same one), then uploaded: each rank the data
+files it wrote, then the coordinator the commit objects (``publish``). Errors and results
 name the URLs, never the local paths standing for them.
 """
 

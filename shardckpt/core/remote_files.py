@@ -171,7 +171,12 @@ class _Part:
 
 
 class _Ahead:
-    """The ranges said to be read next (``will_read``), in ``PART``s, in order; the first ``IN_FLIGHT`` fetched."""
+    """The ranges said to be read next (``will_read``), in ``PART``s, in order.
+
+    At most ``IN_FLIGHT`` of them are being fetched and ``2 * IN_FLIGHT`` held fetched: a
+    part no read takes (its reader went another way) is dropped, oldest first, once
+    newer ones wait, so it never stops the fetching of the others.
+    """
 
     def __init__(self) -> None:
         self.parts: list[_Part] = []
@@ -184,20 +189,39 @@ class _Ahead:
         with _lock:
             for start, length in ranges:
                 end = min(start + length, obj.size)
+                if length < SMALL:  # read as small reads are: their blocks, fetched now
+                    for index in range(start // SMALL, (max(start, end - 1)) // SMALL + 1):
+                        _small.get(obj, index)
+                    continue
                 self.parts += [_Part(obj, a, min(a + PART, end)) for a in range(start, end, PART)]
             self._start()
 
     def _start(self) -> None:
-        for part in self.parts[:IN_FLIGHT]:
-            if part.future is None:
-                part.future = _submit(part.obj, part.start, part.end)
+        started = [p for p in self.parts if p.future is not None]
+        waiting = [p for p in self.parts if p.future is None]
+        while waiting and len(started) >= 2 * IN_FLIGHT:
+            done = [p for p in started if p.future.done()]  # type: ignore[union-attr]
+            if not done:
+                break
+            self.parts.remove(done[0])  # fetched, never taken: its reader went another way
+            started.remove(done[0])
+        busy = sum(1 for p in started if not p.future.done())  # type: ignore[union-attr]
+        for part in waiting:
+            if busy >= IN_FLIGHT or len(started) >= 2 * IN_FLIGHT:
+                break
+            part.future = _submit(part.obj, part.start, part.end)
+            part.future.add_done_callback(_restart)
+            started.append(part)
+            busy += 1
 
     def take(self, obj: RemoteObject, at: int) -> _Part | None:
-        """Return the planned part holding byte ``at`` of ``obj``; the parts before it are dropped (passed over)."""
+        """Return the planned part holding byte ``at`` of ``obj``; its object's parts it passed over are dropped."""
         with _lock:
-            for i, part in enumerate(self.parts[: 4 * IN_FLIGHT]):
+            for part in self.parts:
                 if part.obj is obj and part.start <= at < part.end:
-                    del self.parts[:i]
+                    self.parts = [
+                        p for p in self.parts if p is part or p.obj is not obj or p.end > at
+                    ]
                     if part.future is None:
                         part.future = _submit(obj, part.start, part.end)
                     return part
@@ -213,6 +237,12 @@ class _Ahead:
 
 _small = _Blocks()
 _ahead = _Ahead()
+
+
+def _restart(_: Future) -> None:
+    """Start the next planned parts once one is fetched."""
+    with _lock:
+        _ahead._start()
 
 
 def will_read(obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> None:

@@ -111,6 +111,7 @@ class StoredRows:
         """
         entry = self.metadata.state_dict_metadata[key]
         row = math.prod(shape[1:]) if shape else 1
+        self._ends_ahead(key, start // row, -(-stop // row))
         size = dtype.itemsize
         out: list[StoredRun] = []
         at = start
@@ -152,6 +153,7 @@ class StoredRows:
         """
         entry = self.metadata.state_dict_metadata[key]
         stop = first_row + (target.shape[0] if target.dim() else 1)
+        self._ends_ahead(key, first_row, stop)
         parts = []
         for chunk in entry.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -170,9 +172,10 @@ class StoredRows:
             by_file.setdefault(part[0].file, []).append(part)
         # One file open at a time: a tensor split over a 1,024-rank save's files must not
         # hold 1,024 descriptors at once (``ulimit -n`` is often 1,024, or lower).
+        size = target.element_size()
         for file, in_file in by_file.items():
-            size = target.element_size()
             will_read(self._files.path(file), [_span(part, size) for part in in_file])
+        for file, in_file in by_file.items():
             with self._files.opened(file) as fd:
                 for placed, offsets, sizes, lo, hi in in_file:
                     at = _span((placed, offsets, sizes, lo, hi), size)[0]
@@ -213,6 +216,30 @@ class StoredRows:
         if buffer is not dest:
             dest.copy_(buffer)
         return view, total
+
+    def _ends_ahead(self, key: str, first_row: int, stop: int) -> None:
+        """Say that the zips of tensor ``key``'s chunks over rows [first_row, stop) not placed yet are read next.
+
+        Placing a chunk reads its zip's first and last ``HELD`` bytes (``FileSlice``): a
+        URL SRC's are fetched ahead, side by side, instead of one after another.
+        """
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for chunk in self.metadata.state_dict_metadata[key].chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if (key, offsets) in self._placed or 0 in sizes:
+                continue
+            if sizes and not (offsets[0] < stop and first_row < offsets[0] + sizes[0]):
+                continue
+            info = self.metadata.storage_data[MetadataIndex(key, offsets)]
+            if info.transform_descriptors:
+                continue
+            at, length = info.offset, info.length
+            ends = (
+                [(at, length)] if length <= 2 * HELD else [(at, HELD), (at + length - HELD, HELD)]
+            )
+            by_file.setdefault(info.relative_path, []).extend(ends)
+        for file, ranges in by_file.items():
+            will_read(self._files.path(file), ranges)
 
     def _place(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
