@@ -4,7 +4,8 @@
 
 Builds (or reuses) bench.py's FSDP2 DCP of about SIZE_GB (model + AdamW), starts a moto S3
 server on loopback (``moto_server``, from ``pip install -e '.[s3,s3-server]'``), puts the
-DCP there, then runs each case as a process of its own, one after another:
+DCP there (ranged GETs served from the range alone, as S3 does: ``bench_moto.py``; moto's
+own server, ``--plain-moto``, reads the whole object for each), then runs each case as a process of its own, one after another:
 
 - ``plain copy (client side)``: every object of SRC downloaded with s3fs (``fs.get``) into a
   local directory and uploaded again (``fs.put``) under another prefix: the same bytes
@@ -73,6 +74,14 @@ def count_requests() -> Counter:
     return counts
 
 
+def peak_rss_mib() -> float:
+    """Return this process's peak RSS (VmHWM): ``ru_maxrss`` would count the parent's, from before exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def filesystem():
     import s3fs
 
@@ -107,7 +116,7 @@ def child(case: str, src: str, dst: str, world_size: int) -> dict:
     return {
         "code": code,
         "wall_s": wall,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib(),
         "requests": dict(counts),
     }
 
@@ -128,14 +137,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    server = Path(sys.executable).with_name("moto_server")
-    if not server.exists():
-        server = Path(shutil.which("moto_server") or "moto_server")
+def start_moto(plain: bool) -> tuple[subprocess.Popen, str]:
+    """Start moto's S3 server on loopback: serving ranges from the range alone (bench_moto.py) unless ``plain``."""
+    server = [sys.executable, str(SCRIPTS / "bench_moto.py")]
+    if plain:
+        found = Path(sys.executable).with_name("moto_server")
+        server = [str(found if found.exists() else shutil.which("moto_server") or "moto_server")]
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [str(server), "-H", "127.0.0.1", "-p", str(port)],
+        [*server, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -200,13 +211,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--plain-moto",
+        action="store_true",
+        help="moto's own server, which reads a whole object for each ranged GET",
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(SCRIPTS))
     import bench
 
     src_dir = bench.ensure_source(args.workdir.resolve(), args.size_gb)
     src_bytes = bench.tree_bytes(src_dir)
-    proc, endpoint = start_moto()
+    proc, endpoint = start_moto(args.plain_moto)
     os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
     try:
         fs = filesystem()
@@ -226,7 +242,8 @@ def main(argv: list[str]) -> int:
         "source": str(src_dir),
         "source_bytes": src_bytes,
         "world_size": args.world_size,
-        "endpoint": "moto_server on loopback",
+        "endpoint": "moto_server on loopback"
+        + (" (plain)" if args.plain_moto else " (ranges served as S3 does)"),
         "cpus": os.cpu_count(),
         "results": results,
         "shardckpt_output_same_bytes_as_download_convert_upload": same,
@@ -235,8 +252,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(
-            f"SRC: FSDP2 DCP (model + AdamW), {src_bytes / 1e9:.3f} GB, on moto_server "
-            f"(loopback), to DCP at {args.world_size}; {os.cpu_count()} CPUs"
+            f"SRC: FSDP2 DCP (model + AdamW), {src_bytes / 1e9:.3f} GB, on {doc['endpoint']}, "
+            f"to DCP at {args.world_size}; {os.cpu_count()} CPUs"
         )
         print()
         print(table(results, src_bytes, args.world_size))

@@ -14,7 +14,7 @@ span) has those ranges fetched ahead in order, in ``PART``s, ``IN_FLIGHT`` reque
 once, and takes its bytes from there; a small read (a chunk's zip headers) is served from a
 ``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers and rows of
 neighbouring small chunks are one request; any other read is fetched as asked. Memory:
-``IN_FLIGHT * PART + HELD * SMALL`` bytes per process (24 MiB). Each request is retried as
+``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each request is retried as
 any request to the store is (``storage.retried``), then one line names the object.
 """
 
