@@ -81,13 +81,22 @@ def stand_in(path: Path, obj: RemoteObject) -> tuple[int, int]:
 
 
 def forget(keys: Iterable[tuple[int, int]]) -> None:
-    """Unregister stand-ins (their files are about to be removed: an inode may be used again)."""
+    """Unregister stand-ins (their files are about to be removed: an inode may be used again).
+
+    With the last one, what was fetched ahead goes and the threads that fetch end: none
+    outlives the command (``cli.app`` ends the process at once only when no thread runs).
+    """
+    global _pool
     with _lock:
         for key in keys:
             _objects.pop(key, None)
-        if not _objects:
-            _small.clear()
-            _ahead.clear()
+        if _objects:
+            return
+        _small.clear()
+        _ahead.clear()
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def of_fd(fd: int) -> RemoteObject | None:

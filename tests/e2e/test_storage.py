@@ -488,6 +488,10 @@ def test_s3_to_s3_reads_each_data_object_by_ranged_requests_with_no_local_copy(
     total = sum(sizes.values())
     assert total <= reads.requests.bytes <= total + 8 * 64 << 10
     assert reads.requests.count >= 2 * total // (8 << 20)
+    # The threads that fetched are gone: the process may end at once (cli.app._leave).
+    import threading
+
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shardckpt-get")]
 
 
 def test_s3_dcp_to_a_local_safetensors_file_and_verify_read_in_place(
