@@ -5,6 +5,7 @@
                             [--tmpfs] [--threads 1,2,4] [--rounds R]
                             [--keep] [--warmup] [--repeat R] [--json] [--source dcp]
     python scripts/bench.py --scale [--tensors 2000] [--world-sizes 8,64,256,1024] ...
+    python scripts/bench.py --s3 [--size-gb 1.0] [--world-size 3]   (bench_s3.py)
 
 With --scale (first), the scale axis instead: a source of 2,000 small tensors resharded to
 many target ranks, wall, phases and peak RSS per process (``bench_scale.py``).
@@ -1373,4 +1374,9 @@ if __name__ == "__main__":
         import bench_scale
 
         sys.exit(bench_scale.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["--s3"]:
+        # SRC and DST on S3 (a moto server on loopback): against copying and download-convert-upload.
+        import bench_s3
+
+        sys.exit(bench_s3.main(sys.argv[2:]))
     sys.exit(main())

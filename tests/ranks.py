@@ -79,3 +79,30 @@ def verify(src: str) -> tuple[bool, list[tuple[str, str]], int]:
     """Run ``api.verify`` on this rank; return whether intact, the findings, and the bytes read."""
     result = api.verify(api.VerifyRequest(src=src), runtime=world_runtime())
     return result.intact, [(f.file, f.message) for f in result.damaged], result.bytes
+
+
+def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> dict:
+    """Run ``api.convert`` between URLs on this rank (``env``: the store's); return what it read and uploaded."""
+    import os
+
+    from shardckpt.core import remote_files, storage
+
+    os.environ.update(env)
+    uploaded: dict[str, list[str]] = {"data": [], "commit": []}
+    put_data, commit = storage.put_data, storage.commit
+
+    def recorded_put(local, store, names):
+        uploaded["data"] += names
+        return put_data(local, store, names)
+
+    def recorded_commit(local, store, last):
+        uploaded["commit"] += last
+        return commit(local, store, last)
+
+    storage.put_data, storage.commit = recorded_put, recorded_commit
+    remote_files.requests.count = remote_files.requests.bytes = 0
+    try:
+        convert(src, dst, to, kwargs)
+    finally:
+        storage.put_data, storage.commit = put_data, commit
+    return {**uploaded, "ranged_bytes": remote_files.requests.bytes}

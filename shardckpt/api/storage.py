@@ -1,10 +1,11 @@
 """SRC and DST given as URLs (``s3://bucket/prefix``): each command runs on local paths standing for them.
 
-For now a URL SRC is copied into a private temporary directory, once per node (its lowest
-rank fetches, every rank of the node reads that copy; removed when the command ends), and
-a URL DST is written under a staging directory on this node, named for the URL (so every
-rank of a ``torchrun`` on one node writes the same one), then uploaded by the
-coordinator with the commit objects last (``core.storage.upload``). Errors and results
+A URL SRC is laid out in a private temporary directory, once per node (by its lowest
+rank; removed when the command ends): its DCP data objects as stand-ins that every rank
+reads from the store by ranges (``core.remote_files``), its other objects fetched. A URL
+DST is written under a staging directory on this node, named for the URL (so every rank
+of a ``torchrun`` on one node writes the same one), then uploaded: each rank the data
+files it wrote, then the coordinator the commit objects (``publish``). Errors and results
 name the URLs, never the local paths standing for them.
 """
 
@@ -21,12 +22,12 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shardckpt.core import storage
+from shardckpt.core import remote_files, storage
 from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
 from shardckpt.core.lock import FileLock, LockBusy
-from shardckpt.core.signals import sheltered
+from shardckpt.core.signals import reopened, sheltered
 
 R = TypeVar("R")
 
@@ -109,7 +110,9 @@ class OnStorage:
         self.staged: Path | None = None
         self.url_lock: FileLock | None = None
         self.fetched: Path | None = None
-        """The node's copy of the URL SRCs, on the rank that fetched it."""
+        """The node's stand-ins of the URL SRCs, on the rank that laid them out."""
+        self.stand_ins: list[tuple[int, int]] = []
+        """The stand-ins this process registered (``core.remote_files``)."""
 
     def local_request(self) -> Any:
         """Return the request on local paths: SRCs fetched, DST staged (and checked where it is)."""
@@ -136,7 +139,12 @@ class OnStorage:
         return replace(request, **changes)
 
     def _fetch(self, options: dict[str, Any], *, fetcher: bool) -> dict[str, Path]:
-        """Return the local copy of each URL SRC: one per node, fetched by ``fetcher`` (agreed)."""
+        """Return the local stand-in of each URL SRC: one per node, laid out by ``fetcher`` (agreed).
+
+        Its data objects are read where they lie (``core.remote_files``): each rank lists
+        SRC once and registers the node's stand-ins once they exist; the rest of SRC's
+        objects (metadata) are fetched whole, once per node.
+        """
         token = uuid.uuid4().hex
         if self.runtime.distributed:
             token = self.runtime.broadcast(token)
@@ -149,14 +157,28 @@ class OnStorage:
                 self.fetched = tmp
             for n in self.srcs:
                 store = storage.open_store(getattr(self.asked, n), options)
+                objects = storage.listing(store)
                 if fetcher:
                     (tmp / n).mkdir()
-                    storage.download(store, tmp / n)
+                    storage.lay_out(store, tmp / n, objects)
                 fetched[n] = storage.local_name(store, tmp / n)
                 self.names[str(fetched[n])] = store.url
+                laid[n] = (store, objects)
             return fetched
 
-        return self.runtime.agreed(fetch)
+        laid: dict[str, tuple[storage.Store, dict[str, int]]] = {}
+        fetched = self.runtime.agreed(fetch)
+
+        def register() -> None:
+            for n, (store, objects) in laid.items():
+                for name, size in objects.items():
+                    if storage.read_in_place(name):
+                        url = f"{store.url}/{name}"
+                        obj = remote_files.RemoteObject(store.fs, store.child(name), url, size)
+                        self.stand_ins.append(remote_files.stand_in(fetched[n] / name, obj))
+
+        self.runtime.agreed(register)  # once the node's stand-ins exist
+        return fetched
 
     def _stage(self, options: dict[str, Any], *, nodes: int) -> Path:
         """Return where DST is staged on this node; take the URL's lock, clear leftovers, check DST (agreed)."""
@@ -202,16 +224,30 @@ class OnStorage:
             raise written_by_another(busy, self.dst_url) from None
 
     def publish(self) -> None:
-        """Upload the staged DST (coordinator), the commit objects last; every rank agrees on the outcome."""
+        """Upload the staged DST: each rank its share of the data files, then the coordinator the commit objects.
+
+        Agreed at each step: the commit objects are put only once every rank's uploads
+        are complete; a failure on any rank aborts the open multipart uploads.
+        """
         if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
             return
-        store, staged = self.dst_store, self.staged
-
-        def send() -> None:
-            if self.runtime.coordinator:
-                storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
-
-        self.runtime.agreed(send)
+        store, staged, runtime = self.dst_store, self.staged, self.runtime
+        if not runtime.distributed:
+            storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
+            return
+        reopened()  # the local output was only DST's stand-in: a signal stops the upload
+        first, last = storage.split(staged, self.commits)
+        mine = storage.share(first, runtime.rank, runtime.world_size)
+        coordinator = runtime.coordinator
+        try:
+            runtime.agreed(
+                lambda: coordinator and storage.begin_upload(store, overwrite=self.asked.overwrite)
+            )
+            runtime.agreed(lambda: storage.put_data(staged, store, mine))
+            runtime.agreed(lambda: coordinator and storage.commit(staged, store, last))
+        except BaseException:
+            storage.abort(store)
+            raise
 
     def done_reading(self) -> None:
         """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""
@@ -219,7 +255,8 @@ class OnStorage:
             self.runtime.agreed(lambda: None)
 
     def cleanup(self) -> None:
-        """Remove the node's copy of SRC (on the rank that fetched it) and the staged DST."""
+        """Remove the node's stand-ins of SRC (on the rank that laid them out) and the staged DST."""
+        remote_files.forget(self.stand_ins)
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)

@@ -11,12 +11,12 @@ writes a zip itself (``zip_skeleton``).
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 from dataclasses import dataclass
 
 from shardckpt.codecs.pickle_scan import DamagedZip
+from shardckpt.core.files import pread
 
 _LOCAL_HEADER = 30
 _CENTRAL_HEADER = 46
@@ -66,7 +66,7 @@ class FileSlice(io.RawIOBase):
         for first, data in self._held:
             if first <= at and at + n <= first + len(data):
                 return data[at - first : at - first + n]
-        return os.pread(self._fd, n, self._start + at)
+        return pread(self._fd, n, self._start + at)
 
     def readinto(self, buffer) -> int:
         data = self.pread(len(buffer), self._pos)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import resource
 import stat
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
+from shardckpt.core import remote_files
 from shardckpt.core.errors import BadInputError, IOFailure, ShardckptError, in_chain
 
 
@@ -175,6 +177,88 @@ SRC_CHANGED = (
 """The hint for a source file that no longer holds what it held when the run checked it."""
 
 
+def preadv(fd: int, data: memoryview, at: int) -> int:
+    """Read into ``data`` from byte ``at`` of the source file open as ``fd``; return how many bytes.
+
+    ``os.preadv`` for a local file; for the stand-in of an object of a URL SRC
+    (``remote_files``), ranged requests to the store. Fewer bytes only where the file ends.
+    """
+    obj = remote_files.of_fd(fd)
+    if obj is None:
+        return os.preadv(fd, [data], at)
+    return remote_files.read_into(obj, data, at)
+
+
+def pread(fd: int, n: int, at: int) -> bytes:
+    """Return ``n`` bytes from byte ``at`` of the source file open as ``fd`` (``preadv``'s bytes)."""
+    obj = remote_files.of_fd(fd)
+    if obj is None:
+        return os.pread(fd, n, at)
+    data = bytearray(max(0, n))
+    return bytes(data[: remote_files.read_into(obj, memoryview(data), at)])
+
+
+def is_remote(fd: int) -> bool:
+    """Return whether ``fd`` stands for an object of a URL SRC: its bytes are not in the file (no kernel copy)."""
+    return remote_files.of_fd(fd) is not None
+
+
+def will_read(path: str | os.PathLike, ranges: list[tuple[int, int]]) -> None:
+    """Say that ranges (start, length) of the source file ``path`` are read next, in this order.
+
+    An object of a URL SRC fetches them ahead, a few requests at once; a local file has
+    nothing to do (the kernel reads ahead by itself).
+    """
+    obj = remote_files.of_path(path)
+    if obj is not None and ranges:
+        remote_files.will_read(obj, ranges)
+
+
+class SourceStream(io.RawIOBase):
+    """A source file open for reading as a file object, every read through ``preadv``.
+
+    For libraries that read a file object (DCP's own loader): an object of a URL SRC
+    reads from the store, as every other read does.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self._fd = open_source(path)
+        self._pos = 0
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: os.fstat(self._fd).st_size}[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = preadv(self._fd, view, self._pos)
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def source_stream(path: str | os.PathLike) -> io.BufferedReader:
+    """Return the source file ``path`` open for reading as a buffered file object (``SourceStream``)."""
+    return io.BufferedReader(SourceStream(path), buffer_size=64 << 10)
+
+
 def read_exactly(fd: int, data: memoryview, at: int, path: str | os.PathLike, what: str) -> None:
     """Fill ``data`` from byte ``at`` of ``fd`` (file ``path``); raise (exit 3) where the file ends first.
 
@@ -184,7 +268,7 @@ def read_exactly(fd: int, data: memoryview, at: int, path: str | os.PathLike, wh
     done = 0
     while done < len(data):
         try:
-            n = os.preadv(fd, [data[done:]], at + done)
+            n = preadv(fd, data[done:], at + done)
         except OSError as exc:
             raise os_error(exc, path) from None
         if n == 0:

@@ -270,6 +270,50 @@ def download(store: Store, into: Path) -> Path:
     return local
 
 
+READ_WHERE_THEY_LIE = (".distcp",)
+"""The objects of a URL SRC that are not fetched: every reader of them reads through
+``core.files`` (DCP's data files, in any directory: a trainer's DCP too), so a stand-in
+(``core.remote_files``) reads their bytes from the store as they are needed."""
+
+
+def listing(store: Store) -> dict[str, int]:
+    """Return the objects of SRC (a prefix) by name under it, with their sizes; {} when SRC is one object."""
+    info = retried(lambda: store.fs.info(store.path), store.url)
+    if info.get("type") != "directory":
+        return {}
+    found = retried(lambda: store.fs.find(store.path + "/", detail=True), store.url)
+    return {_object_name(store, key): int(entry.get("size") or 0) for key, entry in found.items()}
+
+
+def read_in_place(name: str) -> bool:
+    """Return whether SRC's object ``name`` is read where it lies, through a stand-in."""
+    return name.endswith(READ_WHERE_THEY_LIE)
+
+
+def lay_out(store: Store, into: Path, objects: dict[str, int]) -> Path:
+    """Lay SRC out in the directory ``into``: its small objects fetched, its data objects as stand-ins; return its path.
+
+    ``objects``: ``listing(store)``. A data object (``read_in_place``) becomes an empty
+    sparse file of its size, registered with ``core.remote_files`` by the caller; every
+    other object is fetched whole. SRC that is one object is fetched whole.
+    """
+    local = local_name(store, into)
+    if not objects:
+        return download(store, into)
+    local.mkdir()
+    fetched = [name for name in objects if not read_in_place(name)]
+    for name in objects:
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        if read_in_place(name):
+            with open(local / name, "xb") as f:
+                f.truncate(objects[name])
+    if fetched:
+        keys = [store.child(name) for name in fetched]
+        targets = [str(local / name) for name in fetched]
+        retried(lambda: store.fs.get(keys, targets), store.url)
+    return local
+
+
 def _object_name(store: Store, key: str) -> str:
     """Return the name of object ``key`` under SRC's prefix; refuse one that is no plain relative path.
 
@@ -374,34 +418,78 @@ def commit_objects(names: Sequence[str], commits: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(chosen))
 
 
-def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool) -> None:
-    """Upload the complete output ``local`` to DST, the objects named ``commits`` last.
+def split(local: Path, commits: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Return the files of the complete output ``local``: its data files, and its commit files in the order to put them.
 
-    A marker beside DST is put first and removed last. With ``overwrite`` the old DST's
-    objects are removed before the first upload: no reader sees the old commit object
-    over new data. A failure aborts the open multipart uploads and leaves no commit
-    object; the next run clears the rest (``clear_leftovers``).
+    ``""`` stands for ``local`` itself, a single-file output: its one object is the commit.
     """
-    reopened()  # the local output was only DST's stand-in: a signal stops the upload
+    if not local.is_dir():
+        return [], [""]
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    last = commit_objects(files, commits)
+    return [f for f in files if f not in last], last
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def share(names: Sequence[str], rank: int, world_size: int) -> list[str]:
+    """Return the data files rank ``rank`` of ``world_size`` uploads: every ``world_size``-th, in natural order.
+
+    A per-rank file of target rank r (DCP's ``__r_0.distcp``) was written by the process
+    acting for it, process r mod N (``core.placement``): that process uploads it.
+    """
+    return sorted(names, key=_natural)[rank::world_size]
+
+
+def begin_upload(store: Store, *, overwrite: bool) -> None:
+    """Put the marker beside DST (the coordinator, before any rank uploads); with ``overwrite`` remove the old DST.
+
+    No reader sees the old commit object over new data.
+    """
     fs, marker = store.fs, _marker(store)
     retried(lambda: fs.pipe_file(marker, b""), store.url, writing=True)
     if overwrite and (old := retried(lambda: _under(store), store.url)):
         retried(lambda: fs.rm(old), store.url, writing=True)
+
+
+def put_data(local: Path, store: Store, names: Sequence[str]) -> None:
+    """Upload the data files ``names`` of ``local`` (several at once; each large one as a multipart upload)."""
+    _put(local, store, names)
+
+
+def commit(local: Path, store: Store, last: Sequence[str]) -> None:
+    """Upload the commit files ``last`` (once every data file is uploaded), then remove the marker.
+
+    Once it starts, a signal waits until DST is committed (then exit 0).
+    """
+    with committing(f"'{store.url}'"):
+        _put(local, store, last)
+        retried(lambda: store.fs.rm(_marker(store)), store.url, writing=True)
+
+
+def abort(store: Store) -> None:
+    """Abort DST's open multipart uploads, best effort (the next run aborts what is left)."""
+    with contextlib.suppress(Exception):
+        _abort_uploads(store)
+
+
+def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool) -> None:
+    """Upload the complete output ``local`` to DST from this process, the objects named ``commits`` last.
+
+    A marker beside DST is put first and removed last. A failure aborts the open multipart
+    uploads and leaves no commit object; the next run clears the rest (``clear_leftovers``).
+    Under torchrun each rank uploads its share instead (``api.storage``).
+    """
+    reopened()  # the local output was only DST's stand-in: a signal stops the upload
+    begin_upload(store, overwrite=overwrite)
     try:
-        if local.is_dir():
-            files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-            last = commit_objects(files, commits)
-            first = [f for f in files if f not in last]
-        else:
-            first, last = [], [""]
-        _put(local, store, first)
-        # The commit: once it starts, a signal waits until DST is committed (then exit 0).
-        with committing(f"'{store.url}'"):
-            _put(local, store, last)
-            retried(lambda: fs.rm(marker), store.url, writing=True)
+        first, last = split(local, commits)
+        put_data(local, store, first)
+        commit(local, store, last)
     except BaseException:
-        with contextlib.suppress(Exception):  # best effort: the next run aborts what is left
-            _abort_uploads(store)
+        abort(store)
         raise
 
 
@@ -416,4 +504,16 @@ def _put(local: Path, store: Store, names: Sequence[str]) -> None:
     sources = [str(local / name) if name else str(local) for name in names]
     targets = [store.child(name) if name else store.path for name in names]
     url = store.url if len(names) > 1 or not names[0] else f"{store.url}/{names[0]}"
-    retried(lambda: store.fs.put(sources, targets), url, writing=True)
+    bounded = UPLOAD_BOUNDS if "s3" in _protocols(store.fs) else {}
+    retried(lambda: store.fs.put(sources, targets, **bounded), url, writing=True)
+
+
+UPLOAD_BOUNDS = {"batch_size": 2, "chunksize": 16 << 20, "max_concurrency": 4}
+"""How s3fs uploads DST: 2 files at once, each over 32 MiB in 16 MiB parts, 4 in flight per
+file: at most 128 MiB of parts in memory (its defaults, 50 MiB parts, 10 in flight per
+file and every file at once, held 2 GiB for a 1 GB DST)."""
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

@@ -39,7 +39,7 @@ from shardckpt.core.files import writing
 from shardckpt.engine.dst_files import DstFiles
 from shardckpt.engine.jobs import JobQueue, blobs_of, regions_of
 from shardckpt.engine.rows import read_regions
-from shardckpt.engine.stored_copy import copy_runs, pieces_of, worth_copying
+from shardckpt.engine.stored_copy import copy_runs, fetch_ahead, pieces_of, worth_copying
 from shardckpt.engine.workers import Workers, default_threads, rows_budget, slice_bytes
 from shardckpt.formats.base import Reader, StoredRun, Writer
 from shardckpt.state.regions import (
@@ -194,6 +194,7 @@ def _fill(
     copied = set(located)
     try:
         for region, runs in located.items():
+            fetch_ahead(runs)
             fd, path = _pinned(files, region.file, work, workers), files.path(region.file)
             work[region] = _copies(workers, runs, fd, region.offset, path, region.key, size)
         # A file job's blobs stored as they lie (a DCP chunk's rows, whole) are copied into
@@ -232,6 +233,7 @@ def _fill(
             pieces_written.append(Piece(record.file, record.start, offset, length, crcs[region]))
 
     def copy(runs, fd: int, offset: int, path: Path, key: str) -> int:
+        fetch_ahead(runs)
         return _combined(_copies(workers, runs, fd, offset, path, key, size), workers)
 
     costs.read_bytes += sum(sum(r.length for r in runs) for runs in stored.values())

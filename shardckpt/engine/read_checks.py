@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardckpt.core.errors import BadInputError, ShardckptError
+from shardckpt.core.files import pread
 from shardckpt.state.checksums import (
     Damage,
     Seen,
@@ -88,7 +89,7 @@ def _crc_of(written: Written, start: int, stop: int) -> int | None:
     except OSError:
         return None  # a file only other ranks see (node-local disks): left unjudged
     try:
-        data = os.pread(fd, stop - start, written.start + start)
+        data = pread(fd, stop - start, written.start + start)  # a URL SRC's from the store
     except OSError:
         return None
     finally:

@@ -19,7 +19,7 @@ import os
 import threading
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import open_source, os_error
+from shardckpt.core.files import open_source, os_error, preadv, will_read
 from shardckpt.engine.workers import Workers, default_threads
 from shardckpt.formats.file_checks import FileCheck
 from shardckpt.state.checksums import Ledger
@@ -92,11 +92,12 @@ def _read(
     ends = [s.start + s.length for s in spans]
     first = bisect.bisect_right(ends, start)
     fd = open_source(check.path)
+    will_read(check.path, [(start, stop - start)])
     try:
         os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_SEQUENTIAL)
         at = start
         while at < stop and not stopping.is_set():
-            n = os.preadv(fd, [buffer[: min(len(buffer), stop - at)]], at)
+            n = preadv(fd, buffer[: min(len(buffer), stop - at)], at)
             if n == 0:
                 raise BadInputError(
                     f"truncated: it ends at byte {at}, where it had {check.size} bytes when listed",

@@ -33,7 +33,7 @@ from pathlib import Path
 from isal import isal_zlib
 
 from shardckpt.codecs.zip_skeleton import pwrite_all
-from shardckpt.core.files import open_source, read_exactly, writing
+from shardckpt.core.files import is_remote, open_source, read_exactly, will_read, writing
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import active
 
@@ -53,6 +53,12 @@ a 1,024-rank save holds, reading them (one ``pread`` into the step's buffer) cos
 def worth_copying(runs: Sequence[StoredRun]) -> bool:
     """Return whether ``runs`` are long enough, on average, to be copied here (``MIN_RUN``)."""
     return sum(run.length for run in runs) >= MIN_RUN * len(runs)
+
+
+def fetch_ahead(runs: Sequence[StoredRun]) -> None:
+    """Say that ``runs`` are copied next (as their copy is queued): a URL SRC's are fetched ahead, in order."""
+    for run in runs:
+        will_read(run.path, [(run.offset, run.length)])
 
 
 def pieces_of(
@@ -138,7 +144,7 @@ def _read_slice(src_fd: int, buffer: memoryview, run: StoredRun, at: int, what: 
 
 def _copy_slice(src_fd: int, part: memoryview, src_offset: int, fd: int, offset: int) -> None:
     """Write ``part`` (read from ``src_offset`` of ``src_fd``) at ``offset`` of ``fd``: by the kernel where it can."""
-    if _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
+    if not is_remote(src_fd) and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
         return
     # Written from what was read and CRC'd, over what the kernel copied before it stopped.
     pwrite_all(fd, part, offset)

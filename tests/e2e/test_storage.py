@@ -420,3 +420,151 @@ def test_file_urls_are_local_paths(tmp_path, capsys):
     code, err = cli(capsys, "convert", f"file://{local}", f"file://{out}", "--to", "full", "-q")
     assert (code, err) == (0, [])
     assert_equal(torch.load(out, weights_only=True), state())
+
+
+# ------------------------------------------------ data objects read where they lie
+
+
+def big_state() -> dict:
+    """A source whose tensors span several ranged requests (``remote_files.PART``) and chunks."""
+    torch.manual_seed(1)
+    return {
+        "model": {"w": torch.randn(3000, 1024), "b": torch.randn(1024), "u": torch.randn(700, 300)},
+        "step": 7,
+    }
+
+
+class Reads:
+    """What a run fetched of SRC: objects whole, bytes by ranged request, and the disk its stand-ins took."""
+
+    def __init__(self, monkeypatch):
+        import s3fs
+
+        from shardckpt.core import remote_files
+
+        self.whole: list[str] = []
+        self.stand_ins: dict[str, int] = {}  # a data object's stand-in: the bytes it took on disk
+        self.requests = remote_files.requests
+        self.requests.count = self.requests.bytes = 0
+        get_file, forget = s3fs.S3FileSystem._get_file, remote_files.forget
+
+        async def counted(fs, rpath, lpath, **kwargs):
+            self.whole.append(rpath)
+            return await get_file(fs, rpath, lpath, **kwargs)
+
+        def measured(keys):
+            for path in Path(tempfile.gettempdir()).glob("shardckpt-src-*/**/*.distcp"):
+                self.stand_ins[path.name] = path.stat().st_blocks * 512
+            forget(keys)
+
+        monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", counted)
+        monkeypatch.setattr(remote_files, "forget", measured)
+
+
+def data_sizes(s3: S3, url: str) -> dict[str, int]:  # noqa: F811
+    s3.fs.invalidate_cache()
+    found = s3.fs.find(url[len("s3://") :], detail=True)
+    return {k.rsplit("/", 1)[1]: v["size"] for k, v in found.items() if k.endswith(".distcp")}
+
+
+def test_s3_to_s3_reads_each_data_object_by_ranged_requests_with_no_local_copy(
+    s3,  # noqa: F811
+    capsys,
+    monkeypatch,
+):
+    bucket = s3.bucket()
+    src, dst = f"s3://{bucket}/run/step-7", f"s3://{bucket}/run/step-7-at-3"
+    save_dcp(src, big_state())
+    sizes = data_sizes(s3, src)
+    reads = Reads(monkeypatch)
+    code, err = cli(capsys, "convert", src, dst, "--to", "sharded", "--world-size", "3", "-q")
+    assert (code, err) == (0, [])
+    assert_equal(load_dcp(dst, big_state()), big_state())
+    no_leftovers(s3, bucket)
+    # .metadata fetched whole; the data object only by ranges, each byte about once (a
+    # chunk's zip headers are read before its rows), and no byte of it on the local disk.
+    assert [k.rsplit("/", 1)[1] for k in reads.whole] == [".metadata"]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    total = sum(sizes.values())
+    assert total <= reads.requests.bytes <= total + 8 * 64 << 10
+    assert reads.requests.count >= 2 * total // (8 << 20)
+    # The threads that fetched are gone: the process may end at once (cli.app._leave).
+    import threading
+
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shardckpt-get")]
+
+
+def test_s3_dcp_to_a_local_safetensors_file_and_verify_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    bucket = s3.bucket()
+    src = f"s3://{bucket}/run/step-7"
+    save_dcp(src, big_state())
+    reads = Reads(monkeypatch)
+    out = tmp_path / "model.safetensors"
+    code, _ = cli(capsys, "convert", src, out, "--to", "full", "--only", "model", "-q")
+    assert code == 0
+    assert_equal(load_safetensors(out.read_bytes()), big_state()["model"])
+    code = run(["verify", src])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"intact: {src} (dcp, 2 files")
+    assert not [k for k in reads.whole if k.endswith(".distcp")]
+    assert set(reads.stand_ins.values()) == {0}
+    no_leftovers(s3, bucket)
+
+
+def test_a_data_object_removed_during_the_run_is_one_line_naming_it(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from shardckpt.core import storage
+
+    bucket = s3.bucket()
+    src = f"s3://{bucket}/run/step-7"
+    save_dcp(src, big_state())
+    lay_out = storage.lay_out
+
+    def then_removed(store, into, objects):
+        local = lay_out(store, into, objects)
+        s3.fs.rm(store.child("__0_0.distcp"))  # once listed and laid out, before any read
+        return local
+
+    monkeypatch.setattr(storage, "lay_out", then_removed)
+    out = tmp_path / "out"
+    code, err = cli(capsys, "convert", src, out, "--to", "sharded", "--world-size", "2")
+    assert code == 3
+    assert err == [
+        f"shardckpt: error: '{src}/__0_0.distcp': was removed while it was read (404 NoSuchKey): "
+        "SRC changed during the run; convert a checkpoint that no process is writing or removing"
+    ]
+    assert list(tmp_path.iterdir()) == []
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_commits(s3, src):  # noqa: F811
+    import ranks
+    from harness import run_ranks
+
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/at-4-by-2"
+    env = {
+        k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    }
+    env["TMPDIR"] = tempfile.gettempdir()
+    got = run_ranks(ranks.convert_on_storage, 2, src, dst, "sharded", {"world_size": 4}, env)
+    # Target rank r's file is written by process r mod 2, which uploads it; rank 0 alone
+    # puts .metadata, after both ranks' uploads.
+    assert [g["data"] for g in got] == [
+        ["__0_0.distcp", "__2_0.distcp"],
+        ["__1_0.distcp", "__3_0.distcp"],
+    ]
+    assert [g["commit"] for g in got] == [[".metadata"], []]
+    assert all(g["ranged_bytes"] > 0 for g in got)  # each rank read SRC's data itself
+    assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)

@@ -18,6 +18,7 @@ import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     create_default_local_load_plan,
 )
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -61,7 +63,7 @@ from shardckpt.core.errors import (
     UnsafePickleError,
     UnsupportedTorchError,
 )
-from shardckpt.core.files import has_file, os_error, os_error_in
+from shardckpt.core.files import has_file, os_error, os_error_in, source_stream
 from shardckpt.core.sight import Sight
 from shardckpt.core.signals import Interrupted
 from shardckpt.core.words import shown
@@ -280,6 +282,17 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         return self.where / info.relative_path if info is not None else self.where
 
 
+class _SourceFiles(FileSystem):
+    """DCP's local filesystem, its files read through ``core.files`` (a URL SRC's objects from the store)."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise ValueError(f"SRC is only read, not opened with {mode!r}")
+        with source_stream(path) as stream:
+            yield stream
+
+
 class _Storage(FileSystemReader):
     """DCP's file reader, given the metadata we already read (and checked) safely.
 
@@ -290,6 +303,7 @@ class _Storage(FileSystemReader):
 
     def __init__(self, path: Path, metadata: Metadata):
         super().__init__(path)
+        self.fs = _SourceFiles()
         self._metadata = metadata
         self._reading: object = None  # the storage entry whose bytes are being read
 

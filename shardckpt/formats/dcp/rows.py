@@ -40,7 +40,14 @@ from shardckpt.codecs.pickle_scan import first_line
 from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
 from shardckpt.core.errors import BadInputError, ShardckptError
-from shardckpt.core.files import OutOfDescriptors, kept_open, open_source, os_error
+from shardckpt.core.files import (
+    OutOfDescriptors,
+    kept_open,
+    open_source,
+    os_error,
+    preadv,
+    will_read,
+)
 from shardckpt.core.torch_internals import stored_offset
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import Written, active
@@ -104,6 +111,7 @@ class StoredRows:
         """
         entry = self.metadata.state_dict_metadata[key]
         row = math.prod(shape[1:]) if shape else 1
+        self._ends_ahead(key, start // row, -(-stop // row))
         size = dtype.itemsize
         out: list[StoredRun] = []
         at = start
@@ -145,6 +153,7 @@ class StoredRows:
         """
         entry = self.metadata.state_dict_metadata[key]
         stop = first_row + (target.shape[0] if target.dim() else 1)
+        self._ends_ahead(key, first_row, stop)
         parts = []
         for chunk in entry.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -163,11 +172,13 @@ class StoredRows:
             by_file.setdefault(part[0].file, []).append(part)
         # One file open at a time: a tensor split over a 1,024-rank save's files must not
         # hold 1,024 descriptors at once (``ulimit -n`` is often 1,024, or lower).
+        size = target.element_size()
+        for file, in_file in by_file.items():
+            will_read(self._files.path(file), [_span(part, size) for part in in_file])
         for file, in_file in by_file.items():
             with self._files.opened(file) as fd:
                 for placed, offsets, sizes, lo, hi in in_file:
-                    row_bytes = math.prod(sizes[1:]) * target.element_size()
-                    at = placed.start + (lo - offsets[0]) * row_bytes if sizes else placed.start
+                    at = _span((placed, offsets, sizes, lo, hi), size)[0]
                     dest = _window(target, offsets, sizes, lo - first_row, hi - first_row)
                     check = ledger is not None and placed.written is not None
                     read, crc = self._read(fd, dest, at, key, file, check)
@@ -189,7 +200,7 @@ class StoredRows:
         done, total = 0, 0 if crc else None
         while done < len(view):
             try:
-                n = os.preadv(fd, [view[done : done + _READ]], at + done)
+                n = preadv(fd, view[done : done + _READ], at + done)
             except OSError as exc:
                 raise os_error(exc, self.src / file) from None
             if n == 0:
@@ -205,6 +216,30 @@ class StoredRows:
         if buffer is not dest:
             dest.copy_(buffer)
         return view, total
+
+    def _ends_ahead(self, key: str, first_row: int, stop: int) -> None:
+        """Say that the zips of tensor ``key``'s chunks over rows [first_row, stop) not placed yet are read next.
+
+        Placing a chunk reads its zip's first and last ``HELD`` bytes (``FileSlice``): a
+        URL SRC's are fetched ahead, side by side, instead of one after another.
+        """
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for chunk in self.metadata.state_dict_metadata[key].chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if (key, offsets) in self._placed or 0 in sizes:
+                continue
+            if sizes and not (offsets[0] < stop and first_row < offsets[0] + sizes[0]):
+                continue
+            info = self.metadata.storage_data[MetadataIndex(key, offsets)]
+            if info.transform_descriptors:
+                continue
+            at, length = info.offset, info.length
+            ends = (
+                [(at, length)] if length <= 2 * HELD else [(at, HELD), (at + length - HELD, HELD)]
+            )
+            by_file.setdefault(info.relative_path, []).extend(ends)
+        for file, ranges in by_file.items():
+            will_read(self._files.path(file), ranges)
 
     def _place(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
@@ -375,6 +410,15 @@ def _written(path: Path, offset: int, stored: ZipRecord) -> Written:
     """Return the storage record ``stored`` of a chunk's zip (at ``offset`` of ``path``) as checked bytes."""
     where = f"record '{stored.name}' at byte {offset + stored.start}"
     return Written(str(path), offset + stored.start, stored.length, stored.crcs, where)
+
+
+def _span(part: tuple, element_size: int) -> tuple[int, int]:
+    """Return where rows ``lo``..``hi`` of a placed chunk lie in its file: (first byte, length)."""
+    placed, offsets, sizes, lo, hi = part
+    if not sizes:
+        return placed.start, element_size
+    row_bytes = math.prod(sizes[1:]) * element_size
+    return placed.start + (lo - offsets[0]) * row_bytes, (hi - lo) * row_bytes
 
 
 def _window(target: torch.Tensor, offsets: tuple, sizes: tuple, lo: int, hi: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
-from shardckpt.core.files import open_source
+from shardckpt.core.files import source_stream
 from shardckpt.core.torch_internals import dcp_storage_info
 from shardckpt.formats.dcp import METADATA_FILE
 from shardckpt.formats.dcp.raw_rows import RawRows
@@ -34,7 +34,7 @@ def looks_like(src: Path) -> bool:
         for index, info in (md.storage_data or {}).items():
             if index.offset is not None and info.length > 0:
                 # Opened without blocking: a FIFO there is the reader's to refuse.
-                with os.fdopen(open_source(_data_file(src, info.relative_path)), "rb") as f:
+                with source_stream(_data_file(src, info.relative_path)) as f:
                     f.seek(info.offset)
                     head = f.read(9)
                 return len(head) == 9 and head[8:9] == b"{"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import os_error
+from shardckpt.core.files import os_error, source_stream
 from shardckpt.formats.hf.safetensors_file import DTYPES
 
 SHARDING_INFO = "DCP_SHARDING_INFO"
@@ -53,7 +53,7 @@ class Entry:
 def read_header(path: Path, at: int = 0) -> dict[str, Entry]:
     """Return the tensors of the safetensors header at byte ``at`` of ``path``, each checked."""
     try:
-        with open(path, "rb") as f:
+        with source_stream(path) as f:
             size = os.fstat(f.fileno()).st_size
             f.seek(at)
             head = f.read(8)
