@@ -9,6 +9,7 @@ server does not start. ``S3.bucket()`` makes a bucket of its own for each test.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -132,4 +133,6 @@ def own_tmpdir(monkeypatch) -> Iterator[Path]:
     monkeypatch.setenv("TMPDIR", str(own))
     monkeypatch.setattr(tempfile, "tempdir", str(own))
     yield own
-    shutil.rmtree(own, ignore_errors=True)
+    # Removed when the session ends, not now: a process started while this test ran
+    # (the ranks' pool, a fork server) keeps this TMPDIR for the tests that follow.
+    atexit.register(shutil.rmtree, own, ignore_errors=True)

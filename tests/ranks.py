@@ -84,10 +84,15 @@ def verify(src: str) -> tuple[bool, list[tuple[str, str]], int]:
 def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> dict:
     """Run ``api.convert`` between URLs on this rank (``env``: the store's); return what it read and uploaded."""
     import os
+    import tempfile
 
     from shardckpt.core import remote_files, storage
 
+    # The pooled rank runs later tests too: the store's environment and the test's own
+    # TMPDIR (removed when the test ends) are this call's only.
+    before, tempdir = {k: os.environ.get(k) for k in env}, tempfile.tempdir
     os.environ.update(env)
+    tempfile.tempdir = None
     uploaded: dict[str, list[str]] = {"data": [], "commit": []}
     put_data, commit = storage.put_data, storage.commit
 
@@ -105,4 +110,10 @@ def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> 
         convert(src, dst, to, kwargs)
     finally:
         storage.put_data, storage.commit = put_data, commit
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        tempfile.tempdir = tempdir
     return {**uploaded, "ranged_bytes": remote_files.requests.bytes}
