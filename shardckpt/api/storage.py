@@ -27,7 +27,7 @@ from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
 from shardckpt.core.lock import FileLock, LockBusy
-from shardckpt.core.signals import reopened, sheltered
+from shardckpt.core.signals import sheltered
 
 R = TypeVar("R")
 
@@ -231,23 +231,16 @@ class OnStorage:
         """
         if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
             return
-        store, staged, runtime = self.dst_store, self.staged, self.runtime
-        if not runtime.distributed:
-            storage.upload(staged, store, self.commits, overwrite=self.asked.overwrite)
-            return
-        reopened()  # the local output was only DST's stand-in: a signal stops the upload
-        first, last = storage.split(staged, self.commits)
-        mine = storage.share(first, runtime.rank, runtime.world_size)
-        coordinator = runtime.coordinator
-        try:
-            runtime.agreed(
-                lambda: coordinator and storage.begin_upload(store, overwrite=self.asked.overwrite)
-            )
-            runtime.agreed(lambda: storage.put_data(staged, store, mine))
-            runtime.agreed(lambda: coordinator and storage.commit(staged, store, last))
-        except BaseException:
-            storage.abort(store)
-            raise
+        runtime = self.runtime
+        storage.upload(
+            self.staged,
+            self.dst_store,
+            self.commits,
+            overwrite=self.asked.overwrite,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            agreed=runtime.agreed,
+        )
 
     def done_reading(self) -> None:
         """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""

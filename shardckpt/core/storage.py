@@ -475,19 +475,30 @@ def abort(store: Store) -> None:
         _abort_uploads(store)
 
 
-def upload(local: Path, store: Store, commits: Sequence[str], *, overwrite: bool) -> None:
-    """Upload the complete output ``local`` to DST from this process, the objects named ``commits`` last.
+def upload(
+    local: Path,
+    store: Store,
+    commits: Sequence[str],
+    *,
+    overwrite: bool,
+    rank: int = 0,
+    world_size: int = 1,
+    agreed: Callable[[Callable[[], object]], object] = lambda step: step(),
+) -> None:
+    """Upload the complete output ``local`` to DST, the objects named ``commits`` last.
 
-    A marker beside DST is put first and removed last. A failure aborts the open multipart
+    A marker beside DST is put first and removed last, by rank 0. Each of ``world_size``
+    processes uploads its ``share`` of the data files; the commit objects go once every
+    share is up. Under torchrun ``agreed`` is the runtime's (each step ends on every rank
+    together; a failure on one is every rank's). A failure aborts the open multipart
     uploads and leaves no commit object; the next run clears the rest (``clear_leftovers``).
-    Under torchrun each rank uploads its share instead (``api.storage``).
     """
     reopened()  # the local output was only DST's stand-in: a signal stops the upload
-    begin_upload(store, overwrite=overwrite)
+    first, last = split(local, commits)
     try:
-        first, last = split(local, commits)
-        put_data(local, store, first)
-        commit(local, store, last)
+        agreed(lambda: rank == 0 and begin_upload(store, overwrite=overwrite))
+        agreed(lambda: put_data(local, store, share(first, rank, world_size)))
+        agreed(lambda: rank == 0 and commit(local, store, last))
     except BaseException:
         abort(store)
         raise
