@@ -5,34 +5,33 @@ killed the process (SIGBUS, exit 135) with the partial output and the lock left,
 ended it as "internal error (BufferError ...)", exit 4. A ``torch.save`` file, mapped by
 ``torch.load(mmap=True)``, ended as a failed write of DST ("Bad address", exit 4); a
 safetensors file as an internal error. Here the cut is made at a known point of a real
-run, in a process of its own: at the first copy the kernel is asked for (the first
-slice of a run read, the rest not), or as the first step of the write begins (the
-source opened and mapped, nothing read yet), at several lengths.
+run, in a process of its own (forked from the warm interpreter, ``warm_cli``): at the
+first copy the kernel is asked for (the first slice of a run read, the rest not), or as
+the first step of the write begins (the source opened and mapped, nothing read yet), at
+several lengths.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import warm_cli
 from safetensors.torch import save_file
 
 from shardckpt.core.files import SRC_CHANGED
+from shardckpt.engine import fill
 
 pytestmark = pytest.mark.launches
 
-# Cuts file argv[2] to argv[3] bytes at the point argv[1] names, then runs the CLI.
-CUT = textwrap.dedent(
-    """
-    import os, sys
-    from shardckpt.cli.app import run
-    from shardckpt.engine import fill
-    point, target, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def _cut_at(point: str, target: str, size: int) -> None:
+    """In the warm child: cut ``target`` to ``size`` bytes at ``point`` ("copy": the first
+    kernel copy asked for; "step": as the first step of the write begins)."""
 
     def cut():
         if os.path.getsize(target) > size:
@@ -40,19 +39,21 @@ CUT = textwrap.dedent(
 
     if point == "copy":
         kernel_copy = os.copy_file_range
+
         def copy_after_cut(*args):
             cut()
             return kernel_copy(*args)
+
         os.copy_file_range = copy_after_cut
     else:
         step = fill._fill
+
         def step_after_cut(*args, **kwargs):
             cut()
             return step(*args, **kwargs)
+
         fill._fill = step_after_cut
-    sys.exit(run(sys.argv[4:]))
-    """
-)
+
 
 BIG = 3 << 20
 """Elements of the large tensor: 12 MiB of float32, three slices of the copy and more."""
@@ -74,9 +75,9 @@ def sources(tmp_path_factory):
 
 
 def cut_while_converting(src, file, point: str, size: int, dst) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-c", CUT, point, str(file), str(size)]
-    argv += ["convert", str(src), str(dst), "--to", "full"]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    """Run ``convert SRC DST --to full`` in a process of its own that cuts ``file`` at ``point``."""
+    argv = ["convert", src, dst, "--to", "full"]
+    return warm_cli.run(argv, timeout=300, setup=(_cut_at, point, str(file), size))
 
 
 def copy_of(path, into):
