@@ -15,7 +15,6 @@ from shardckpt.core.progress import Progress
 from shardckpt.core.words import counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index
-from shardckpt.formats.fsdp1.flat_layout import FlatModel
 from shardckpt.plan.selection import matches
 from shardckpt.state.tree import (
     OptimizerInfo,
@@ -56,7 +55,11 @@ def inspect(
 
 
 def _inspect(request: InspectRequest, runtime: Runtime, progress: Progress | None) -> Inspection:
-    flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
+    flat_model = None
+    if request.model:  # fsdp1-local's flat parameters, from the module built: torch
+        from shardckpt.formats.fsdp1.flat_layout import FlatModel
+
+        flat_model = FlatModel(request.model, tuple(request.wraps))
 
     def read_index() -> tuple[Index, list[str]]:
         choice = applies.Choice(
