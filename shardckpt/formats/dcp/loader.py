@@ -24,7 +24,15 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
@@ -42,8 +50,11 @@ from shardckpt.codecs.zip_skeleton import FileSlice
 from shardckpt.core.errors import BadInputError, ShardckptError, UnsafePickleError
 from shardckpt.core.files import os_error, os_error_in, source_stream
 from shardckpt.core.signals import Interrupted
+from shardckpt.core.torch_internals import dcp_storage_info
 from shardckpt.core.words import shown
+from shardckpt.formats.dcp import plain_metadata
 from shardckpt.formats.dcp.values import REFUSED
+from shardckpt.state.dtypes import as_torch
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -221,7 +232,7 @@ def load(src: Path, metadata, state_dict: dict, planner: SafeLoadPlanner) -> Non
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 state_dict,
-                storage_reader=_Storage(src, metadata),
+                storage_reader=_Storage(src, torch_metadata(metadata)),
                 planner=planner,
                 no_dist=True,
             )
@@ -245,3 +256,46 @@ def _first_cause(exc: BaseException) -> BaseException:
         return exc
     cause = next(iter(failures.values()))
     return cause[0] if isinstance(cause, tuple) else cause
+
+
+def torch_metadata(md):
+    """Return ``md`` as torch's metadata classes, which DCP's loader checks by type.
+
+    ``.metadata`` read without torch holds ``plain_metadata``'s stand-ins; a value or
+    chunk that only DCP's loader reads then comes here. What the loader asks of a
+    tensor's properties is its dtype: layout and memory format keep torch's defaults.
+    """
+    if not isinstance(md, plain_metadata.Metadata):
+        return md
+    storage_info = dcp_storage_info()
+    entries: dict[str, object] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, plain_metadata.BytesStorageMetadata):
+            entries[key] = BytesStorageMetadata()
+            continue
+        props = entry.properties
+        entries[key] = TensorStorageMetadata(
+            TensorProperties(
+                dtype=as_torch(props.dtype),
+                requires_grad=props.requires_grad,
+                pin_memory=props.pin_memory,
+            ),
+            torch.Size(entry.size),
+            [
+                ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                for c in entry.chunks
+            ],
+        )
+    storage = {
+        MetadataIndex(index.fqn, index.offset, index.index): storage_info(
+            info.relative_path, info.offset, info.length, info.transform_descriptors
+        )
+        for index, info in (md.storage_data or {}).items()
+    }
+    return Metadata(
+        entries,
+        planner_data=md.planner_data,
+        storage_data=storage,
+        storage_meta=md.storage_meta and StorageMeta(**vars(md.storage_meta)),
+        version=md.version,
+    )

@@ -38,6 +38,7 @@ from shardckpt.formats.dcp.plain_metadata import MetadataIndex, is_a
 from shardckpt.formats.dcp.rows import StoredRows
 from shardckpt.formats.dcp.values import REFUSED, NotPlain, plain_value, stored_bytes
 from shardckpt.formats.ranks.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
+from shardckpt.state.dtypes import as_torch
 from shardckpt.state.tree import Chunk, TensorMeta, build
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -413,7 +414,7 @@ class DcpReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
-        outs = [torch.empty(rows_shape(m, r), dtype=m.dtype) for m, r in zip(metas, rows)]
+        outs = [torch.empty(rows_shape(m, r), dtype=as_torch(m.dtype)) for m, r in zip(metas, rows)]
         return self.read_into(metas, rows, outs, runtime)
 
     def read_into(

@@ -102,9 +102,13 @@ def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
 
 @contextmanager
 def opened(path: Path, hint: str) -> Iterator:
-    """Yield ``safe_open(path)``; a failure while it is open becomes one line naming ``path``."""
+    """Yield ``safe_open(path)``; a failure while it is open becomes one line naming ``path``.
+
+    For its header: keys, dtypes, shapes, ``__metadata__``. Opened for numpy, which the
+    header reads alike and which imports no torch (``framework="pt"`` does, at once).
+    """
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:
             yield f
     except BadInputError:
         raise
