@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shardckpt.api import applies
-from shardckpt.api.integrity import Integrity, verify
 from shardckpt.api.requests import InspectRequest, VerifyRequest
 from shardckpt.api.source import open_checked
 from shardckpt.api.storage import named, on_storage
@@ -25,6 +25,9 @@ from shardckpt.state.tree import (
     parse_flat,
     walk,
 )
+
+if TYPE_CHECKING:
+    from shardckpt.api.integrity import Integrity
 
 
 @dataclass
@@ -81,6 +84,8 @@ def _inspect(request: InspectRequest, runtime: Runtime, progress: Progress | Non
     parts = format_named(index.format).components
     checked = None
     if request.verify:
+        from shardckpt.api.integrity import verify  # reading every byte: the scan's modules
+
         asked = VerifyRequest(
             src=request.src, format=index.format, trust_pickle=request.trust_pickle
         )
