@@ -1,7 +1,7 @@
 """``inspect`` and ``verify`` of DCP, safetensors and hf sources import no torch, and print what they did.
 
-Each source is written by the real library (``torch.distributed.checkpoint.save``,
-``safetensors``' ``save_file``). The commands run in a fresh interpreter, once as a user's
+Each source is written by the real library (``torch.distributed.checkpoint.save``, in
+both its serializations; ``safetensors``' ``save_file``). The commands run in a fresh interpreter, once as a user's
 shell starts them (nothing imported) and once with torch imported first, the way every
 command ran before; the two must print the same (but for timings) and exit alike, and
 the first must end with no ``torch`` in ``sys.modules``.
@@ -20,6 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from test_hf import write_hf_like_transformers
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 RUN = textwrap.dedent(
     """
@@ -78,10 +80,16 @@ def tree() -> dict:
 def sources(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("sources")
     dcp.save(tree(), checkpoint_id=root / "dcp", no_dist=True)
+    # torch's other DCP serialization: the tensors of each file in one safetensors blob.
+    safetensors_dcp = FileSystemWriter(
+        root / "dcp-safetensors", serialization_format=SerializationFormat.SAFETENSORS
+    )
+    dcp.save(tree(), storage_writer=safetensors_dcp, no_dist=True)
     model = {k: v.contiguous() for k, v in tree()["model"].items()}
     save_file(model, root / "model.safetensors")
     write_hf_like_transformers(root / "hf", model, per_shard=2)
-    return {name: str(root / name) for name in ("dcp", "model.safetensors", "hf")}
+    names = ("dcp", "dcp-safetensors", "model.safetensors", "hf")
+    return {name: str(root / name) for name in names}
 
 
 COMMANDS = (
