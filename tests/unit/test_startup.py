@@ -37,7 +37,9 @@ def test_help_and_version_import_no_torch():
 
 @pytest.mark.launches
 def test_a_command_that_needs_tensors_imports_torch_when_it_runs(tmp_path):
-    ask = ASK.replace('["--version"], ', f'["convert", "{tmp_path}", "{tmp_path}.pt", "--to", "full"], ')
+    ask = ASK.replace(
+        '["--version"], ', f'["convert", "{tmp_path}", "{tmp_path}.pt", "--to", "full"], '
+    )
     done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
     codes, rest = done.stdout.split("]", 1)
     assert codes == "[3, 0, 0, 0, 0" and "'torch'" in rest

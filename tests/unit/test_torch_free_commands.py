@@ -10,6 +10,8 @@ the first must end with no ``torch`` in ``sys.modules``.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import subprocess
 import sys
@@ -120,10 +122,12 @@ def test_inspect_and_verify_import_no_torch_and_print_what_they_printed_with_it(
 @pytest.mark.launches
 def test_a_damaged_dcp_is_refused_alike_without_torch(sources, tmp_path):
     # The same one line and exit code whether torch was imported or not: a byte of a
-    # data file changed under its CRC-32, and a .metadata cut short.
-    flipped, cut = tmp_path / "flipped", tmp_path / "cut"
-    for copy in (flipped, cut):
+    # data file changed under its CRC-32 (found without torch), and a .metadata cut
+    # short (read again with torch's classes, which word the error as they always did).
+    flipped, cut, hostile = tmp_path / "flipped", tmp_path / "cut", tmp_path / "hostile"
+    for copy in (flipped, cut, hostile):
         subprocess.run(["cp", "-r", sources["dcp"], copy], check=True)
+    (hostile / ".metadata").write_bytes(pickle.dumps(os.system))
     data = flipped / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     at = raw.find(tree()["model"]["embed.weight"].numpy().tobytes())
@@ -132,13 +136,21 @@ def test_a_damaged_dcp_is_refused_alike_without_torch(sources, tmp_path):
     data.write_bytes(bytes(raw))
     meta = cut / ".metadata"
     meta.write_bytes(meta.read_bytes()[:-40])
-    argv_list = [["verify", str(flipped)], ["inspect", str(cut)], ["verify", str(cut)]]
+    argv_list = [
+        ["verify", str(flipped)],
+        ["inspect", str(cut)],
+        ["verify", str(cut)],
+        ["inspect", str(hostile)],
+    ]
     alone, after_torch = run(argv_list, "nothing"), run(argv_list, "torch")
     assert [m[:3] for m in alone] == [b[:3] for b in after_torch]
-    assert [m[0] for m in alone] == [3, 3, 3]
+    assert [m[0] for m in alone] == [3, 3, 3, 3]
     assert alone[0][2].startswith(f"shardckpt: error: '{data}': ")
     assert alone[1][2].startswith(f"shardckpt: error: '{meta}': ")
-    assert [m[3] for m in alone] == [False, False, False]
+    assert alone[3][2].startswith(
+        f"shardckpt: error: '{hostile / '.metadata'}': metadata references posix.system"
+    )
+    assert alone[0][3] is False
 
 
 @pytest.mark.launches

@@ -195,9 +195,9 @@ def _unpickle(stream: io.BytesIO, trust_pickle: bool, extra: Mapping | None) -> 
     if not loaded() and not extra:
         try:
             return _MetadataUnpickler(stream).load()
-        except UnsafePickleError:
-            # A name only torch's vocabulary has (a release's private class): read with it,
-            # which also words the refusal of one neither has.
+        except Exception:  # noqa: BLE001 - read again with torch's classes, which words it
+            # A name only torch's vocabulary has (a release's private class), or a pickle
+            # that does not build: torch's classes read it, or fail as they always did.
             stream.seek(0)
     return _MetadataUnpickler(stream, extra, torch_vocabulary()).load()
 
