@@ -6,7 +6,10 @@ Tensor rows are read from the bytes of the stored chunks that overlap them
 cannot be read that way, go through DCP's own loader: a target of some rows is
 declared to it as one chunk at its row offset. Writing is ``shardckpt.formats.dcp.writer``. Two safety
 changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
-metadata classes, and non-tensor values are loaded with ``weights_only=True``.
+metadata classes, and non-tensor values are loaded with ``weights_only=True``. Without
+torch loaded, ``.metadata`` is read into plain stand-ins (``plain_metadata``), plain values
+from their zips (``values``), and torch is imported only for what DCP's loader must read
+(``loader``).
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ def read_metadata(
     path: Path, trust_pickle: bool, extra: Mapping[tuple[str, str], object] | None = None
 ) -> object:
     """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted.
+
+    torch's classes where torch is loaded, else ``plain_metadata``'s stand-ins (``inspect``
+    and ``verify`` import no torch); ``plain_metadata.is_a`` tells either kind.
 
     ``extra``: ``(module, name)`` pairs admitted beside DCP's own (``_MetadataUnpickler``).
     Inside ``read_once.metadata_read_once``, a file read before (the same inode, size and
