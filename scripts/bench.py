@@ -19,7 +19,8 @@ Builds (or reuses) an FSDP2 DCP checkpoint of about SIZE_GB (model + AdamW) in W
 then runs each case as its own process tree: the two references (torch's
 dcp_to_torch_save and `cp -r`, uncapped), then `shardckpt convert` into each layout for
 each launch size N (N=1 standalone, N>1 under torchrun); the layout ``verify`` is
-``shardckpt verify SRC`` instead (reads every byte, writes nothing). One markdown table
+``shardckpt verify SRC`` instead (reads every byte, writes nothing), and ``inspect``
+``shardckpt inspect SRC`` (metadata only: what starting a command costs). One markdown table
 on stdout (or one JSON document with --json); progress and failures on stderr.
 
 - Threads: with --threads 1,2,4 each shardckpt case runs once per thread count
@@ -125,7 +126,7 @@ class Layout:
     per_rank: bool = False
     """True when the output is for --world-size M ranks."""
     command: str = "convert"
-    """The shardckpt command: convert, or verify (which reads SRC and writes nothing)."""
+    """The shardckpt command: convert, verify (which reads SRC and writes nothing) or inspect."""
 
 
 LAYOUTS = {
@@ -142,6 +143,8 @@ LAYOUTS = {
     ),
     # Not an output: `shardckpt verify SRC`, every byte of SRC read and checked once.
     "verify": Layout(flags=(), dst_name="verify-writes-nothing", command="verify"),
+    # Not an output: `shardckpt inspect SRC`, the metadata alone: the command's start-up.
+    "inspect": Layout(flags=(), dst_name="inspect-writes-nothing", command="inspect"),
 }
 
 
@@ -242,6 +245,8 @@ def shardckpt_case(
     convert = ["convert", str(src), str(dst), *flags, *more]
     if spec.command == "verify":
         convert = ["verify", str(src), "--quiet", *more]
+    if spec.command == "inspect":
+        convert = ["inspect", str(src)]  # reads no tensor data: no threads to give
     if nproc == 1:
         return Case(
             name="shardckpt",

@@ -12,13 +12,41 @@ by any rank stops all of them with one error. See docs/python-api.md.
 
 from __future__ import annotations
 
-from shardckpt.api.comparison import DiffReport, diff
-from shardckpt.api.conversion import ConvertResult, convert
-from shardckpt.api.inspection import Inspection, inspect
-from shardckpt.api.integrity import Finding, Integrity, verify
-from shardckpt.api.requests import ConvertRequest, DiffRequest, InspectRequest, VerifyRequest
-from shardckpt.engine.compare import DiffResult
-from shardckpt.state.choices import LAYOUTS
+import importlib
+
+# Each name from the module that holds it, imported when first read: ``inspect`` and
+# ``verify`` load neither ``convert``'s nor ``diff``'s modules (and those import torch).
+_HOME = {
+    "LAYOUTS": "shardckpt.state.choices",
+    "ConvertRequest": "shardckpt.api.requests",
+    "ConvertResult": "shardckpt.api.conversion",
+    "DiffReport": "shardckpt.api.comparison",
+    "DiffRequest": "shardckpt.api.requests",
+    "DiffResult": "shardckpt.engine.compare",
+    "Finding": "shardckpt.api.integrity",
+    "InspectRequest": "shardckpt.api.requests",
+    "Inspection": "shardckpt.api.inspection",
+    "Integrity": "shardckpt.api.integrity",
+    "VerifyRequest": "shardckpt.api.requests",
+    "convert": "shardckpt.api.conversion",
+    "diff": "shardckpt.api.comparison",
+    "inspect": "shardckpt.api.inspection",
+    "verify": "shardckpt.api.integrity",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
+
 
 __all__ = [
     "LAYOUTS",

@@ -436,7 +436,7 @@ def _note_idle_ranks(plan: ConvertPlan, runtime: Runtime) -> None:
     """Say once (rank 0) when the launch has more processes than work for them."""
     if runtime.distributed and runtime.coordinator:
         for note in launch_notes(
-            runtime.world_size, plan.layout, plan.world_size, runtime.device.type
+            runtime.world_size, plan.layout, plan.world_size, runtime.device_type
         ):
             notice(note)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shardckpt.api import applies
-from shardckpt.api.integrity import Integrity, verify
 from shardckpt.api.requests import InspectRequest, VerifyRequest
 from shardckpt.api.source import open_checked
 from shardckpt.api.storage import named, on_storage
@@ -15,7 +15,6 @@ from shardckpt.core.progress import Progress
 from shardckpt.core.words import counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index
-from shardckpt.formats.fsdp1.flat_layout import FlatModel
 from shardckpt.plan.selection import matches
 from shardckpt.state.tree import (
     OptimizerInfo,
@@ -26,6 +25,9 @@ from shardckpt.state.tree import (
     parse_flat,
     walk,
 )
+
+if TYPE_CHECKING:
+    from shardckpt.api.integrity import Integrity
 
 
 @dataclass
@@ -56,7 +58,11 @@ def inspect(
 
 
 def _inspect(request: InspectRequest, runtime: Runtime, progress: Progress | None) -> Inspection:
-    flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
+    flat_model = None
+    if request.model:  # fsdp1-local's flat parameters, from the module built: torch
+        from shardckpt.formats.fsdp1.flat_layout import FlatModel
+
+        flat_model = FlatModel(request.model, tuple(request.wraps))
 
     def read_index() -> tuple[Index, list[str]]:
         choice = applies.Choice(
@@ -78,6 +84,8 @@ def _inspect(request: InspectRequest, runtime: Runtime, progress: Progress | Non
     parts = format_named(index.format).components
     checked = None
     if request.verify:
+        from shardckpt.api.integrity import verify  # reading every byte: the scan's modules
+
         asked = VerifyRequest(
             src=request.src, format=index.format, trust_pickle=request.trust_pickle
         )

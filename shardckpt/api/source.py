@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from shardckpt.api import applies
 from shardckpt.core.sight import Sight
 from shardckpt.formats import open_reader
 from shardckpt.formats.base import Reader
-from shardckpt.formats.fsdp1.flat_layout import FlatModel
+
+if TYPE_CHECKING:  # --model builds a module: torch
+    from shardckpt.formats.fsdp1.flat_layout import FlatModel
 
 
 def open_checked(

@@ -66,7 +66,7 @@ def inspect(
     version: Version = False,
 ) -> int:
     """Show what a checkpoint holds, from metadata only: leaves, shapes, dtypes, layouts, optimizers."""
-    library.load()
+    library.load(tensors=False)
     from shardckpt import api
     from shardckpt.cli import render
     from shardckpt.cli.verify import raise_if_damaged

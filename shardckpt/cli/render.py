@@ -6,13 +6,15 @@ import math
 import shutil
 import textwrap
 from collections import Counter, defaultdict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from shardckpt.api import ConvertResult, Inspection, Integrity
 from shardckpt.core.progress import human_bytes
 from shardckpt.core.words import counted
-from shardckpt.engine.compare import DiffResult
 from shardckpt.state.tree import TensorMeta, dotted, path_to_json
+
+if TYPE_CHECKING:  # the results' modules import torch; ``inspect`` and ``verify`` need neither
+    from shardckpt.api import ConvertResult, Inspection, Integrity
+    from shardckpt.engine.compare import DiffResult
 
 SCHEMA_VERSION = 1
 TABLE_WIDTH = (80, 100)

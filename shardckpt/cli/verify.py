@@ -53,7 +53,7 @@ def verify(
     version: Version = False,
 ) -> int:
     """Read every byte of a checkpoint once and check it against the checksums written with it."""
-    library.load()
+    library.load(tensors=False)
     from shardckpt import api
     from shardckpt.api import applies
     from shardckpt.cli import render

@@ -27,8 +27,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
-from torch.serialization import MAGIC_NUMBER
-
 TRUST_HINT = "pass --trust-pickle only if you trust this file"
 """The hint of every pickle refused because it names something outside the allow-list."""
 
@@ -40,6 +38,8 @@ Loading one only sets attributes (torch's loader makes the object and updates it
 """
 
 _ZIP_MAGIC = b"PK\x03\x04"
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+"""``torch.serialization.MAGIC_NUMBER``: the first pickle of a legacy ``torch.save`` file."""
 # torch.save(_use_new_zipfile_serialization=False) writes five pickles before the tensor
 # bytes: magic number, protocol version, system info, the object, its storage keys.
 _LEGACY_PICKLES = 5

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from shardckpt.core.lazy_torch import torch
 
 
 def contiguous_bytes(tensor: torch.Tensor) -> memoryview:

@@ -24,10 +24,9 @@ import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
 from shardckpt.codecs.tensor_bytes import contiguous_bytes
 from shardckpt.codecs.zip_records import DATA_DESCRIPTOR, FileSlice, zip_records
+from shardckpt.core.lazy_torch import torch
 from shardckpt.core.torch_internals import (
     fake_tensor_mode,
     is_placeholder,
@@ -50,7 +49,7 @@ def _skeleton_save(obj, stream, pickle_module=None) -> None:
             torch.save(obj, stream, pickle_module=pickle_module)
 
 
-Storages = list[tuple[torch.UntypedStorage, bool]]
+Storages = list[tuple["torch.UntypedStorage", bool]]
 """A ``torch.save``'s storages in the order of its record numbers, each with whether it is a
 placeholder's."""
 

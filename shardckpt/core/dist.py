@@ -38,9 +38,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
-import torch
-import torch.distributed as dist
-
 from shardckpt.core.errors import (
     CollectiveFailure,
     IOFailure,
@@ -51,9 +48,13 @@ from shardckpt.core.errors import (
     in_chain,
     notice,
 )
+from shardckpt.core.lazy_torch import LazyModule, torch
 from shardckpt.core.rank_env import env_rank
 from shardckpt.core.signals import Interrupted, ending, sheltered
-from shardckpt.core.torch_internals import default_store
+
+# Imported when a command first runs a collective or makes a device: a standalone run on
+# the CPU needs neither, and ``inspect``/``verify`` of metadata import no torch.
+dist = LazyModule("torch.distributed")
 
 T = TypeVar("T")
 
@@ -68,7 +69,8 @@ class Runtime:
 
     rank: int = 0
     world_size: int = 1
-    device: torch.device = torch.device("cpu")
+    device: torch.device | str = "cpu"
+    """A ``torch.device``; ``"cpu"`` standalone on the CPU, where torch may not be imported."""
     mesh: object | None = None  # DeviceMesh over all ranks; None when standalone
     timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -76,6 +78,11 @@ class Runtime:
     def distributed(self) -> bool:
         """Return whether a process group is up (launched by torchrun)."""
         return self.mesh is not None
+
+    @property
+    def device_type(self) -> str:
+        """Return ``cpu`` or ``cuda``."""
+        return self.device if isinstance(self.device, str) else self.device.type
 
     @property
     def coordinator(self) -> bool:
@@ -188,7 +195,7 @@ class Runtime:
         if not self.distributed:
             return send.clone()
         # CUDA tensors go over the mesh's NCCL group; the default group is gloo's.
-        group = self.mesh.get_group() if self.device.type == "cuda" else None  # type: ignore[attr-defined]
+        group = self.mesh.get_group() if self.device_type == "cuda" else None  # type: ignore[attr-defined]
         send = send.to(self.device)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
         with self.collective():
@@ -222,7 +229,7 @@ def launch(device: str | None = None) -> Iterator[Runtime]:
             raise UsageError(
                 "--device cuda was given but this machine has no CUDA GPU", hint="use --device cpu"
             )
-        yield Runtime(device=torch.device(device or "cpu"))
+        yield Runtime(device=torch.device("cuda")) if device == "cuda" else Runtime()
         return
     # Under torchrun no rank decides alone, not even to fail: a rank that left before the
     # process group exists would leave the others waiting in it (see device_for).
@@ -368,6 +375,8 @@ def _tell_others(exc: BaseException, rank: int) -> None:
         if signalled is not None
         else {"rank": rank, "line": _one_line(exc), "code": _exit_code(exc)}
     )
+    from shardckpt.core.torch_internals import default_store
+
     store = default_store()
     if store is None:
         return
@@ -385,6 +394,8 @@ def _tell_others(exc: BaseException, rank: int) -> None:
 
 def _first_told() -> dict | None:
     """Return what the first rank to stop wrote into the launch's store (``_tell_others``), if one did."""
+    from shardckpt.core.torch_internals import default_store
+
     store = default_store()
     if store is None:
         return None

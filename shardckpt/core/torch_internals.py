@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from shardckpt.core.errors import UnsupportedTorchError
+from shardckpt.core.lazy_torch import torch
 
 TESTED_TORCH = "torch>=2.11,<2.16"
 """The torch releases shardckpt is tested with (pyproject's requirement)."""

@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
+from shardckpt.core.lazy_torch import torch
 from shardckpt.core.placement import shared
 from shardckpt.state.checksums import Written
 from shardckpt.state.regions import FileJob, Piece, Record, Region

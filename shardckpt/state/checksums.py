@@ -29,10 +29,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-import torch
 from isal import isal_zlib
 
 from shardckpt.core.files import open_source, read_exactly
+from shardckpt.core.lazy_torch import torch
 
 Key = tuple[str, int]
 """A written span by the file it is in and the offset of its first byte."""

@@ -10,10 +10,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 
-import torch
-from torch import nn
-
 from shardckpt.core.errors import UsageError
+from shardckpt.core.lazy_torch import torch
 from shardckpt.state.optim import ModelParams
 from shardckpt.state.tree import clean_fqn
 
@@ -48,7 +46,7 @@ def model_params(spec: str, clean_fqns: bool = True) -> ModelParams:
     return params_of(module, groups, clean_fqns, where=f"--model {spec!r}")
 
 
-def build_model(spec: str) -> tuple[nn.Module, object]:
+def build_model(spec: str) -> tuple[torch.nn.Module, object]:
     """Return the module ``spec`` builds on the meta device, and its param groups (None if not given)."""
     factory = load_factory(spec)
     try:
@@ -59,7 +57,7 @@ def build_model(spec: str) -> tuple[nn.Module, object]:
             f"--model {spec!r} failed on the meta device ({type(exc).__name__}: {exc})", hint=_HINT
         ) from None
     module, groups = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
-    if not isinstance(module, nn.Module):
+    if not isinstance(module, torch.nn.Module):
         raise UsageError(
             f"--model {spec!r} returned {type(module).__name__}, not an nn.Module", hint=_HINT
         )
@@ -67,7 +65,10 @@ def build_model(spec: str) -> tuple[nn.Module, object]:
 
 
 def params_of(
-    module: nn.Module, groups: object = None, clean_fqns: bool = True, where: str = "the model"
+    module: torch.nn.Module,
+    groups: object = None,
+    clean_fqns: bool = True,
+    where: str = "the model",
 ) -> ModelParams:
     """Return ``module``'s parameters in ``named_parameters()`` order (tied ones once), groups, buffers."""
     name_fn = clean_fqn if clean_fqns else str
@@ -96,7 +97,7 @@ def params_of(
 
 
 def _state_dict_names(
-    module: nn.Module, name_fn: Callable[[str], str], fqns: set[str], where: str
+    module: torch.nn.Module, name_fn: Callable[[str], str], fqns: set[str], where: str
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Return the names ``module.state_dict()`` gives tied parameters' other FQNs, and its buffers.
 
@@ -114,7 +115,7 @@ def _state_dict_names(
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             continue  # extra state a module keeps as a plain value
-        if isinstance(value, nn.Parameter):
+        if isinstance(value, torch.nn.Parameter):
             if name_fn(name) not in fqns:
                 aliases.append(name_fn(name))
         else:

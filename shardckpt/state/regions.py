@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import prod
 
-import torch
 from isal import isal_zlib
-from torch.distributed.tensor import Shard
 
+from shardckpt.core.lazy_torch import loaded, torch
 from shardckpt.state.tree import TensorMeta
 
 
@@ -118,8 +117,23 @@ def dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, 
 # M = 1,024 for a handful of answers.
 @lru_cache(maxsize=1 << 16)
 def _rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    if not loaded():
+        return chunk_rows(rows, world_size, rank)
+    from torch.distributed.tensor import Shard
+
     size, offset = Shard.local_shard_size_and_offset(rows, world_size, rank)
     return (int(offset), int(offset) + int(size))
+
+
+def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Return ``Shard(0)``'s rows of ``rank`` as ``torch.chunk`` cuts them, computed without torch.
+
+    What a command that reads metadata only (``inspect``, ``verify``) uses where torch is
+    not loaded; a test holds it to torch's own rule.
+    """
+    full = -(-rows // world_size)
+    start = min(rows, full * rank)
+    return (start, min(rows, start + full))
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
-
 from shardckpt.core.errors import BadInputError
+from shardckpt.core.lazy_torch import is_tensor, torch
 
 PathItem = str | int
 Path = tuple[PathItem, ...]
@@ -61,7 +60,7 @@ class TensorMeta:
 
 def is_tensor_leaf(value: object) -> bool:
     """Return whether ``value`` is a tensor or a tensor's metadata."""
-    return isinstance(value, (torch.Tensor, TensorMeta))
+    return isinstance(value, TensorMeta) or is_tensor(value)
 
 
 def _enters(value: object) -> bool:

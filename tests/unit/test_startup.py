@@ -1,8 +1,9 @@
 """``--help`` and ``--version`` answer without importing torch (seconds on a small machine).
 
-The CLI imports torch when a command runs, not when the app is built: option choices
-come from torch-free modules (``state.choices``, the format registry with its lazy
-references), and each command imports the library inside its body.
+The CLI imports torch when a command that needs tensors runs, not when the app is built:
+option choices come from torch-free modules (``state.choices``, the format registry with
+its lazy references), and each command imports the library inside its body. ``inspect``
+and ``verify`` of most sources import none (``tests/unit/test_torch_free_commands.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def test_help_and_version_import_no_torch():
 
 
 @pytest.mark.launches
-def test_a_command_imports_torch_when_it_runs(tmp_path):
-    ask = ASK.replace('["--version"], ', f'["inspect", "{tmp_path}"], ')
+def test_a_command_that_needs_tensors_imports_torch_when_it_runs(tmp_path):
+    ask = ASK.replace(
+        '["--version"], ', f'["convert", "{tmp_path}", "{tmp_path}.pt", "--to", "full"], '
+    )
     done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
     codes, rest = done.stdout.split("]", 1)
     assert codes == "[3, 0, 0, 0, 0" and "'torch'" in rest

@@ -52,7 +52,7 @@ HF_STORAGE = Format(
     writer=Ref("shardckpt.formats.dcp.read_only:ReadOnlyWriter"),
     written=False,
     directory=True,
-    detect=Ref("shardckpt.formats.dcp.hf_storage:looks_like"),
+    detect=Ref("shardckpt.formats.dcp.hf_storage_names:looks_like"),
     tells_whole=Ref("shardckpt.formats.dcp.reader:dcp_tells_whole"),
 )
 

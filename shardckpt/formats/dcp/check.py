@@ -21,18 +21,11 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import check_separate, outside, source_file
 from shardckpt.formats.dcp import METADATA_FILE
+from shardckpt.formats.dcp.plain_metadata import is_a
+from shardckpt.state.dtypes import is_dtype
 
 _DAMAGED = (
     "the .metadata is damaged or was not written by torch.distributed.checkpoint; "
@@ -47,7 +40,7 @@ _LIST_SLACK = 1 << 16
 Ints = tuple[int, ...]
 
 
-def check_metadata(md: Metadata, src: Path, elsewhere: Mapping[str, int] | None = None) -> None:
+def check_metadata(md, src: Path, elsewhere: Mapping[str, int] | None = None) -> None:
     """Raise ``BadInputError`` unless ``md`` describes the data files in ``src`` exactly.
 
     ``elsewhere`` holds the sizes of data files other ranks see (``shardckpt.core.sight``):
@@ -58,7 +51,7 @@ def check_metadata(md: Metadata, src: Path, elsewhere: Mapping[str, int] | None 
     _check_paths(md, entries, where)
     boxes: dict[str, tuple[Ints, list[tuple[Ints, Ints]], int]] = {}
     for key, entry in entries.items():
-        if isinstance(entry, TensorStorageMetadata):
+        if is_a(entry, "TensorStorageMetadata"):
             boxes[key] = _check_tensor(key, entry, where)
     _check_storage(md, entries, boxes, src, where, elsewhere or {})
 
@@ -86,7 +79,7 @@ def _show(value: object) -> str:
         return f"a {type(value).__name__}"
 
 
-def _entries(md: Metadata, where: Path) -> dict:
+def _entries(md, where: Path) -> dict:
     """Return ``state_dict_metadata`` once its keys and entries have DCP's types."""
     entries = getattr(md, "state_dict_metadata", None)
     if not isinstance(entries, dict):
@@ -94,7 +87,7 @@ def _entries(md: Metadata, where: Path) -> dict:
     for key, entry in entries.items():
         if not isinstance(key, str):
             raise _bad(f"key {key!r} is a {type(key).__name__}, not a str", where)
-        if not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
+        if not (is_a(entry, "TensorStorageMetadata") or is_a(entry, "BytesStorageMetadata")):
             raise _bad(f"{key!r} is described by a {type(entry).__name__}", where)
     for name in ("planner_data", "storage_data"):
         value = getattr(md, name, None)  # Metadata's class defaults them to None
@@ -118,7 +111,7 @@ class _Node:
         self.path: tuple = ()
 
 
-def _check_paths(md: Metadata, entries: dict, where: Path) -> None:
+def _check_paths(md, entries: dict, where: Path) -> None:
     """Refuse paths that are not tuples of keys, or that collide once built into a tree.
 
     Every key's path (``planner_data``, or ``(key,)`` without one) must end at its own
@@ -190,12 +183,10 @@ def _collision(other: _Node, key: str, path: tuple, where: Path) -> BadInputErro
 # ---------------------------------------------------------------- chunks of a tensor
 
 
-def _check_tensor(
-    key: str, entry: TensorStorageMetadata, where: Path
-) -> tuple[Ints, list[tuple[Ints, Ints]], int]:
+def _check_tensor(key: str, entry, where: Path) -> tuple[Ints, list[tuple[Ints, Ints]], int]:
     """Return (shape, chunk boxes, itemsize) once the chunks tile the tensor exactly."""
     dtype = getattr(getattr(entry, "properties", None), "dtype", None)
-    if not isinstance(dtype, torch.dtype):
+    if not is_dtype(dtype):
         raise _bad(f"{key!r} has dtype {dtype!r}, not a torch dtype", where)
     shape = _ints(getattr(entry, "size", None))
     if shape is None or any(s < 0 for s in shape):
@@ -206,9 +197,7 @@ def _check_tensor(
     boxes = []
     for chunk in chunks:
         offsets = (
-            _ints(getattr(chunk, "offsets", None))
-            if isinstance(chunk, ChunkStorageMetadata)
-            else None
+            _ints(getattr(chunk, "offsets", None)) if is_a(chunk, "ChunkStorageMetadata") else None
         )
         sizes = _ints(getattr(chunk, "sizes", None)) if offsets is not None else None
         if sizes is None or len(offsets) != len(shape) or len(sizes) != len(shape):
@@ -270,14 +259,14 @@ def _first_overlap(boxes: list[tuple[Ints, Ints]]) -> tuple | None:
 
 
 def _check_storage(
-    md: Metadata, entries: dict, boxes: dict, src: Path, where: Path, elsewhere: Mapping[str, int]
+    md, entries: dict, boxes: dict, src: Path, where: Path, elsewhere: Mapping[str, int]
 ) -> None:
     """Refuse storage that is missing, outside SRC, past a file's end, or shared by two keys or files."""
     stored = _storage_index(md, where)
     # relative path -> [(offset, end, key)] of every entry with bytes.
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     for key, entry in entries.items():
-        if isinstance(entry, BytesStorageMetadata):
+        if is_a(entry, "BytesStorageMetadata"):
             info = stored.get((key, None))
             if info is None:
                 raise _bad(f"no storage entry for the value {key!r}", where)
@@ -322,12 +311,12 @@ def _check_storage(
         _check_disjoint(name, spans, where)
 
 
-def _storage_index(md: Metadata, where: Path) -> dict[tuple[str, Ints | None], object]:
+def _storage_index(md, where: Path) -> dict[tuple[str, Ints | None], object]:
     """Return ``storage_data`` by (key, chunk offsets or None), once its entries are well formed."""
     stored = {}
     for index, info in (md.storage_data or {}).items():
         fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
-        if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
+        if not is_a(index, "MetadataIndex") or not isinstance(fqn, str):
             raise _bad(f"storage_data has a key {type(index).__name__} for {_show(fqn)}", where)
         offsets = None if offset is None else _ints(offset)
         name = getattr(info, "relative_path", None)

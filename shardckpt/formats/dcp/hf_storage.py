@@ -15,7 +15,6 @@ the shard numbers must run from 1 without a gap, each with all its K files.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,20 +31,12 @@ from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error
 from shardckpt.core.torch_internals import dcp_storage_info
 from shardckpt.formats.dcp import METADATA_FILE
+from shardckpt.formats.dcp.hf_storage_names import SHARD_FILE
 from shardckpt.formats.dcp.raw_rows import RawRows
 from shardckpt.formats.dcp.reader import DcpReader
 from shardckpt.formats.dcp.safetensors_header import Entry, read_header
 
-SHARD_FILE = re.compile(r"shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors")
 _RECOPY = "copy every shard-*.safetensors file of the save into the directory"
-
-
-def looks_like(src: Path) -> bool:
-    """Return whether directory ``src`` holds rank shards ``HuggingFaceStorageWriter`` named."""
-    try:
-        return any(SHARD_FILE.fullmatch(p.name) for p in src.iterdir())
-    except OSError:
-        return False
 
 
 def shard_files(src: Path) -> dict[str, int]:

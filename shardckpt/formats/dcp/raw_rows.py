@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from shardckpt.core.errors import UsageError
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.dcp.rows import Placed, StoredRows
 
 

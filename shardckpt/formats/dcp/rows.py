@@ -31,9 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from isal import isal_zlib
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardckpt.codecs.pickle_bounds import check_torch_zip
 from shardckpt.codecs.pickle_scan import first_line
@@ -48,8 +46,9 @@ from shardckpt.core.files import (
     preadv,
     will_read,
 )
-from shardckpt.core.torch_internals import stored_offset
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import StoredRun
+from shardckpt.formats.dcp.plain_metadata import MetadataIndex
 from shardckpt.state.checksums import Written, active
 
 _RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
@@ -92,7 +91,7 @@ class _Loaded:
 class StoredRows:
     """Reads rows of DCP tensors from their chunks' bytes (``read_into``); remembers where chunks lie."""
 
-    def __init__(self, src: Path, metadata: Metadata):
+    def __init__(self, src: Path, metadata):
         self.src = src
         self.metadata = metadata
         self._placed: dict[tuple[str, tuple[int, ...]], Placed | None] = {}
@@ -386,6 +385,8 @@ def _said(stored: object, records: list[ZipRecord]) -> _Loaded | None:
     """
     if not isinstance(stored, torch.Tensor):
         return None
+    from shardckpt.core.torch_internals import stored_offset
+
     at = stored_offset(stored.untyped_storage())
     name = next((r.name for r in records if r.start == at), "") if at is not None else ""
     return _Loaded(

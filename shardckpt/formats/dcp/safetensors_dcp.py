@@ -13,16 +13,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path, PurePosixPath
-
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from typing import TYPE_CHECKING
 
 from shardckpt.core.errors import SRC_FORMAT, BadInputError
 from shardckpt.core.files import source_stream
-from shardckpt.core.torch_internals import dcp_storage_info
-from shardckpt.formats.dcp import METADATA_FILE
+from shardckpt.formats.dcp import METADATA_FILE, plain_metadata
+from shardckpt.formats.dcp.plain_metadata import StorageInfo
 from shardckpt.formats.dcp.raw_rows import RawRows
 from shardckpt.formats.dcp.reader import DcpReader, is_dcp_dir, read_metadata
 from shardckpt.formats.dcp.safetensors_header import Entry, read_header
+
+if TYPE_CHECKING:  # read without torch where torch is not loaded (``plain_metadata.py``)
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 _DAMAGED = "the .metadata and the data files are not one save; re-copy the checkpoint"
 
@@ -63,7 +65,11 @@ def placed_metadata(md: Metadata, src: Path) -> Metadata:
     for index, info in (md.storage_data or {}).items():
         if getattr(index, "offset", None) is not None:
             by_file.setdefault(getattr(info, "relative_path", None), []).append(index)
-    storage_info = dcp_storage_info()
+    storage_info = StorageInfo
+    if not isinstance(md, plain_metadata.Metadata):  # torch's classes: torch is loaded
+        from shardckpt.core.torch_internals import dcp_storage_info
+
+        storage_info = dcp_storage_info()
     placed = dict(md.storage_data or {})
     for name, indexes in by_file.items():
         path = _data_file(src, name)

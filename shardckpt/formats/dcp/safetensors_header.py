@@ -25,11 +25,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error, source_stream
-from shardckpt.formats.hf.safetensors_file import DTYPES
+from shardckpt.core.lazy_torch import torch
+from shardckpt.formats.hf.safetensors_file import TORCH_NAMES
+from shardckpt.state.dtypes import dtype_named
 
 SHARDING_INFO = "DCP_SHARDING_INFO"
 """torch's ``_hf_utils.CUSTOM_METADATA_KEY``: each tensor's chunk offsets, as JSON."""
@@ -98,7 +98,7 @@ def _ints(value: object) -> tuple[int, ...]:
 def _entry(path: Path, name: str, spec: object, data: int, saved: dict) -> Entry:
     """Return header entry ``name`` once its dtype, shape and byte range agree."""
     try:
-        dtype = DTYPES[spec["dtype"]]  # type: ignore[index]
+        dtype = dtype_named(TORCH_NAMES[spec["dtype"]])  # type: ignore[index]
         shape = _ints(spec["shape"])  # type: ignore[index]
         begin, end = _ints(spec["data_offsets"])  # type: ignore[index]
     except (TypeError, KeyError, ValueError) as exc:

@@ -28,11 +28,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from isal import isal_zlib
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import os_error
+from shardckpt.core.lazy_torch import torch
 from shardckpt.state.checksums import Written, active, raw_bytes
 from shardckpt.state.regions import Record
 

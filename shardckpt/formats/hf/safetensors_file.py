@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_tree
@@ -38,6 +37,7 @@ from shardckpt.core.files import (
     source_file,
     writing,
 )
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import Frame, Index, Reader, Rows, StoredRun, Writer
 from shardckpt.formats.hf.digests import (
     DIGESTS_KEY,
@@ -49,35 +49,48 @@ from shardckpt.formats.hf.digests import (
     read_digests,
 )
 from shardckpt.state.checksums import raw_bytes
+from shardckpt.state.dtypes import dtype_named
 from shardckpt.state.regions import Record, Region, spread, whole
 from shardckpt.state.tree import TensorMeta, dotted, too_deep, walk
 
 TREE_KEY = "shardckpt"
 
-DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
+# safetensors' name of each dtype it stores, by torch's name (``state/dtypes.py``).
+SAFETENSORS_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "complex64": "C64",
 }
-DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+TORCH_NAMES = {name: torch_name for torch_name, name in SAFETENSORS_NAMES.items()}
+
+
+def safetensors_name(dtype) -> str | None:
+    """Return safetensors' name of ``dtype`` (torch's or a ``Dtype``), None where it stores none."""
+    return SAFETENSORS_NAMES.get(str(dtype).removeprefix("torch."))
+
+
+def dtype_of(name: str):
+    """Return the dtype safetensors calls ``name`` (``dtype_named``), None for one shardckpt does not handle."""
+    torch_name = TORCH_NAMES.get(name)
+    return dtype_named(torch_name) if torch_name is not None else None
 
 
 def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
     """Return the ``TensorMeta`` of tensor ``key`` from its ``safe_open`` slice."""
-    dtype = DTYPES.get(sl.get_dtype())
+    dtype = dtype_of(sl.get_dtype())
     if dtype is None:
         raise BadInputError(
             f"tensor {key!r} has dtype {sl.get_dtype()}, which shardckpt does not handle",
@@ -89,9 +102,13 @@ def tensor_meta(path: Path, key: str, sl) -> TensorMeta:
 
 @contextmanager
 def opened(path: Path, hint: str) -> Iterator:
-    """Yield ``safe_open(path)``; a failure while it is open becomes one line naming ``path``."""
+    """Yield ``safe_open(path)``; a failure while it is open becomes one line naming ``path``.
+
+    For its header: keys, dtypes, shapes, ``__metadata__``. Opened for numpy, which the
+    header reads alike and which imports no torch (``framework="pt"`` does, at once).
+    """
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:
             yield f
     except BadInputError:
         raise
@@ -274,13 +291,13 @@ def layout(entries: Sequence[tuple[str, TensorMeta]], metadata: dict, file: str 
     header: dict = {"__metadata__": {**metadata, DIGESTS_KEY: placeholder(len(entries))}}
     offset = 0
     for name, meta in entries:
-        if meta.dtype not in DTYPE_NAMES:
+        if safetensors_name(meta.dtype) is None:
             raise UsageError(
                 f"'{name}' has dtype {meta.dtype}, which safetensors cannot store",
                 hint="write --format torch",
             )
         header[name] = {
-            "dtype": DTYPE_NAMES[meta.dtype],
+            "dtype": safetensors_name(meta.dtype),
             "shape": list(meta.shape),
             "data_offsets": [offset, offset + meta.nbytes],
         }

@@ -25,12 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import has_file, os_error, writing
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import Frame, Index, Reader, Rows, SourcePart, StoredRun, Writer
-from shardckpt.formats.dcp import hf_storage
+from shardckpt.formats.dcp import hf_storage_names
 from shardckpt.formats.hf.config import CONFIG_FILE, copy_files, hf_config
 from shardckpt.formats.hf.digests import Digests, read_digests
 from shardckpt.formats.hf.safetensors_file import (
@@ -350,4 +349,4 @@ def is_hf_dir(path: Path) -> bool:
     if has_file(path / INDEX_FILE, path):
         return True
     # A stray model.safetensors beside torch's rank shards is theirs to name (hf-storage).
-    return has_file(path / SINGLE_FILE, path) and not hf_storage.looks_like(path)
+    return has_file(path / SINGLE_FILE, path) and not hf_storage_names.looks_like(path)

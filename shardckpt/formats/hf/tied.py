@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-
 from shardckpt.core.errors import ShardckptError
 from shardckpt.core.files import has_file
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.hf.config import (
     CONFIG_FILE,
     Expected,

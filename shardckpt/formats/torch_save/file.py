@@ -15,8 +15,6 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from shardckpt.codecs.pickle_bounds import check_torch_file
 from shardckpt.codecs.pickle_scan import (
     ATTRIBUTE_BAGS,
@@ -28,6 +26,7 @@ from shardckpt.codecs.pickle_scan import (
 from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
+from shardckpt.core.lazy_torch import torch
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key
 from shardckpt.formats.base import Frame, Index, Reader, Rows, StoredRun, Writer
 from shardckpt.formats.torch_save.mapped import expect_mapped, mapped_records

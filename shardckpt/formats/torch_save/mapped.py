@@ -15,10 +15,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from shardckpt.codecs.pickle_scan import DamagedZip
 from shardckpt.codecs.zip_records import ZipRecord, zip_records
+from shardckpt.core.lazy_torch import torch
 from shardckpt.state.checksums import Written, active
 from shardckpt.state.tree import dotted, walk
 

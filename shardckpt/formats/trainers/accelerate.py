@@ -29,18 +29,13 @@ from shardckpt.formats.dcp.reader import DcpReader
 from shardckpt.formats.dcp.writer import DcpWriter
 from shardckpt.formats.hf.safetensors_file import SafetensorsReader
 from shardckpt.formats.torch_save.file import TorchReader
+from shardckpt.formats.trainers.accelerate_names import MODEL_DIR, MODEL_FILE, OPTIM_DIR, RNG_FILE
 from shardckpt.formats.trainers.parts import Part, PartsReader, PartsWriter, SubCheckpoint
 from shardckpt.state.tree import is_optimizer
 
-_MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)")
-_OPTIM_DIR = re.compile(r"optimizer_(\d+)")
-_MODEL_FILE = re.compile(
-    r"(?:pytorch_model_fsdp|pytorch_model|model)(?:_(\d+))?\.(?:bin|safetensors)"
-)
 _OPTIM_FILE = re.compile(r"optimizer(?:_(\d+))?\.bin")
 _VALUE_FILE = re.compile(r"(scheduler|dl_state_dict)(?:_(\d+))?\.bin|(scaler)\.pt")
 _RANK_FILE = re.compile(r".*_rank(\d+)\.bin")
-RNG_FILE = re.compile(r"random_states_(\d+)\.pkl")
 _CARRIED = (
     (RNG_FILE, "RNG state of one rank (pickled numpy objects)"),
     (re.compile(r"sampler(?:_\d+)?\.bin"), "a data sampler (a pickled object)"),
@@ -51,18 +46,6 @@ _CARRIED = (
 def _key(name: str, index: str | None) -> str:
     """Return the tree key of part ``name`` of a job's ``index``-th model/optimizer/..."""
     return name if not index or index == "0" else f"{name}_{index}"
-
-
-def looks_like(src: Path) -> bool:
-    """Return whether directory ``src`` is one ``save_state`` wrote (judged by its names)."""
-    try:
-        names = {p.name for p in src.iterdir()}
-    except OSError:
-        return False
-    return any(RNG_FILE.fullmatch(n) or _MODEL_DIR.fullmatch(n) for n in names) or (
-        any(_OPTIM_DIR.fullmatch(n) for n in names)
-        and any(_MODEL_FILE.fullmatch(n) or _MODEL_DIR.fullmatch(n) for n in names)
-    )
 
 
 class AccelerateReader(PartsReader):
@@ -78,9 +61,9 @@ class AccelerateReader(PartsReader):
             if is_dir:
                 # A model or optimizer directory without .metadata is a save that did not
                 # finish: DcpReader says so, naming it.
-                if m := _MODEL_DIR.fullmatch(name):
+                if m := MODEL_DIR.fullmatch(name):
                     parts.append(Part(_key("model", m.group(1)), name, self._dcp(path), "model"))
-                elif m := _OPTIM_DIR.fullmatch(name):
+                elif m := OPTIM_DIR.fullmatch(name):
                     parts.append(
                         Part(_key("optimizer", m.group(1)), name, self._dcp(path), "optimizer")
                     )
@@ -95,7 +78,7 @@ class AccelerateReader(PartsReader):
                     path=path,
                     hint="save with SHARDED_STATE_DICT (use_dcp=True) or FULL_STATE_DICT",
                 )
-            elif m := _MODEL_FILE.fullmatch(name):
+            elif m := MODEL_FILE.fullmatch(name):
                 parts.append(Part(_key("model", m.group(1)), name, self._file(path)))
             elif m := _OPTIM_FILE.fullmatch(name):
                 parts.append(Part(_key("optimizer", m.group(1)), name, self._file(path)))

@@ -35,16 +35,16 @@ from shardckpt.formats.base import (
     read_routed,
     rekeyed,
 )
-from shardckpt.formats.dcp.reader import DcpReader, is_dcp_dir
+from shardckpt.formats.dcp.reader import DcpReader
 from shardckpt.formats.dcp.writer import DcpWriter
 from shardckpt.formats.ranks.target_ranks import merge_frames
 from shardckpt.formats.torch_save.file import (
     TorchReader,
     whole_file,
 )
+from shardckpt.formats.trainers.lightning_meta import META_FILE
 from shardckpt.state.tree import TensorMeta, is_optimizer, tensor_leaves, walk
 
-META_FILE = "meta.pt"
 """Lightning's ``_METADATA_FILENAME``: what is neither a module's nor an optimizer's state."""
 
 # meta.pt's tensors are known to the reader by this prefix, apart from DCP's flat keys.
@@ -171,8 +171,3 @@ class LightningWriter(Writer):
 
 
 __all__ = ["META_FILE", "LightningReader", "LightningWriter", "in_meta", "split_parts"]
-
-
-def looks_like(src: Path) -> bool:
-    """Return whether directory ``src`` is Lightning's sharded checkpoint: DCP with ``meta.pt`` beside it."""
-    return is_dcp_dir(src) and has_file(src / META_FILE, src)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from shardckpt.core.errors import BadInputError, ShardckptError
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.trainers.deepspeed.names import (
     LATEST,
     MODEL_FILE,

@@ -37,8 +37,8 @@ from shardckpt.core.errors import BadInputError, UnsafePickleError
 from shardckpt.core.files import os_error, source_file
 from shardckpt.core.torch_internals import shard_chunk
 from shardckpt.core.words import clipped, counted, shown
+from shardckpt.formats.trainers.torch_checkpointing.detect import METADATA_FILE
 
-METADATA_FILE = "metadata.pkl"
 VERSION = "2.0"
 SAFETENSORS = "SafetensorsSerialization"
 TORCH = "TorchSerialization"

@@ -416,9 +416,4 @@ class TorchCheckpointingReader(Reader):
         return out
 
 
-def is_torch_checkpointing_dir(path: Path) -> bool:
-    """Return whether ``path`` holds torch_checkpointing's ``metadata.pkl``."""
-    return has_file(path / METADATA_FILE, path)
-
-
-__all__ = ["TorchCheckpointingReader", "is_torch_checkpointing_dir"]
+__all__ = ["TorchCheckpointingReader"]
