@@ -171,11 +171,14 @@ class OnStorage:
 
         def register() -> None:
             for n, (store, objects) in laid.items():
-                for name, size in objects.items():
-                    if storage.read_in_place(name):
-                        url = f"{store.url}/{name}"
-                        obj = remote_files.RemoteObject(store.fs, store.child(name), url, size)
-                        self.stand_ins.append(remote_files.stand_in(fetched[n] / name, obj))
+                for name in storage.read_in_place(store, objects):
+                    url, key = (
+                        (f"{store.url}/{name}", store.child(name))
+                        if name
+                        else (store.url, store.path)
+                    )
+                    obj = remote_files.RemoteObject(store.fs, key, url, objects[name])
+                    self.stand_ins.append(remote_files.stand_in(fetched[n] / name, obj))
 
         self.runtime.agreed(register)  # once the node's stand-ins exist
         return fetched

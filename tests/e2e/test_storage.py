@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import warm_cli
 from object_store import S3, own_tmpdir, s3  # noqa: F401 - the fixtures
+from reference import write_hf_like_transformers
 from safetensors.torch import load as load_safetensors
 
 from shardckpt.cli.app import run
@@ -437,7 +438,7 @@ def big_state() -> dict:
 class Reads:
     """What a run fetched of SRC: objects whole, bytes by ranged request, and the disk its stand-ins took."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, data: tuple[str, ...] = (".distcp",)):
         import s3fs
 
         from shardckpt.core import remote_files
@@ -453,8 +454,9 @@ class Reads:
             return await get_file(fs, rpath, lpath, **kwargs)
 
         def measured(keys):
-            for path in Path(tempfile.gettempdir()).glob("shardckpt-src-*/**/*.distcp"):
-                self.stand_ins[path.name] = path.stat().st_blocks * 512
+            for path in Path(tempfile.gettempdir()).glob("shardckpt-src-*/**/*"):
+                if path.name.endswith(data) and path.is_file():
+                    self.stand_ins[path.name] = path.stat().st_blocks * 512
             forget(keys)
 
         monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", counted)
@@ -567,4 +569,254 @@ def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_co
     assert [g["commit"] for g in got] == [[".metadata"], []]
     assert all(g["ranged_bytes"] > 0 for g in got)  # each rank read SRC's data itself
     assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+
+
+# ------------------------------- safetensors, hf and torch.save objects read where they lie
+
+SAFETENSORS_OR_TORCH = (".safetensors", ".pt")
+
+
+def hf_on_s3(s3: S3, tmp_path: Path) -> tuple[Path, str, dict[str, int]]:  # noqa: F811
+    """Return a Hugging Face directory (``hf_state`` in three shards and a config), its URL, and its shards' sizes."""
+    local = tmp_path / "hf"
+    write_hf_like_transformers(local, hf_state(), per_shard=2)
+    (local / "config.json").write_text("{}")
+    url = f"s3://{s3.bucket()}/models/hf"
+    s3.put_dir(local, url[5:])
+    return local, url, sizes_of(s3, url[5:], (".safetensors",))
+
+
+def sizes_of(s3: S3, prefix: str, data: tuple[str, ...]) -> dict[str, int]:  # noqa: F811
+    """Return the data objects under ``prefix`` (``bucket/...``, an object or a prefix) by name, with their sizes."""
+    s3.fs.invalidate_cache()
+    found = s3.fs.find(prefix, detail=True)
+    return {k.rsplit("/", 1)[1]: v["size"] for k, v in found.items() if k.endswith(data)}
+
+
+def read_in_place(reads: Reads, sizes: dict[str, int]) -> None:
+    """Assert the run fetched no data object whole, kept none on the disk, and asked for each byte about once.
+
+    Beyond the data itself: a few 256 KiB blocks per object (its header, or its zip's
+    directory, pickle and byteorder record, read before its tensors).
+    """
+    assert not [k for k in reads.whole if k.endswith(SAFETENSORS_OR_TORCH)]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    total = sum(sizes.values())
+    assert total <= reads.requests.bytes <= total + len(sizes) * 4 * (256 << 10)
+
+
+def hf_state() -> dict:
+    """Weights that span several ranged requests (``remote_files.PART``), in three shards."""
+    torch.manual_seed(2)
+    return {
+        "embed.weight": torch.randn(1500, 1024),
+        "layers.0.w": torch.randn(1024, 600).to(torch.bfloat16),
+        "layers.0.b": torch.randn(600),
+        "layers.1.w": torch.randn(600, 700),
+        "norm.weight": torch.randn(700).half(),
+        "step": torch.tensor(3),
+    }
+
+
+def test_s3_hf_directory_to_local_dcp_and_safetensors_reads_its_shards_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from safetensors.torch import load_file
+
+    local, url, sizes = hf_on_s3(s3, tmp_path)
+    bucket = url[5:].split("/")[0]
+    assert len(sizes) == 3
+    # What the safetensors library reads from the local original: the source.
+    source = {}
+    for shard in sorted(local.glob("*.safetensors")):
+        source.update(load_file(shard))
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "dcp"
+    code, err = cli(capsys, "convert", url, out, "--to", "sharded", "--world-size", "2", "-q")
+    assert (code, err) == (0, [])
+    back = {"model": {k: torch.zeros_like(v) for k, v in source.items()}}
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back["model"], source)
+    read_in_place(reads, sizes)
+    assert sorted(k.rsplit("/", 1)[1] for k in reads.whole) == [
+        "config.json",
+        "model.safetensors.index.json",
+    ]
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "full.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    assert_equal(load_safetensors(out.read_bytes()), source)
+    read_in_place(reads, sizes)
+    no_leftovers(s3, bucket)
+
+
+def test_s3_torch_save_file_to_local_safetensors_reads_it_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    local = tmp_path / "model.pt"
+    torch.save(big_state()["model"], local)
+    source = torch.load(local, weights_only=True)  # what torch reads from the local original
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/model.pt"
+    s3.fs.put_file(str(local), url[5:])
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "model.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
+    assert (code, err) == (0, [])
+    assert_equal(load_safetensors(out.read_bytes()), source)
+    read_in_place(reads, {"model.pt": local.stat().st_size})
+    assert reads.whole == []
+    no_leftovers(s3, bucket)
+
+
+def test_s3_torch_save_file_with_views_to_local_dcp_is_the_source(s3, tmp_path, capsys):  # noqa: F811
+    # A transposed view and two tensors sharing one storage: rows not one run of the file.
+    torch.manual_seed(3)
+    base = torch.randn(300, 200)
+    tree = {"t": base.t(), "head": base[:10], "tail": base[290:], "n": torch.arange(5), "k": 4}
+    local = tmp_path / "views.pt"
+    torch.save(tree, local)
+    source = torch.load(local, weights_only=True)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/views.pt"
+    s3.fs.put_file(str(local), url[5:])
+    out = tmp_path / "dcp"
+    code, err = cli(capsys, "convert", url, out, "--to", "sharded", "--world-size", "2", "-q")
+    assert (code, err) == (0, [])
+    back = _zeros(source)
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, source)
+
+
+def test_s3_safetensors_file_to_local_dcp_and_verify_and_inspect_read_it_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from safetensors.torch import load_file, save_file
+
+    local = tmp_path / "model.safetensors"
+    save_file(hf_state(), local)
+    source = load_file(local)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/model.safetensors"
+    s3.fs.put_file(str(local), url[5:])
+    sizes = {"model.safetensors": local.stat().st_size}
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "dcp"
+    argv = ["convert", url, out, "--to", "sharded", "--world-size", "2", "-q"]
+    code, err = cli(capsys, *argv)
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    back = {k: torch.zeros_like(v) for k, v in source.items()}
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, source)
+    read_in_place(reads, sizes)
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["verify", url])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"intact: {url} (safetensors")
+    read_in_place(reads, sizes)
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["inspect", url, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert doc["format"] == "safetensors"
+    assert {".".join(e["path"]) for e in doc["entries"]} == set(source)
+    assert reads.whole == []
+    assert reads.requests.bytes <= 256 << 10  # its header's block, no tensor
+    no_leftovers(s3, bucket)
+
+
+def test_verify_and_inspect_of_an_s3_hf_directory_fetch_no_shard_whole(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    _, url, sizes = hf_on_s3(s3, tmp_path)
+    bucket = url[5:].split("/")[0]
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["verify", url])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"intact: {url} (hf")
+    read_in_place(reads, sizes)
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["inspect", url])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"{url}: format hf")
+    assert not [k for k in reads.whole if k.endswith(".safetensors")]
+    assert reads.requests.bytes <= 3 * (256 << 10)  # each shard's header block
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_a_torch_save_object_on_s3_is_exit_3_naming_it(s3, tmp_path, capsys):  # noqa: F811
+    local = tmp_path / "model.pt"
+    torch.save(big_state()["model"], local)
+    flipped = damage.flip_in_torch_file(local, "u")
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/model.pt"
+    s3.fs.put_file(str(local), url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.safetensors", "--to", "full"]):
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}': {flipped.message()}: {damage.RECOPY}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt", "hf"])
+def test_an_object_removed_during_the_run_is_one_line_naming_it(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    name,
+):
+    from safetensors.torch import save_file
+
+    from shardckpt.core import storage
+
+    bucket = s3.bucket()
+    if name == "hf":
+        _, url, _ = hf_on_s3(s3, tmp_path)
+        bucket = url[5:].split("/")[0]
+        removed = "models/hf/model-00002-of-00003.safetensors"
+    else:
+        local = tmp_path / name
+        (save_file if name.endswith(".safetensors") else torch.save)(hf_state(), local)
+        s3.fs.put_file(str(local), f"{bucket}/in/{name}")
+        removed, url = f"in/{name}", f"s3://{bucket}/in/{name}"
+    lay_out = storage.lay_out
+
+    def then_removed(store, into, objects):
+        laid = lay_out(store, into, objects)
+        s3.fs.rm(f"{bucket}/{removed}")  # once listed and laid out, before any read
+        return laid
+
+    monkeypatch.setattr(storage, "lay_out", then_removed)
+    out = tmp_path / "out"
+    argv = ["convert", url, out, "--to", "sharded", "--world-size", "2"]
+    code, err = cli(capsys, *argv)
+    assert code == 3
+    assert err == [
+        f"shardckpt: error: 's3://{bucket}/{removed}': was removed while it was read "
+        "(404 NoSuchKey): SRC changed during the run; convert a checkpoint that no process "
+        "is writing or removing"
+    ]
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out*"))
     no_leftovers(s3, bucket)
