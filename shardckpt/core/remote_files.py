@@ -2,20 +2,23 @@
 
 A URL SRC is laid out on the node's disk as a directory of stand-ins (``api/storage``): its
 small objects (DCP's ``.metadata``) fetched whole, and each data object a reader reads
-only through ``core.files`` (``preadv``, ``pread``, ``source_stream``; DCP's ``.distcp``)
-as an empty sparse file of the object's size, registered here by its inode
-(``stand_in``). The gate, the listings and the sizes work on a stand-in as on any local
-file and no byte of it is on the disk; every byte read from one comes from the store, in
-ranged GETs of at most ``PART`` bytes, ``IN_FLIGHT`` at once.
+only through ``core.files`` (``preadv``, ``pread``, ``source_stream``; DCP's ``.distcp``,
+safetensors and torch.save files: ``storage.read_in_place``) as an empty sparse file of
+the object's size, registered here by its inode (``stand_in``). The gate, the listings
+and the sizes work on a stand-in as on any local file and no byte of it is on the disk;
+every byte read from one comes from the store, in ranged GETs of at most ``PART`` bytes,
+``IN_FLIGHT`` at once.
 
 A reader that says what it reads next (``files.will_read``: the runs a stored copy
 copies, said for a whole batch as the copies are queued; a tensor's chunks; verify's
-span) has those ranges fetched ahead in order, in ``PART``s, ``IN_FLIGHT`` requests at
-once, and takes its bytes from there; a small read (a chunk's zip headers) is served from a
-``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers and rows of
-neighbouring small chunks are one request; any other read is fetched as asked. Memory:
-``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each request is retried as
-any request to the store is (``storage.retried``), then one line names the object.
+span) has those ranges fetched ahead in order (consecutive ones as one span), in
+``PART``s, ``IN_FLIGHT`` requests at once, and takes its bytes from there, a part kept
+until all of it is taken (by any thread); a small read (a chunk's zip headers) is served
+from a ``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers
+and rows of neighbouring small chunks are one request; any other read is fetched as
+asked. Memory: ``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each
+request is retried as any request to the store is (``storage.retried``), then one line
+names the object.
 """
 
 from __future__ import annotations
