@@ -820,3 +820,55 @@ def test_an_object_removed_during_the_run_is_one_line_naming_it(
     assert not out.exists()
     assert not list(tmp_path.glob(".out*"))
     no_leftovers(s3, bucket)
+
+
+def _cut(raw: bytes) -> bytes:
+    return raw[: len(raw) // 2]
+
+
+def _huge_header(raw: bytes) -> bytes:
+    return (1 << 40).to_bytes(8, "little") + raw[8:]
+
+
+def _garbled_pickle(raw: bytes) -> bytes:
+    at = raw.index(b"data.pkl") + 64  # inside the pickle's record
+    return raw[:at] + bytes(64) + raw[at + 64 :]
+
+
+@pytest.mark.parametrize(
+    ("name", "damage_it"),
+    [
+        ("model.safetensors", _cut),
+        ("model.safetensors", _huge_header),
+        ("model.pt", _cut),
+        ("model.pt", _garbled_pickle),
+        ("model.bin", lambda raw: b"not a checkpoint at all" * 10),
+    ],
+)
+def test_a_damaged_object_read_in_place_is_the_line_its_local_copy_gives(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    name,
+    damage_it,
+):
+    from safetensors.torch import save_file
+
+    original = tmp_path / f"original-{name}"
+    (save_file if name.endswith(".safetensors") else torch.save)(hf_state(), original)
+    (tmp_path / "in").mkdir()
+    local = tmp_path / "in" / name
+    local.write_bytes(damage_it(original.read_bytes()))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/{name}"
+    s3.fs.put_file(str(local), url[5:])
+    argv = ["--to", "sharded", "--world-size", "2"]
+    code, err = cli(capsys, "convert", local, tmp_path / "out-local", *argv)
+    assert code == 3 and len(err) == 1
+    # Read in place, the same line as for the file on a disk, naming the object.
+    assert cli(capsys, "convert", url, tmp_path / "out", *argv) == (
+        3,
+        [err[0].replace(str(local), url)],
+    )
+    assert not (tmp_path / "out").exists()
+    no_leftovers(s3, bucket)
