@@ -245,19 +245,19 @@ class TorchReader(Reader):
         record = self._records[self._key(t)]  # type: ignore[index]
         if runs is None:  # a view that is not one run: its storage's record read whole
             data = torch.empty(record.written.length, dtype=torch.uint8)
-            self._read_into(raw_bytes(data), record.written.start, meta, record)
+            self._read_into(raw_bytes(data), record.written.start, record)
             whole = torch.empty(0, dtype=t.dtype).set_(
                 data.untyped_storage(), t.storage_offset(), t.shape, t.stride()
             )
             return whole if r is None or not meta.shape else whole[first:stop].clone()
-        self._read_into(raw_bytes(out), runs[0].offset, meta, record)
+        self._read_into(raw_bytes(out), runs[0].offset, record)
         return out
 
-    def _read_into(self, data, at: int, meta: TensorMeta, record: MappedRecord) -> None:
+    def _read_into(self, data, at: int, record: MappedRecord) -> None:
         """Fill ``data`` from byte ``at`` of the file and note it, in its record, in the active ledger."""
         fd = open_source(self.src)
         try:
-            read_exactly(fd, data, at, self.src, f"the data of {meta.key!r}")
+            read_exactly(fd, data, at, self.src, f"the data of {record.written.where}")
         finally:
             os.close(fd)
         ledger = active()
