@@ -548,18 +548,24 @@ def test_a_data_object_removed_during_the_run_is_one_line_naming_it(
     no_leftovers(s3, bucket)
 
 
-@pytest.mark.slow
-def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_commits(s3, src):  # noqa: F811
+def convert_on_two_ranks(src: str, dst: str, world_size: int) -> list[dict]:
+    """Convert ``src`` to a DCP at ``world_size`` at ``dst`` on two gloo ranks; return what each read and uploaded."""
     import ranks
     from harness import run_ranks
 
-    bucket = src[5:].split("/")[0]
-    dst = f"s3://{bucket}/run/at-4-by-2"
     env = {
         k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     }
     env["TMPDIR"] = tempfile.gettempdir()
-    got = run_ranks(ranks.convert_on_storage, 2, src, dst, "sharded", {"world_size": 4}, env)
+    kwargs = {"world_size": world_size}
+    return run_ranks(ranks.convert_on_storage, 2, src, dst, "sharded", kwargs, env)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_commits(s3, src):  # noqa: F811
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/at-4-by-2"
+    got = convert_on_two_ranks(src, dst, world_size=4)
     # Target rank r's file is written by process r mod 2, which uploads it; rank 0 alone
     # puts .metadata, after both ranks' uploads.
     assert [g["data"] for g in got] == [
@@ -585,6 +591,16 @@ def hf_on_s3(s3: S3, tmp_path: Path) -> tuple[Path, str, dict[str, int]]:  # noq
     url = f"s3://{s3.bucket()}/models/hf"
     s3.put_dir(local, url[5:])
     return local, url, sizes_of(s3, url[5:], (".safetensors",))
+
+
+def read_shards(local: Path) -> dict:
+    """Return the tensors of a Hugging Face directory's shards as the safetensors library reads them: the source."""
+    from safetensors.torch import load_file
+
+    source = {}
+    for shard in sorted(local.glob("*.safetensors")):
+        source.update(load_file(shard))
+    return source
 
 
 def sizes_of(s3: S3, prefix: str, data: tuple[str, ...]) -> dict[str, int]:  # noqa: F811
@@ -625,15 +641,10 @@ def test_s3_hf_directory_to_local_dcp_and_safetensors_reads_its_shards_in_place(
     capsys,
     monkeypatch,
 ):
-    from safetensors.torch import load_file
-
     local, url, sizes = hf_on_s3(s3, tmp_path)
     bucket = url[5:].split("/")[0]
     assert len(sizes) == 3
-    # What the safetensors library reads from the local original: the source.
-    source = {}
-    for shard in sorted(local.glob("*.safetensors")):
-        source.update(load_file(shard))
+    source = read_shards(local)
 
     reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
     out = tmp_path / "dcp"
@@ -871,4 +882,21 @@ def test_a_damaged_object_read_in_place_is_the_line_its_local_copy_gives(
         [err[0].replace(str(local), url)],
     )
     assert not (tmp_path / "out").exists()
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_two_ranks_read_an_s3_hf_directory_in_place_each_its_part(s3, tmp_path):  # noqa: F811
+    local, src, sizes = hf_on_s3(s3, tmp_path)
+    source = read_shards(local)
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/from-hf-at-2"
+    got = convert_on_two_ranks(src, dst, world_size=2)
+    assert_equal(load_dcp(dst, {"model": source})["model"], source)
+    # Each rank read the rows of its own target rank from the shards, by ranges: together
+    # about the shards' size once (their headers' blocks read by both).
+    ranged = [g["ranged_bytes"] for g in got]
+    total = sum(sizes.values())
+    assert all(n > 0 for n in ranged)
+    assert total <= sum(ranged) <= total + 2 * len(sizes) * 4 * (256 << 10)
     no_leftovers(s3, bucket)
