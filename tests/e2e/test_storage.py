@@ -690,13 +690,15 @@ def test_s3_torch_save_file_to_local_safetensors_reads_it_in_place(
     no_leftovers(s3, bucket)
 
 
-def test_s3_torch_save_file_with_views_to_local_dcp_is_the_source(s3, tmp_path, capsys):  # noqa: F811
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_s3_torch_save_file_with_views_to_local_dcp_is_the_source(s3, tmp_path, capsys, legacy):  # noqa: F811
     # A transposed view and two tensors sharing one storage: rows not one run of the file.
+    # A legacy file (torch < 1.6's format, no zip records) is read whole, through a stream.
     torch.manual_seed(3)
     base = torch.randn(300, 200)
     tree = {"t": base.t(), "head": base[:10], "tail": base[290:], "n": torch.arange(5), "k": 4}
     local = tmp_path / "views.pt"
-    torch.save(tree, local)
+    torch.save(tree, local, _use_new_zipfile_serialization=not legacy)
     source = torch.load(local, weights_only=True)
     bucket = s3.bucket()
     url = f"s3://{bucket}/in/views.pt"

@@ -10,6 +10,7 @@ checkpoint, and the result is an ordinary ``torch.save`` file.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from shardckpt.codecs.pickle_scan import (
 from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import (
+    SourceStream,
     is_remote_file,
     open_source,
     os_error,
@@ -35,7 +37,6 @@ from shardckpt.core.files import (
     read_head,
     source_file,
     source_stat,
-    source_stream,
     writing,
 )
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key, stored_offset
@@ -94,7 +95,7 @@ def load(
     try:
         with torch.serialization.safe_globals(allowed), quiet_protocol_warning():
             if is_remote_file(path):
-                with source_stream(path) as stream:
+                with _Unmapped(SourceStream(path), buffer_size=64 << 10) as stream:
                     where = "meta" if lazy else "cpu"
                     return torch.load(stream, map_location=where, **options)
             try:
@@ -134,6 +135,17 @@ def load(
     )
 
 
+class _Unmapped(io.BufferedReader):
+    """A stand-in's stream as torch must read it: through its reads, never its descriptor.
+
+    torch reads a legacy file's storages from ``fileno()`` when there is one: a stand-in's
+    descriptor has no bytes.
+    """
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a URL SRC's stand-in is read through core.files")
+
+
 def _damaged(path: Path, reason: str) -> BadInputError:
     return BadInputError(
         f"is a damaged torch.save file ({reason})",
@@ -168,7 +180,8 @@ class TorchReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        self._stored = is_remote_file(self.src)
+        # A legacy (not zip) file has no records, and torch reads its storages whatever the device.
+        self._stored = is_remote_file(self.src) and is_torch_zip(self.src)
         """Whether rows are read from the file by record (a URL SRC's), not from the loaded tensors."""
         self._load(lazy=self._stored)
         if self._stored and not all(
@@ -385,4 +398,12 @@ class TorchWriter(Writer):
 def is_torch_file(path: Path) -> bool:
     """Return whether file ``path`` starts as ``torch.save`` writes: a zip, or a legacy pickle."""
     head = read_head(path, 4)
-    return head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02"
+    return head[:4] == ZIP_MAGIC or head[:2] == b"\x80\x02"
+
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def is_torch_zip(path: Path) -> bool:
+    """Return whether file ``path`` starts as a zip: ``torch.save``'s format since torch 1.6, not the legacy one."""
+    return read_head(path, 4) == ZIP_MAGIC
