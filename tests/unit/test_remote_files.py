@@ -29,7 +29,7 @@ class Store:
 
 
 @pytest.fixture
-def store():
+def store(tmp_path):
     remote_files.requests.count = remote_files.requests.bytes = 0
     data = {
         "a": bytes(range(256)) * (5 * PART // 256),
@@ -37,10 +37,13 @@ def store():
     }
     fs = Store(data)
     objs = {k: RemoteObject(fs, k, f"s3://b/{k}", len(v)) for k, v in data.items()}
-    # A stand-in registered, so that the fetching threads end with forget() as in a run.
-    remote_files._objects[(-1, -1)] = objs["a"]
+    keys = []
+    for name, obj in objs.items():  # their stand-ins, as a run lays them out
+        with open(tmp_path / name, "xb") as f:
+            f.truncate(obj.size)
+        keys.append(remote_files.stand_in(tmp_path / name, obj))
     yield fs, objs
-    remote_files.forget([(-1, -1)])
+    remote_files.forget(keys)  # the fetching threads end, as at a run's end
 
 
 def read(obj: RemoteObject, start: int, length: int) -> bytes:
