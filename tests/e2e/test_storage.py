@@ -687,6 +687,15 @@ def test_s3_torch_save_file_to_local_safetensors_reads_it_in_place(
     assert_equal(load_safetensors(out.read_bytes()), source)
     read_in_place(reads, {"model.pt": local.stat().st_size})
     assert reads.whole == []
+
+    # inspect: its zip's directory, pickle and records' headers, no tensor's bytes.
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["inspect", url, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert (code, doc["format"]) == (0, "torch")
+    assert {".".join(e["path"]) for e in doc["entries"]} == set(source)
+    assert reads.whole == []
+    assert reads.requests.bytes <= 4 * (256 << 10) < local.stat().st_size // 10
     no_leftovers(s3, bucket)
 
 
