@@ -1,8 +1,11 @@
 """Benchmark `shardckpt convert s3://... s3://...` against what a user would otherwise run.
 
     python scripts/bench.py --s3 [--size-gb 1.0] [--world-size 3] [--workdir .bench] [--json]
+                                 [--source dcp|hf] [--threads N]
 
-Builds (or reuses) bench.py's FSDP2 DCP of about SIZE_GB (model + AdamW), starts a moto S3
+Builds (or reuses) bench.py's FSDP2 DCP of about SIZE_GB (model + AdamW) (``--source hf``:
+its model as a Hugging Face directory of 256 MB safetensors shards, converted once by
+shardckpt and kept beside it; read in place as the DCP is), starts a moto S3
 server on loopback (``moto_server``, from ``pip install -e '.[s3,s3-server]'``), puts the
 DCP there (ranged GETs served from the range alone, as S3 does: ``bench_moto.py``; moto's
 own server, ``--plain-moto``, reads the whole object for each), then runs each case as a process of its own, one after another:
@@ -88,12 +91,13 @@ def filesystem():
     return s3fs.S3FileSystem(skip_instance_cache=True)
 
 
-def child(case: str, src: str, dst: str, world_size: int) -> dict:
+def child(case: str, src: str, dst: str, world_size: int, threads: str = "") -> dict:
     """Run one case here; return its wall time, peak RSS and requests."""
     counts = count_requests()
     from shardckpt.cli.app import run
 
     argv = ["convert", "--to", "sharded", "--world-size", str(world_size), "-q"]
+    argv += ["--threads", threads] if threads else []
     fs = filesystem()
     work = Path(tempfile.mkdtemp(prefix="bench-s3-"))
     start = time.perf_counter()
@@ -129,6 +133,25 @@ CASES = {
     "dcu": "download, convert, upload (s3fs get, shardckpt, s3fs put)",
     "shardckpt": "shardckpt convert s3:// s3://",
 }
+
+
+SOURCES = {
+    "dcp": "FSDP2 DCP (model + AdamW)",
+    "hf": "Hugging Face directory (the DCP's model, 256 MB safetensors shards)",
+}
+
+
+def hf_source(dcp_dir: Path) -> Path:
+    """Return the model of ``dcp_dir`` as a Hugging Face directory beside it, converting it once."""
+    out = dcp_dir.with_name(dcp_dir.name + "-hf")
+    if (out / "model.safetensors.index.json").is_file():
+        log(f"reusing {out}")
+        return out
+    log(f"converting {dcp_dir} to {out} ...")
+    argv = [sys.executable, "-m", "shardckpt", "convert", str(dcp_dir), str(out), "--to", "full"]
+    argv += ["--format", "hf", "--max-shard-size", "256MB", "-q"]
+    subprocess.run(argv, cwd=ROOT, check=True, stdout=sys.stderr)
+    return out
 
 
 def free_port() -> int:
@@ -174,9 +197,9 @@ def md5s(fs, prefix: str) -> dict[str, str]:
     return out
 
 
-def run_case(case: str, src: str, dst: str, world_size: int) -> dict:
+def run_case(case: str, src: str, dst: str, world_size: int, threads: str = "") -> dict:
     log(f"{CASES[case]} ...")
-    argv = [sys.executable, __file__, "--child", case, src, dst, str(world_size)]
+    argv = [sys.executable, __file__, "--child", case, src, dst, str(world_size), threads]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
@@ -203,14 +226,21 @@ def table(results: dict[str, dict], src_bytes: int, world_size: int) -> str:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--child"]:
-        case, src, dst, world_size = argv[1:5]
-        print(json.dumps(child(case, src, dst, int(world_size))))
+        case, src, dst, world_size, threads = argv[1:6]
+        print(json.dumps(child(case, src, dst, int(world_size), threads)))
         return 0
     parser = argparse.ArgumentParser(prog="bench.py --s3")
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--source",
+        choices=("dcp", "hf"),
+        default="dcp",
+        help="SRC on S3: the FSDP2 DCP, or its model as a Hugging Face directory",
+    )
+    parser.add_argument("--threads", default="", help="shardckpt's --threads (default: its own)")
     parser.add_argument(
         "--plain-moto",
         action="store_true",
@@ -221,6 +251,8 @@ def main(argv: list[str]) -> int:
     import bench
 
     src_dir = bench.ensure_source(args.workdir.resolve(), args.size_gb)
+    if args.source == "hf":
+        src_dir = hf_source(src_dir)
     src_bytes = bench.tree_bytes(src_dir)
     proc, endpoint = start_moto(args.plain_moto)
     os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
@@ -231,7 +263,8 @@ def main(argv: list[str]) -> int:
         fs.put(str(src_dir) + "/", f"{BUCKET}/src", recursive=True)
         results = {}
         for case in CASES:
-            results[case] = run_case(case, f"{BUCKET}/src", f"{BUCKET}/{case}", args.world_size)
+            dst = f"{BUCKET}/{case}"
+            results[case] = run_case(case, f"{BUCKET}/src", dst, args.world_size, args.threads)
             if case in ("plain", "server"):
                 fs.rm(f"{BUCKET}/{case}", recursive=True)  # moto holds objects in memory
         same = md5s(fs, f"{BUCKET}/dcu") == md5s(fs, f"{BUCKET}/shardckpt")
@@ -241,6 +274,8 @@ def main(argv: list[str]) -> int:
     doc = {
         "source": str(src_dir),
         "source_bytes": src_bytes,
+        "source_format": args.source,
+        "threads": args.threads or "shardckpt's default",
         "world_size": args.world_size,
         "endpoint": "moto_server on loopback"
         + (" (plain)" if args.plain_moto else " (ranges served as S3 does)"),
@@ -252,8 +287,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(
-            f"SRC: FSDP2 DCP (model + AdamW), {src_bytes / 1e9:.3f} GB, on {doc['endpoint']}, "
-            f"to DCP at {args.world_size}; {os.cpu_count()} CPUs"
+            f"SRC: {SOURCES[args.source]}, {src_bytes / 1e9:.3f} GB, on {doc['endpoint']}, "
+            f"to DCP at {args.world_size}; {os.cpu_count()} CPUs, --threads {doc['threads']}"
         )
         print()
         print(table(results, src_bytes, args.world_size))

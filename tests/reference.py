@@ -8,6 +8,7 @@ Everything here runs real FSDP2 (``fully_shard``) and DCP on gloo ranks through
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -202,3 +203,22 @@ def assert_trees_equal(a: Any, b: Any, max_lines: int = 20) -> None:
         shown = "\n  ".join(sorted(out)[:max_lines])
         more = f"\n  ... and {len(out) - max_lines} more" if len(out) > max_lines else ""
         raise AssertionError(f"trees differ at {len(out)} paths:\n  {shown}{more}")
+
+
+def write_hf_like_transformers(path, tensors: dict, per_shard: int) -> None:
+    """Write ``tensors`` as transformers' save_pretrained lays them out (the library, not ours)."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    names = list(tensors)
+    groups = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in group}, path / file, {"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps(index, indent=2, sort_keys=True) + "\n"
+    )

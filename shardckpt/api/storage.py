@@ -1,7 +1,8 @@
 """SRC and DST given as URLs (``s3://bucket/prefix``): each command runs on local paths standing for them.
 
 A URL SRC is laid out in a private temporary directory, once per node (by its lowest
-rank; removed when the command ends): its DCP data objects as stand-ins that every rank
+rank; removed when the command ends): its data objects (``storage.read_in_place``: DCP's,
+a safetensors or torch.save SRC, an hf directory's shards) as stand-ins that every rank
 reads from the store by ranges (``core.remote_files``), its other objects fetched. A URL
 DST is written under a staging directory on this node, named for the URL (so every rank
 of a ``torchrun`` on one node writes the same one), then uploaded: each rank the data
@@ -171,11 +172,14 @@ class OnStorage:
 
         def register() -> None:
             for n, (store, objects) in laid.items():
-                for name, size in objects.items():
-                    if storage.read_in_place(name):
-                        url = f"{store.url}/{name}"
-                        obj = remote_files.RemoteObject(store.fs, store.child(name), url, size)
-                        self.stand_ins.append(remote_files.stand_in(fetched[n] / name, obj))
+                for name in storage.read_in_place(store, objects):
+                    url, key = (
+                        (f"{store.url}/{name}", store.child(name))
+                        if name
+                        else (store.url, store.path)
+                    )
+                    obj = remote_files.RemoteObject(store.fs, key, url, objects[name])
+                    self.stand_ins.append(remote_files.stand_in(fetched[n] / name, obj))
 
         self.runtime.agreed(register)  # once the node's stand-ins exist
         return fetched

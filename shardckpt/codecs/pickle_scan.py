@@ -174,7 +174,10 @@ def torch_pickles(source: str | os.PathLike | BinaryIO) -> Iterator[list[BinaryI
 def opened(source: str | os.PathLike | BinaryIO) -> Iterator[BinaryIO]:
     """Yield ``source`` as a binary stream at its start: a path opened, a stream rewound (before and after)."""
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
+        from shardckpt.core.files import is_remote_file, source_stream
+
+        # A URL SRC's stand-in is read from the store, through core.files.
+        with source_stream(source) if is_remote_file(source) else open(source, "rb") as f:
             yield f
     else:
         source.seek(0)

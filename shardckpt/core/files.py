@@ -203,6 +203,15 @@ def is_remote(fd: int) -> bool:
     return remote_files.of_fd(fd) is not None
 
 
+def is_remote_file(path: str | os.PathLike) -> bool:
+    """Return whether the file ``path`` stands for an object of a URL SRC: a reader must not map it.
+
+    A mapping of a stand-in (``torch.load(mmap=True)``, ``safe_open``) reads zeros; its
+    readers read it through ``preadv``/``pread``/``source_stream`` instead.
+    """
+    return remote_files.of_path(path) is not None
+
+
 def will_read(path: str | os.PathLike, ranges: list[tuple[int, int]]) -> None:
     """Say that ranges (start, length) of the source file ``path`` are read next, in this order.
 
@@ -301,12 +310,17 @@ def source_file(path: str | os.PathLike, within: str | os.PathLike | None = None
 
 
 def read_head(path: str | os.PathLike, size: int) -> bytes:
-    """Return the first ``size`` bytes of the source file ``path`` (fewer when it is shorter)."""
+    """Return the first ``size`` bytes of the source file ``path`` (fewer when it is shorter).
+
+    Through ``pread``: the stand-in of an object of a URL SRC reads from the store.
+    """
+    fd = open_source(source_file(path))
     try:
-        with open(source_file(path), "rb") as f:
-            return f.read(size)
+        return pread(fd, min(size, os.fstat(fd).st_size), 0)
     except OSError as exc:
         raise os_error(exc, path) from None
+    finally:
+        os.close(fd)
 
 
 def source_entry(path: str | os.PathLike, within: str | os.PathLike) -> bool:

@@ -2,20 +2,23 @@
 
 A URL SRC is laid out on the node's disk as a directory of stand-ins (``api/storage``): its
 small objects (DCP's ``.metadata``) fetched whole, and each data object a reader reads
-only through ``core.files`` (``preadv``, ``pread``, ``source_stream``; DCP's ``.distcp``)
-as an empty sparse file of the object's size, registered here by its inode
-(``stand_in``). The gate, the listings and the sizes work on a stand-in as on any local
-file and no byte of it is on the disk; every byte read from one comes from the store, in
-ranged GETs of at most ``PART`` bytes, ``IN_FLIGHT`` at once.
+only through ``core.files`` (``preadv``, ``pread``, ``source_stream``; DCP's ``.distcp``,
+safetensors and torch.save files: ``storage.read_in_place``) as an empty sparse file of
+the object's size, registered here by its inode (``stand_in``). The gate, the listings
+and the sizes work on a stand-in as on any local file and no byte of it is on the disk;
+every byte read from one comes from the store, in ranged GETs of at most ``PART`` bytes,
+``IN_FLIGHT`` at once.
 
 A reader that says what it reads next (``files.will_read``: the runs a stored copy
 copies, said for a whole batch as the copies are queued; a tensor's chunks; verify's
-span) has those ranges fetched ahead in order, in ``PART``s, ``IN_FLIGHT`` requests at
-once, and takes its bytes from there; a small read (a chunk's zip headers) is served from a
-``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers and rows of
-neighbouring small chunks are one request; any other read is fetched as asked. Memory:
-``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each request is retried as
-any request to the store is (``storage.retried``), then one line names the object.
+span) has those ranges fetched ahead in order (consecutive ones as one span), in
+``PART``s, ``IN_FLIGHT`` requests at once, and takes its bytes from there, a part kept
+until all of it is taken (by any thread); a small read (a chunk's zip headers) is served
+from a ``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers
+and rows of neighbouring small chunks are one request; any other read is fetched as
+asked. Memory: ``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each
+request is retried as any request to the store is (``storage.retried``), then one line
+names the object.
 """
 
 from __future__ import annotations
@@ -172,19 +175,43 @@ class _Blocks:
 
 
 class _Part:
-    __slots__ = ("obj", "start", "end", "future")
+    __slots__ = ("obj", "start", "end", "future", "left")
 
     def __init__(self, obj: RemoteObject, start: int, end: int):
         self.obj, self.start, self.end = obj, start, end
         self.future: Future | None = None
+        self.left = end - start
+        """Its bytes no read has taken yet: at 0 it is dropped."""
+
+
+def _coalesced(obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Return ``ranges`` (start, length) as [start, end) spans of ``obj``, each run of consecutive ones as one.
+
+    A tensor after tensor of a file, the runs of neighbouring chunks: one span, fetched
+    in ``PART``s, instead of a short request at each one's end (or a ``SMALL`` block
+    fetched beside a part that holds the same bytes).
+    """
+    spans: list[tuple[int, int]] = []
+    for start, length in ranges:
+        end = min(start + length, obj.size)
+        if end <= start:
+            continue
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return spans
 
 
 class _Ahead:
     """The ranges said to be read next (``will_read``), in ``PART``s, in order.
 
-    At most ``IN_FLIGHT`` of them are being fetched and ``2 * IN_FLIGHT`` held fetched: a
-    part no read takes (its reader went another way) is dropped, oldest first, once
-    newer ones wait, so it never stops the fetching of the others.
+    At most ``IN_FLIGHT`` of them are being fetched and ``2 * IN_FLIGHT`` held fetched. A
+    part is dropped once its every byte was taken, by one reader or by several (worker
+    threads copying pieces of one run, or runs of one part); a part no read takes (its
+    reader went another way) is dropped, oldest first, once newer ones wait, so it never
+    stops the fetching of the others. A read never drops another's part: two threads
+    reading different runs keep each other's fetched ahead.
     """
 
     def __init__(self) -> None:
@@ -196,13 +223,17 @@ class _Ahead:
 
     def plan(self, obj: RemoteObject, ranges: Iterable[tuple[int, int]]) -> None:
         with _lock:
-            for start, length in ranges:
-                end = min(start + length, obj.size)
-                if length < SMALL:  # read as small reads are: their blocks, fetched now
-                    for index in range(start // SMALL, (max(start, end - 1)) // SMALL + 1):
+            planned = {(p.start, p.end) for p in self.parts if p.obj is obj}
+            for start, end in _coalesced(obj, ranges):
+                if end - start < SMALL:  # read as small reads are: their blocks, fetched now
+                    for index in range(start // SMALL, (end - 1) // SMALL + 1):
                         _small.get(obj, index)
                     continue
-                self.parts += [_Part(obj, a, min(a + PART, end)) for a in range(start, end, PART)]
+                for a in range(start, end, PART):
+                    b = min(a + PART, end)
+                    if (a, b) not in planned:  # said twice (a run and its piece): fetched once
+                        self.parts.append(_Part(obj, a, b))
+                        planned.add((a, b))
             self._start()
 
     def _start(self) -> None:
@@ -224,21 +255,21 @@ class _Ahead:
             busy += 1
 
     def take(self, obj: RemoteObject, at: int) -> _Part | None:
-        """Return the planned part holding byte ``at`` of ``obj``; its object's parts it passed over are dropped."""
+        """Return the planned part holding byte ``at`` of ``obj`` (its fetch started if it was not)."""
         with _lock:
             for part in self.parts:
                 if part.obj is obj and part.start <= at < part.end:
-                    self.parts = [
-                        p for p in self.parts if p is part or p.obj is not obj or p.end > at
-                    ]
                     if part.future is None:
                         part.future = _submit(obj, part.start, part.end)
                     return part
         return None
 
-    def done_with(self, part: _Part) -> None:
-        """Drop ``part``, read to its end, and start the next."""
+    def taken(self, part: _Part, n: int) -> None:
+        """Count ``n`` more bytes of ``part`` as read; once all are (or it ends short), drop it and start the next."""
         with _lock:
+            part.left -= n
+            if part.left > 0 and n:
+                return
             if part in self.parts:
                 self.parts.remove(part)
             self._start()
@@ -275,8 +306,7 @@ def read_into(obj: RemoteObject, view: memoryview, at: int) -> int:
             got = data[pos - part.start : min(part.end, at + n) - part.start]
             view[done : done + len(got)] = got
             done += len(got)
-            if pos + len(got) >= part.end or not got:
-                _ahead.done_with(part)
+            _ahead.taken(part, len(got))
             if len(data) < part.end - part.start and not got:
                 break  # the object is shorter than when it was listed
         elif n - done < SMALL:

@@ -275,19 +275,44 @@ READ_WHERE_THEY_LIE = (".distcp",)
 ``core.files`` (DCP's data files, in any directory: a trainer's DCP too), so a stand-in
 (``core.remote_files``) reads their bytes from the store as they are needed."""
 
+ONE_FILE_READ_IN_PLACE = (".safetensors", ".pt", ".pth", ".bin")
+"""A SRC that is one object with such a name is read where it lies: the safetensors and
+torch.save readers read a stand-in through ``core.files`` (``opened``'s ``RoutedFile``,
+``torch_save.file.load`` through a stream), never through a mapping."""
+
+HF_READ_IN_PLACE = ".safetensors"
+"""The weights of a Hugging Face directory SRC (``save_pretrained``'s shards), read where they lie."""
+
+TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
+"""Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
+
 
 def listing(store: Store) -> dict[str, int]:
-    """Return the objects of SRC (a prefix) by name under it, with their sizes; {} when SRC is one object."""
+    """Return the objects of SRC (a prefix) by name under it, with their sizes; ``{"": size}`` when SRC is one object."""
     info = retried(lambda: store.fs.info(store.path), store.url)
     if info.get("type") != "directory":
-        return {}
+        return {"": int(info.get("size") or 0)}
     found = retried(lambda: store.fs.find(store.path + "/", detail=True), store.url)
     return {_object_name(store, key): int(entry.get("size") or 0) for key, entry in found.items()}
 
 
-def read_in_place(name: str) -> bool:
-    """Return whether SRC's object ``name`` is read where it lies, through a stand-in."""
-    return name.endswith(READ_WHERE_THEY_LIE)
+def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
+    """Return which of SRC's ``objects`` (``listing``) are read where they lie, through stand-ins.
+
+    DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
+    torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
+    them, and no object under it is a trainer's data: ``TRAINER_DATA``). Every other
+    object is fetched whole.
+    """
+    if set(objects) == {""}:
+        return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
+    hf = not any(name.endswith(TRAINER_DATA) for name in objects)
+    return [
+        name
+        for name in objects
+        if name.endswith(READ_WHERE_THEY_LIE)
+        or (hf and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+    ]
 
 
 def lay_out(store: Store, into: Path, objects: dict[str, int]) -> Path:
@@ -295,16 +320,21 @@ def lay_out(store: Store, into: Path, objects: dict[str, int]) -> Path:
 
     ``objects``: ``listing(store)``. A data object (``read_in_place``) becomes an empty
     sparse file of its size, registered with ``core.remote_files`` by the caller; every
-    other object is fetched whole. SRC that is one object is fetched whole.
+    other object is fetched whole. SRC that is one object is one file, a stand-in or fetched.
     """
     local = local_name(store, into)
-    if not objects:
-        return download(store, into)
+    in_place = set(read_in_place(store, objects))
+    if set(objects) == {""}:
+        if not in_place:
+            return download(store, into)
+        with open(local, "xb") as f:
+            f.truncate(objects[""])
+        return local
     local.mkdir()
-    fetched = [name for name in objects if not read_in_place(name)]
+    fetched = [name for name in objects if name not in in_place]
     for name in objects:
         (local / name).parent.mkdir(parents=True, exist_ok=True)
-        if read_in_place(name):
+        if name in in_place:
             with open(local / name, "xb") as f:
                 f.truncate(objects[name])
     if fetched:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import warm_cli
 from object_store import S3, own_tmpdir, s3  # noqa: F401 - the fixtures
+from reference import write_hf_like_transformers
 from safetensors.torch import load as load_safetensors
 
 from shardckpt.cli.app import run
@@ -437,7 +438,7 @@ def big_state() -> dict:
 class Reads:
     """What a run fetched of SRC: objects whole, bytes by ranged request, and the disk its stand-ins took."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, data: tuple[str, ...] = (".distcp",)):
         import s3fs
 
         from shardckpt.core import remote_files
@@ -453,8 +454,9 @@ class Reads:
             return await get_file(fs, rpath, lpath, **kwargs)
 
         def measured(keys):
-            for path in Path(tempfile.gettempdir()).glob("shardckpt-src-*/**/*.distcp"):
-                self.stand_ins[path.name] = path.stat().st_blocks * 512
+            for path in Path(tempfile.gettempdir()).glob("shardckpt-src-*/**/*"):
+                if path.name.endswith(data) and path.is_file():
+                    self.stand_ins[path.name] = path.stat().st_blocks * 512
             forget(keys)
 
         monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", counted)
@@ -546,18 +548,24 @@ def test_a_data_object_removed_during_the_run_is_one_line_naming_it(
     no_leftovers(s3, bucket)
 
 
-@pytest.mark.slow
-def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_commits(s3, src):  # noqa: F811
+def convert_on_two_ranks(src: str, dst: str, world_size: int) -> list[dict]:
+    """Convert ``src`` to a DCP at ``world_size`` at ``dst`` on two gloo ranks; return what each read and uploaded."""
     import ranks
     from harness import run_ranks
 
-    bucket = src[5:].split("/")[0]
-    dst = f"s3://{bucket}/run/at-4-by-2"
     env = {
         k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     }
     env["TMPDIR"] = tempfile.gettempdir()
-    got = run_ranks(ranks.convert_on_storage, 2, src, dst, "sharded", {"world_size": 4}, env)
+    kwargs = {"world_size": world_size}
+    return run_ranks(ranks.convert_on_storage, 2, src, dst, "sharded", kwargs, env)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_commits(s3, src):  # noqa: F811
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/at-4-by-2"
+    got = convert_on_two_ranks(src, dst, world_size=4)
     # Target rank r's file is written by process r mod 2, which uploads it; rank 0 alone
     # puts .metadata, after both ranks' uploads.
     assert [g["data"] for g in got] == [
@@ -567,4 +575,339 @@ def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_co
     assert [g["commit"] for g in got] == [[".metadata"], []]
     assert all(g["ranged_bytes"] > 0 for g in got)  # each rank read SRC's data itself
     assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+
+
+# ------------------------------- safetensors, hf and torch.save objects read where they lie
+
+SAFETENSORS_OR_TORCH = (".safetensors", ".pt")
+
+
+def hf_on_s3(s3: S3, tmp_path: Path) -> tuple[Path, str, dict[str, int]]:  # noqa: F811
+    """Return a Hugging Face directory (``hf_state`` in three shards and a config), its URL, and its shards' sizes."""
+    local = tmp_path / "hf"
+    write_hf_like_transformers(local, hf_state(), per_shard=2)
+    (local / "config.json").write_text("{}")
+    url = f"s3://{s3.bucket()}/models/hf"
+    s3.put_dir(local, url[5:])
+    return local, url, sizes_of(s3, url[5:], (".safetensors",))
+
+
+def read_shards(local: Path) -> dict:
+    """Return the tensors of a Hugging Face directory's shards as the safetensors library reads them: the source."""
+    from safetensors.torch import load_file
+
+    source = {}
+    for shard in sorted(local.glob("*.safetensors")):
+        source.update(load_file(shard))
+    return source
+
+
+def sizes_of(s3: S3, prefix: str, data: tuple[str, ...]) -> dict[str, int]:  # noqa: F811
+    """Return the data objects under ``prefix`` (``bucket/...``, an object or a prefix) by name, with their sizes."""
+    s3.fs.invalidate_cache()
+    found = s3.fs.find(prefix, detail=True)
+    return {k.rsplit("/", 1)[1]: v["size"] for k, v in found.items() if k.endswith(data)}
+
+
+def read_in_place(reads: Reads, sizes: dict[str, int]) -> None:
+    """Assert the run fetched no data object whole, kept none on the disk, and asked for each byte about once.
+
+    Beyond the data itself: a few 256 KiB blocks per object (its header, or its zip's
+    directory, pickle and byteorder record, read before its tensors).
+    """
+    assert not [k for k in reads.whole if k.endswith(SAFETENSORS_OR_TORCH)]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    total = sum(sizes.values())
+    assert total <= reads.requests.bytes <= total + len(sizes) * 4 * (256 << 10)
+
+
+def hf_state() -> dict:
+    """Weights that span several ranged requests (``remote_files.PART``), in three shards."""
+    torch.manual_seed(2)
+    return {
+        "embed.weight": torch.randn(1500, 1024),
+        "layers.0.w": torch.randn(1024, 600).to(torch.bfloat16),
+        "layers.0.b": torch.randn(600),
+        "layers.1.w": torch.randn(600, 700),
+        "norm.weight": torch.randn(700).half(),
+        "step": torch.tensor(3),
+    }
+
+
+def test_s3_hf_directory_to_local_dcp_and_safetensors_reads_its_shards_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    local, url, sizes = hf_on_s3(s3, tmp_path)
+    bucket = url[5:].split("/")[0]
+    assert len(sizes) == 3
+    source = read_shards(local)
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "dcp"
+    code, err = cli(capsys, "convert", url, out, "--to", "sharded", "--world-size", "2", "-q")
+    assert (code, err) == (0, [])
+    back = {"model": {k: torch.zeros_like(v) for k, v in source.items()}}
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back["model"], source)
+    read_in_place(reads, sizes)
+    assert sorted(k.rsplit("/", 1)[1] for k in reads.whole) == [
+        "config.json",
+        "model.safetensors.index.json",
+    ]
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "full.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    assert_equal(load_safetensors(out.read_bytes()), source)
+    read_in_place(reads, sizes)
+    no_leftovers(s3, bucket)
+
+
+def test_s3_torch_save_file_to_local_safetensors_reads_it_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    local = tmp_path / "model.pt"
+    torch.save(big_state()["model"], local)
+    source = torch.load(local, weights_only=True)  # what torch reads from the local original
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/model.pt"
+    s3.fs.put_file(str(local), url[5:])
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "model.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
+    assert (code, err) == (0, [])
+    assert_equal(load_safetensors(out.read_bytes()), source)
+    read_in_place(reads, {"model.pt": local.stat().st_size})
+    assert reads.whole == []
+
+    # inspect: its zip's directory, pickle and records' headers, no tensor's bytes.
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["inspect", url, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert (code, doc["format"]) == (0, "torch")
+    assert {".".join(e["path"]) for e in doc["entries"]} == set(source)
+    assert reads.whole == []
+    assert reads.requests.bytes <= 4 * (256 << 10) < local.stat().st_size // 10
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_s3_torch_save_file_with_views_to_local_dcp_is_the_source(s3, tmp_path, capsys, legacy):  # noqa: F811
+    # A transposed view and two tensors sharing one storage: rows not one run of the file.
+    # A legacy file (torch < 1.6's format, no zip records) is read whole, through a stream.
+    torch.manual_seed(3)
+    base = torch.randn(300, 200)
+    tree = {"t": base.t(), "head": base[:10], "tail": base[290:], "n": torch.arange(5), "k": 4}
+    local = tmp_path / "views.pt"
+    torch.save(tree, local, _use_new_zipfile_serialization=not legacy)
+    source = torch.load(local, weights_only=True)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/views.pt"
+    s3.fs.put_file(str(local), url[5:])
+    out = tmp_path / "dcp"
+    code, err = cli(capsys, "convert", url, out, "--to", "sharded", "--world-size", "2", "-q")
+    assert (code, err) == (0, [])
+    back = _zeros(source)
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, source)
+
+
+def test_s3_safetensors_file_to_local_dcp_and_verify_and_inspect_read_it_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from safetensors.torch import load_file, save_file
+
+    local = tmp_path / "model.safetensors"
+    save_file(hf_state(), local)
+    source = load_file(local)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/model.safetensors"
+    s3.fs.put_file(str(local), url[5:])
+    sizes = {"model.safetensors": local.stat().st_size}
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    out = tmp_path / "dcp"
+    argv = ["convert", url, out, "--to", "sharded", "--world-size", "2", "-q"]
+    code, err = cli(capsys, *argv)
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    back = {k: torch.zeros_like(v) for k, v in source.items()}
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, source)
+    read_in_place(reads, sizes)
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["verify", url])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"intact: {url} (safetensors")
+    read_in_place(reads, sizes)
+
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["inspect", url, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert doc["format"] == "safetensors"
+    assert {".".join(e["path"]) for e in doc["entries"]} == set(source)
+    assert reads.whole == []
+    assert reads.requests.bytes <= 256 << 10  # its header's block, no tensor
+    no_leftovers(s3, bucket)
+
+
+def test_verify_and_inspect_of_an_s3_hf_directory_fetch_no_shard_whole(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    _, url, sizes = hf_on_s3(s3, tmp_path)
+    bucket = url[5:].split("/")[0]
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["verify", url])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"intact: {url} (hf")
+    read_in_place(reads, sizes)
+    reads = Reads(monkeypatch, SAFETENSORS_OR_TORCH)
+    code = run(["inspect", url])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(f"{url}: format hf")
+    assert not [k for k in reads.whole if k.endswith(".safetensors")]
+    assert reads.requests.bytes <= 3 * (256 << 10)  # each shard's header block
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_a_torch_save_object_on_s3_is_exit_3_naming_it(s3, tmp_path, capsys):  # noqa: F811
+    local = tmp_path / "model.pt"
+    torch.save(big_state()["model"], local)
+    flipped = damage.flip_in_torch_file(local, "u")
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/model.pt"
+    s3.fs.put_file(str(local), url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.safetensors", "--to", "full"]):
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}': {flipped.message()}: {damage.RECOPY}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt", "hf"])
+def test_an_object_removed_during_the_run_is_one_line_naming_it(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    name,
+):
+    from safetensors.torch import save_file
+
+    from shardckpt.core import storage
+
+    bucket = s3.bucket()
+    if name == "hf":
+        _, url, _ = hf_on_s3(s3, tmp_path)
+        bucket = url[5:].split("/")[0]
+        removed = "models/hf/model-00002-of-00003.safetensors"
+    else:
+        local = tmp_path / name
+        (save_file if name.endswith(".safetensors") else torch.save)(hf_state(), local)
+        s3.fs.put_file(str(local), f"{bucket}/in/{name}")
+        removed, url = f"in/{name}", f"s3://{bucket}/in/{name}"
+    lay_out = storage.lay_out
+
+    def then_removed(store, into, objects):
+        laid = lay_out(store, into, objects)
+        s3.fs.rm(f"{bucket}/{removed}")  # once listed and laid out, before any read
+        return laid
+
+    monkeypatch.setattr(storage, "lay_out", then_removed)
+    out = tmp_path / "out"
+    argv = ["convert", url, out, "--to", "sharded", "--world-size", "2"]
+    code, err = cli(capsys, *argv)
+    assert code == 3
+    assert err == [
+        f"shardckpt: error: 's3://{bucket}/{removed}': was removed while it was read "
+        "(404 NoSuchKey): SRC changed during the run; convert a checkpoint that no process "
+        "is writing or removing"
+    ]
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out*"))
+    no_leftovers(s3, bucket)
+
+
+def _cut(raw: bytes) -> bytes:
+    return raw[: len(raw) // 2]
+
+
+def _huge_header(raw: bytes) -> bytes:
+    return (1 << 40).to_bytes(8, "little") + raw[8:]
+
+
+def _garbled_pickle(raw: bytes) -> bytes:
+    at = raw.index(b"data.pkl") + 64  # inside the pickle's record
+    return raw[:at] + bytes(64) + raw[at + 64 :]
+
+
+@pytest.mark.parametrize(
+    ("name", "damage_it"),
+    [
+        ("model.safetensors", _cut),
+        ("model.safetensors", _huge_header),
+        ("model.pt", _cut),
+        ("model.pt", _garbled_pickle),
+        ("model.bin", lambda raw: b"not a checkpoint at all" * 10),
+    ],
+)
+def test_a_damaged_object_read_in_place_is_the_line_its_local_copy_gives(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    name,
+    damage_it,
+):
+    from safetensors.torch import save_file
+
+    original = tmp_path / f"original-{name}"
+    (save_file if name.endswith(".safetensors") else torch.save)(hf_state(), original)
+    (tmp_path / "in").mkdir()
+    local = tmp_path / "in" / name
+    local.write_bytes(damage_it(original.read_bytes()))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/in/{name}"
+    s3.fs.put_file(str(local), url[5:])
+    argv = ["--to", "sharded", "--world-size", "2"]
+    code, err = cli(capsys, "convert", local, tmp_path / "out-local", *argv)
+    assert code == 3 and len(err) == 1
+    # Read in place, the same line as for the file on a disk, naming the object.
+    assert cli(capsys, "convert", url, tmp_path / "out", *argv) == (
+        3,
+        [err[0].replace(str(local), url)],
+    )
+    assert not (tmp_path / "out").exists()
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_two_ranks_read_an_s3_hf_directory_in_place_each_its_part(s3, tmp_path):  # noqa: F811
+    local, src, sizes = hf_on_s3(s3, tmp_path)
+    source = read_shards(local)
+    bucket = src[5:].split("/")[0]
+    dst = f"s3://{bucket}/run/from-hf-at-2"
+    got = convert_on_two_ranks(src, dst, world_size=2)
+    assert_equal(load_dcp(dst, {"model": source})["model"], source)
+    # Each rank read the rows of its own target rank from the shards, by ranges: together
+    # about the shards' size once (their headers' blocks read by both).
+    ranged = [g["ranged_bytes"] for g in got]
+    total = sum(sizes.values())
+    assert all(n > 0 for n in ranged)
+    assert total <= sum(ranged) <= total + 2 * len(sizes) * 4 * (256 << 10)
     no_leftovers(s3, bucket)

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from reference import assert_trees_equal
+from reference import assert_trees_equal, write_hf_like_transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -151,21 +151,6 @@ def test_a_tree_without_a_model_key_writes_everything_but_optimizers(tmp_path):
         api.ConvertRequest(src=tmp_path / "flat.pt", dst=tmp_path / "hf", to="full", format="hf")
     )
     assert_trees_equal(read_hf_with_the_library(tmp_path / "hf")[1], tree["model"])
-
-
-def write_hf_like_transformers(path, tensors: dict, per_shard: int) -> None:
-    """Write ``tensors`` as transformers' save_pretrained lays them out (the library, not ours)."""
-    path.mkdir()
-    names = list(tensors)
-    groups = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
-    weight_map = {}
-    for i, group in enumerate(groups):
-        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in group}, path / file, {"format": "pt"})
-        weight_map.update(dict.fromkeys(group, file))
-    total = sum(t.nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def test_hf_to_dcp_to_full_round_trips_bit_exactly_under_model(tmp_path):

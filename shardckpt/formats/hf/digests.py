@@ -31,7 +31,7 @@ from pathlib import Path
 from isal import isal_zlib
 
 from shardckpt.core.errors import BadInputError
-from shardckpt.core.files import os_error
+from shardckpt.core.files import read_head
 from shardckpt.core.lazy_torch import torch
 from shardckpt.state.checksums import Written, active, raw_bytes
 from shardckpt.state.regions import Record
@@ -108,13 +108,9 @@ class Digests:
 
 
 def header(path: Path) -> tuple[int, dict]:
-    """Return where a safetensors file's data starts, and its JSON header."""
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            return 8 + size, json.loads(f.read(size))
-    except OSError as exc:
-        raise os_error(exc, path) from None
+    """Return where a safetensors file's data starts, and its JSON header (read through ``read_head``)."""
+    (size,) = struct.unpack("<Q", read_head(path, 8))
+    return 8 + size, json.loads(read_head(path, 8 + size)[8:])
 
 
 def read_digests(path: Path) -> Digests | None:

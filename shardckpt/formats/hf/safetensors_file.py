@@ -19,6 +19,7 @@ import math
 import os
 import struct
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from shardckpt.codecs.json_values import UnencodableValue, decode_tree, encode_t
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UsageError
 from shardckpt.core.files import (
     SRC_CHANGED,
+    is_remote_file,
     open_source,
     os_error,
     read_exactly,
@@ -106,10 +108,17 @@ def opened(path: Path, hint: str) -> Iterator:
 
     For its header: keys, dtypes, shapes, ``__metadata__``. Opened for numpy, which the
     header reads alike and which imports no torch (``framework="pt"`` does, at once).
+    The stand-in of an object of a URL SRC (``core.files.is_remote_file``) is not mapped:
+    the library checks a local copy of its header alone (``_header_copy``, a sparse file
+    of the object's size), and its tensors are read through ``pread`` (``RoutedFile``).
     """
     try:
-        with safe_open(path, framework="numpy") as f:
-            yield f
+        if is_remote_file(path):
+            with _header_copy(path) as copy, safe_open(copy, framework="numpy") as f:
+                yield RoutedFile(path, f)
+        else:
+            with safe_open(path, framework="numpy") as f:
+                yield f
     except BadInputError:
         raise
     except OSError as exc:
@@ -118,6 +127,73 @@ def opened(path: Path, hint: str) -> Iterator:
         raise BadInputError(
             f"not a readable safetensors file ({type(exc).__name__}: {exc})", path=path, hint=hint
         ) from None
+
+
+MAX_HEADER = 100 << 20
+"""The largest header the safetensors library reads (its ``HeaderTooLarge``)."""
+
+
+@contextmanager
+def _header_copy(path: Path) -> Iterator[Path]:
+    """Yield a private sparse file of ``path``'s size holding only its header: what ``safe_open`` checks."""
+    head = read_head(path, 8)
+    size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    raw = read_head(path, 8 + min(size, MAX_HEADER + 1))
+    with tempfile.TemporaryDirectory(prefix="shardckpt-header-") as tmp:
+        copy = Path(tmp) / "header.safetensors"
+        with open(copy, "wb") as f:
+            f.write(raw)
+            f.truncate(os.path.getsize(path))
+        yield copy
+
+
+class RoutedFile:
+    """``safe_open``'s handle of a stand-in's header copy, whose tensors are read from the stand-in itself.
+
+    Its names, dtypes, shapes and metadata are the library's; a tensor or rows of one
+    (``get_tensor``, ``get_slice(name)[a:b]``) are read with ``read_rows``, never from the
+    copy (whose data is zeros).
+    """
+
+    def __init__(self, path: Path, handle):
+        self.path = path
+        self._handle = handle
+        self._starts = data_starts(path)
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+    def get_slice(self, key: str) -> RoutedSlice:
+        return RoutedSlice(self, key, self._handle.get_slice(key))
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.get_slice(key)[:]
+
+    def rows(self, key: str, rows: Rows) -> torch.Tensor:
+        meta = tensor_meta(self.path, key, self._handle.get_slice(key))
+        return read_rows(self.path, self._starts, [meta], [rows], None)[0]
+
+
+class RoutedSlice:
+    """``get_slice`` of a ``RoutedFile``: dtype and shape from the header, rows read on indexing."""
+
+    def __init__(self, file: RoutedFile, key: str, handle):
+        self._file, self._key, self._handle = file, key, handle
+
+    def get_dtype(self) -> str:
+        return self._handle.get_dtype()
+
+    def get_shape(self) -> list[int]:
+        return self._handle.get_shape()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        shape = self.get_shape()
+        if index is Ellipsis or index == () or not shape:
+            return self._file.rows(self._key, None)
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("a stand-in's tensor is read whole or by a range of rows")
+        start, stop, _ = index.indices(shape[0])
+        return self._file.rows(self._key, (start, max(start, stop)))
 
 
 class SafetensorsReader(Reader):

@@ -10,6 +10,7 @@ checkpoint, and the result is an ordinary ``torch.save`` file.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from collections.abc import Sequence
@@ -25,19 +26,39 @@ from shardckpt.codecs.pickle_scan import (
 )
 from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
-from shardckpt.core.files import os_error, read_head, source_file, source_stat, writing
+from shardckpt.core.files import (
+    SourceStream,
+    is_remote_file,
+    open_source,
+    os_error,
+    read_exactly,
+    read_head,
+    source_file,
+    source_stat,
+    writing,
+)
 from shardckpt.core.lazy_torch import torch
-from shardckpt.core.torch_internals import missing_safe_globals, storage_key
+from shardckpt.core.torch_internals import missing_safe_globals, storage_key, stored_offset
 from shardckpt.formats.base import Frame, Index, Reader, Rows, StoredRun, Writer
-from shardckpt.formats.torch_save.mapped import expect_mapped, mapped_records
+from shardckpt.formats.torch_save.mapped import (
+    MappedRecord,
+    expect_mapped,
+    mapped_records,
+    stored_records,
+)
 from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
-from shardckpt.state.checksums import checked
+from shardckpt.state.checksums import active, checked, raw_bytes
 from shardckpt.state.regions import Region, spread
 from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves, too_deep
 
 
 def load(
-    path: Path, trust_pickle: bool, *, safe_globals: Sequence = (), trusted_pickle=None
+    path: Path,
+    trust_pickle: bool,
+    *,
+    safe_globals: Sequence = (),
+    trusted_pickle=None,
+    lazy: bool = False,
 ) -> object:
     """Return the object in a ``torch.save`` file, memory-mapped, refusing code execution.
 
@@ -47,6 +68,11 @@ def load(
     A failure is told as unsafe (only then is ``--trust-pickle`` suggested), damaged or
     unreadable (``pickle_scan.judge_failed_load``). Before torch sees the file, its
     pickles pass ``pickle_bounds.check_torch_file``, trusted or not.
+
+    The stand-in of an object of a URL SRC (``core.files.is_remote_file``) is never
+    mapped (a mapping reads zeros): torch reads it through ``source_stream``, its tensors
+    on the meta device with ``lazy`` (their bytes are read later, by ranges:
+    ``TorchReader``), else whole into memory.
     """
     if stat.S_ISDIR(source_stat(path).st_mode):
         raise BadInputError(
@@ -67,6 +93,10 @@ def load(
         options["pickle_module"] = trusted_pickle
     try:
         with torch.serialization.safe_globals(allowed), quiet_protocol_warning():
+            if is_remote_file(path):
+                with _Unmapped(SourceStream(path), buffer_size=64 << 10) as stream:
+                    where = "meta" if lazy else "cpu"
+                    return torch.load(stream, map_location=where, **options)
             try:
                 obj = torch.load(path, map_location="cpu", mmap=True, **options)
             except RuntimeError as exc:
@@ -104,6 +134,17 @@ def load(
     )
 
 
+class _Unmapped(io.BufferedReader):
+    """A stand-in's stream as torch must read it: through its reads, never its descriptor.
+
+    torch reads a legacy file's storages from ``fileno()`` when there is one: a stand-in's
+    descriptor has no bytes.
+    """
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a URL SRC's stand-in is read through core.files")
+
+
 def _damaged(path: Path, reason: str) -> BadInputError:
     return BadInputError(
         f"is a damaged torch.save file ({reason})",
@@ -125,13 +166,33 @@ def load_dict(path: Path, trust_pickle: bool, **options) -> dict:
 
 
 class TorchReader(Reader):
-    """Reads a whole-tensor ``torch.save`` file through a memory map."""
+    """Reads a whole-tensor ``torch.save`` file through a memory map.
+
+    The stand-in of an object of a URL SRC is not mapped: torch loads it on the meta
+    device (``load(lazy=True)``), which says where each storage's record lies, and rows
+    are read from there through ``core.files`` (``preadv``: ranged requests), each
+    checked against its record's CRC-32. A file whose tensors cannot all be placed so
+    (the other byte order, a legacy file) is loaded whole into memory through a stream.
+    """
 
     format = "torch"
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
-        obj = load_dict(self.src, trust_pickle)
+        # A legacy (not zip) file has no records, and torch reads its storages whatever the device.
+        self._stored = is_remote_file(self.src) and is_torch_zip(self.src)
+        """Whether rows are read from the file by record (a URL SRC's), not from the loaded tensors."""
+        self._load(lazy=self._stored)
+        if self._stored and not all(
+            self._key(t) in self._records
+            for t in self._tensors.values()
+            if t.untyped_storage().nbytes()
+        ):
+            self._stored = False
+            self._load(lazy=False)
+
+    def _load(self, *, lazy: bool) -> None:
+        obj = load_dict(self.src, self.trust_pickle, lazy=lazy)
         # A ZeRO-3 model-states file read as a torch file would give empty weights.
         refuse_placeholders(self.src, obj)
         self._tensors: dict[str, torch.Tensor] = {}
@@ -139,7 +200,22 @@ class TorchReader(Reader):
             self._tree = map_leaves(obj, self._describe)
         except RecursionError:
             raise too_deep(self.src) from None
-        self._records = mapped_records(self.src, obj)
+        records: dict[int, MappedRecord]
+        if lazy:
+            records = stored_records(self.src, obj)
+            if (ledger := active()) is not None:  # as expect_mapped tells it of a mapped file's
+                for record in records.values():
+                    ledger.expect(record.written, record.names)
+        elif is_remote_file(self.src):
+            records = {}  # in memory: nothing to place
+        else:
+            records = mapped_records(self.src, obj)
+        self._records = records
+
+    def _key(self, t: torch.Tensor) -> int | None:
+        """Return the key of ``t``'s storage in ``_records``: where the file holds it, or its mapped address."""
+        storage = t.untyped_storage()
+        return stored_offset(storage) if self._stored else storage.data_ptr()
 
     def _describe(self, path, leaf):
         if not isinstance(leaf, torch.Tensor):
@@ -160,11 +236,46 @@ class TorchReader(Reader):
     def read(
         self, metas: Sequence[TensorMeta], rows: Sequence[Rows], runtime
     ) -> list[torch.Tensor]:
+        if self._stored:
+            return [self._read_stored(meta, r) for meta, r in zip(metas, rows)]
         out = []
         for meta, r in zip(metas, rows):
             t = self._tensors[meta.key]
             out.append(checked(t if r is None else t[r[0] : r[1]]))
         return out
+
+    def _read_stored(self, meta: TensorMeta, r: Rows) -> torch.Tensor:
+        """Return rows ``r`` of ``meta`` read from its record in the file, checked against its CRC-32."""
+        t = self._tensors[meta.key]
+        first, stop = (0, 0) if r is None or not meta.shape else r
+        shape = meta.shape if r is None or not meta.shape else (stop - first, *meta.shape[1:])
+        out = torch.empty(shape, dtype=t.dtype)
+        if not out.numel():
+            return out
+        row = out[0].numel() if out.dim() else 0
+        runs = self.stored_runs(meta, first * row, first * row + out.numel())
+        record = self._records[self._key(t)]  # type: ignore[index]
+        if runs is None:  # a view that is not one run: its storage's record read whole
+            data = torch.empty(record.written.length, dtype=torch.uint8)
+            self._read_into(raw_bytes(data), record.written.start, record)
+            whole = torch.empty(0, dtype=t.dtype).set_(
+                data.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+            )
+            return whole if r is None or not meta.shape else whole[first:stop].clone()
+        self._read_into(raw_bytes(out), runs[0].offset, record)
+        return out
+
+    def _read_into(self, data, at: int, record: MappedRecord) -> None:
+        """Fill ``data`` from byte ``at`` of the file and note it, in its record, in the active ledger."""
+        fd = open_source(self.src)
+        try:
+            read_exactly(fd, data, at, self.src, f"the data of {record.written.where}")
+        finally:
+            os.close(fd)
+        ledger = active()
+        if ledger is not None:
+            ledger.expect(record.written, record.names)
+            ledger.note(*record.written.key, at - record.written.start, data)
 
     def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
         """Return where elements [start, stop) of ``meta`` lie in the file: one run of its record.
@@ -174,8 +285,7 @@ class TorchReader(Reader):
         for a tensor that is not one run there (a transposed view) or not placed.
         """
         t = self._tensors[meta.key]
-        storage = t.untyped_storage()
-        record = self._records.get(storage.data_ptr())
+        record = self._records.get(self._key(t))  # type: ignore[arg-type]
         if (
             record is None
             or not t.is_contiguous()
@@ -183,7 +293,7 @@ class TorchReader(Reader):
         ):
             return None
         size = t.element_size()
-        offset = record.written.start + t.data_ptr() - storage.data_ptr() + start * size
+        offset = record.written.start + (t.storage_offset() + start) * size
         return [StoredRun(self.src, offset, (stop - start) * size, record.written, record.names)]
 
 
@@ -287,4 +397,12 @@ class TorchWriter(Writer):
 def is_torch_file(path: Path) -> bool:
     """Return whether file ``path`` starts as ``torch.save`` writes: a zip, or a legacy pickle."""
     head = read_head(path, 4)
-    return head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02"
+    return head[:4] == ZIP_MAGIC or head[:2] == b"\x80\x02"
+
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def is_torch_zip(path: Path) -> bool:
+    """Return whether file ``path`` starts as a zip: ``torch.save``'s format since torch 1.6, not the legacy one."""
+    return read_head(path, 4) == ZIP_MAGIC

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from shardckpt.codecs.pickle_scan import DamagedZip
 from shardckpt.codecs.zip_records import ZipRecord, zip_records
+from shardckpt.core.files import open_source, pread
 from shardckpt.core.lazy_torch import torch
+from shardckpt.core.torch_internals import stored_offset
 from shardckpt.state.checksums import Written, active
 from shardckpt.state.tree import dotted, walk
 
@@ -65,29 +67,57 @@ def mapped_records(path: Path, obj: object) -> dict[int, MappedRecord]:
     return {ptr: record for ptr, (_, record) in _placed(path, obj).items()}
 
 
+def stored_records(path: Path, obj: object) -> dict[int, MappedRecord]:
+    """Return the record of each storage of ``obj`` (``torch.load``'s of ``path`` on the meta device), by its offset in ``path``.
+
+    torch's loader says where each storage lies (``torch_internals.stored_offset``); a
+    storage no record starts at (or that torch did not place) is left out, as is every
+    one of a file in the other byte order: the caller then reads the file another way.
+    """
+    names: dict[int, list[str]] = {}
+    for path_, leaf in walk(obj):
+        for tensor in _local_tensors(leaf):
+            at = stored_offset(tensor.untyped_storage())
+            if at is not None and tensor.untyped_storage().nbytes():
+                names.setdefault(at, []).append(dotted(path_))
+    records = _readable_records(path) if names else None
+    by_start = {r.start: r for r in records or ()}
+    return {
+        at: MappedRecord(_written(path, by_start[at]), tuple(held))
+        for at, held in names.items()
+        if at in by_start
+    }
+
+
 def _placed(path: Path, obj: object) -> dict[int, tuple[torch.UntypedStorage, MappedRecord]]:
     """Return each memory-mapped storage of ``obj`` that could be placed, with its record, by address."""
     try:
         storages = _storages(obj)
     except RecursionError:
         return {}
-    if not storages:
-        return {}
-    try:
-        records = _records(path)
-    except (OSError, DamagedZip):
-        return {}
+    records = _readable_records(path) if storages else None
     if records is None:
         return {}
     placed = _place(storages, records)
-    out = {}
-    for ptr, mapped in storages.items():
-        record = placed.get(ptr)
-        if record is not None:
-            where = f"record '{record.name}' at byte {record.start}"
-            written = Written(str(path), record.start, record.length, record.crcs, where)
-            out[ptr] = (mapped.storage, MappedRecord(written, tuple(mapped.names)))
-    return out
+    return {
+        ptr: (mapped.storage, MappedRecord(_written(path, placed[ptr]), tuple(mapped.names)))
+        for ptr, mapped in storages.items()
+        if placed.get(ptr) is not None
+    }
+
+
+def _written(path: Path, record: ZipRecord) -> Written:
+    """Return a storage's zip record as the span of ``path`` whose bytes are checked against its CRC-32."""
+    where = f"record '{record.name}' at byte {record.start}"
+    return Written(str(path), record.start, record.length, record.crcs, where)
+
+
+def _readable_records(path: Path) -> list[ZipRecord] | None:
+    """Return ``_records(path)``; None also where the zip does not read (its tensors are then read unchecked here)."""
+    try:
+        return _records(path)
+    except (OSError, DamagedZip):
+        return None
 
 
 def _storages(obj: object) -> dict[int, _Mapped]:
@@ -115,11 +145,11 @@ def _local_tensors(leaf: object) -> list[torch.Tensor]:
 
 def _records(path: Path) -> list[ZipRecord] | None:
     """Return the storage records of the zip at ``path``, by offset; None when torch swapped its bytes."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source(path)  # a URL SRC's stand-in reads from the store (pread)
     try:
         records = zip_records(fd, 0, os.fstat(fd).st_size, central=False)
         order = [r for r in records if r.name.rsplit("/", 1)[-1] == "byteorder"]
-        if order and os.pread(fd, order[0].length, order[0].start).decode() != sys.byteorder:
+        if order and pread(fd, order[0].length, order[0].start).decode() != sys.byteorder:
             return None
     finally:
         os.close(fd)
