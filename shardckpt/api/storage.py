@@ -80,6 +80,22 @@ def _refuse_same(src: str, dst: str) -> None:
         )
 
 
+def _clear_staged(staging: Path, name: str) -> None:
+    """Remove what a killed run left in the URL's staging directory (its lock is this run's now).
+
+    The next step says what it left at the URL; the local copy standing for it is private.
+    """
+    for leftover in (
+        staging / name,
+        *(staging / f".{name}.shardckpt-{k}" for k in ("partial", "old")),
+    ):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
 class OnStorage:
     """The local paths a command runs on for the URLs of one request, and what is done with them."""
 
@@ -109,6 +125,8 @@ class OnStorage:
         self.dst_store: storage.Store | None = None
         self.staged: Path | None = None
         self.url_lock: FileLock | None = None
+        self.uploads: storage.Uploads | None = None
+        """This process's uploads to DST (S3): file jobs' parts sent during the fill."""
         self.fetched: Path | None = None
         """The node's stand-ins of the URL SRCs, on the rank that laid them out."""
         self.stand_ins: list[tuple[int, int]] = []
@@ -202,11 +220,19 @@ class OnStorage:
                 return  # nothing is written: DST is judged as a local one is, not at all
             staging.mkdir(parents=True, exist_ok=True)
             if runtime.coordinator:
-                self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                try:
+                    self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                except FileNotFoundError:  # a run that just ended removed the directory
+                    staging.mkdir(parents=True, exist_ok=True)
+                    self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                _clear_staged(staging, store.name)
                 storage.clear_leftovers(store, self.commits)
                 storage.check_dst(store, overwrite=request.overwrite)
 
         runtime.agreed(check)
+        if storage.checks_parts(store) and not getattr(request, "dry_run", False):
+            self.uploads = storage.Uploads(store, overwrite=request.overwrite)
+            storage.stream_into(staging / f".{store.name}.shardckpt-partial", self.uploads)
         return self.staged
 
     def _lock(self, path: Path) -> None:
@@ -232,6 +258,11 @@ class OnStorage:
         if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
             return
         runtime = self.runtime
+        # From here a failure is upload's to clean up: data objects may be complete.
+        uploads, self.uploads = self.uploads, None
+        streamed = uploads.streamed if uploads is not None else []
+        if runtime.distributed:  # every rank leaves out what any rank streamed
+            streamed = [name for names in runtime.all_gather(streamed) for name in names]
         storage.upload(
             self.staged,
             self.dst_store,
@@ -240,7 +271,23 @@ class OnStorage:
             rank=runtime.rank,
             world_size=runtime.world_size,
             agreed=runtime.agreed,
+            uploads=uploads,
+            streamed=set(streamed),
         )
+
+    def abandon(self) -> None:
+        """Stop this process's uploads of a run that failed: parts not sent dropped, its open uploads aborted.
+
+        Standalone, where the marker was put for them and no data object was completed, the
+        marker goes too: nothing of the run is left at DST.
+        """
+        uploads, self.uploads = self.uploads, None
+        if uploads is None or self.dst_store is None:
+            return
+        with sheltered(raising=False):
+            uploads.abort()
+            if uploads.begun and not self.runtime.distributed:
+                storage.abandon(self.dst_store)
 
     def done_reading(self) -> None:
         """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""
@@ -250,6 +297,8 @@ class OnStorage:
     def cleanup(self) -> None:
         """Remove the node's stand-ins of SRC (on the rank that laid them out) and the staged DST."""
         remote_files.forget(self.stand_ins)
+        if self.staged is not None:
+            storage.stream_into(self.staged.parent / f".{self.staged.name}.shardckpt-partial", None)
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)
@@ -285,6 +334,7 @@ def on_storage(
         yield run
         run.done_reading()
     except BaseException as exc:
+        run.abandon()
         _rename(exc, run.names)
         raise
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import posixpath
 import queue
 import sys
 import threading
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardckpt.core.files import kept_open, writing
+from shardckpt.core.storage import stream_of
 
 Progress = Callable[[int], None]
 
@@ -64,6 +66,9 @@ class DstFiles:
         """Files closed since they were written into, in order."""
         self._writeback: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self._flusher: threading.Thread | None = None
+        self.stream = stream_of(root)
+        """Where DST is on object storage: the uploads its files go to as they are written, and
+        ``root``'s name under DST (``core.storage.stream_into``); None elsewhere."""
 
     def path(self, file: str) -> Path:
         """Return the path of ``file``."""
@@ -97,6 +102,18 @@ class DstFiles:
         """Close ``file``, written whole; ``sync`` flushes it later."""
         self._jobs.discard(file)
         self._close(file)
+
+    def final(self, file: str, upto: int) -> None:
+        """Say the first ``upto`` bytes of ``file`` will not change: on object storage, their parts are sent."""
+        if self.stream is not None:
+            uploads, under = self.stream
+            uploads.final(posixpath.join(under, file), self.path(file), upto)
+
+    def whole(self, file: str, size: int) -> None:
+        """Say ``file`` is complete at ``size`` bytes: on object storage, the rest of it is sent."""
+        if self.stream is not None:
+            uploads, under = self.stream
+            uploads.whole(posixpath.join(under, file), self.path(file), size)
 
     def pin(self, file: str) -> int:
         """Return ``fd(file)``, kept open until ``unpin`` (another thread writes through it)."""

@@ -82,6 +82,9 @@ def run(
     regions = sorted(frame.regions, key=lambda r: (order[r.key], r.start))
     work = batches(regions, metas, budget)
     files = DstFiles(writer.root)
+    if files.stream is not None and _any_rank(runtime, bool(frame.files)):
+        # DST on object storage: file jobs' parts go as they are written, after the marker.
+        runtime.agreed(lambda: files.stream[0].begin(runtime.coordinator))
     jobs = JobQueue(frame.files, files, budget)
     workers = Workers(threads)
     size = slice_bytes(plan.buffer_bytes, threads)

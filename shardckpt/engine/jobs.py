@@ -290,6 +290,20 @@ class JobWriter:
         self.written += self._length
         self._base = end
         self._pieces, self._length, self._copied = [], 0, 0
+        self.files.final(self.job.file, self._final())
+
+    def _final(self) -> int:
+        """Return how far the file's bytes are final: up to its first CRC-32 field still to be written.
+
+        A record not complete yet (and a blob whose data goes in parts) has its local
+        header's CRC-32 written after its data, and records lie in file order.
+        """
+        upto = self._base
+        if self._records and self._records[0].crc_at:
+            upto = min(upto, *self._records[0].crc_at)
+        if self._running is not None:
+            upto = min(upto, self._blob_at)
+        return upto
 
     def _open(self) -> int:
         """Return the job's file, created (empty) the first time."""
@@ -304,6 +318,7 @@ class JobWriter:
                 "records (or their checksums) were written"
             )
         self.files.done(self.job.file)
+        self.files.whole(self.job.file, self.written)
 
 
 def _length(piece) -> int:
