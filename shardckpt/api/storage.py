@@ -28,6 +28,7 @@ from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
 from shardckpt.core.lock import FileLock, LockBusy
 from shardckpt.core.signals import sheltered
+from shardckpt.state.choices import DEFAULT_BUFFER_BYTES
 
 R = TypeVar("R")
 
@@ -124,6 +125,8 @@ class OnStorage:
         self.names: dict[str, str] = {}
         self.dst_store: storage.Store | None = None
         self.staged: Path | None = None
+        self.partial: Path | None = None
+        """Where the fill writes the staged DST (``core.destination``'s partial output)."""
         self.url_lock: FileLock | None = None
         self.uploads: storage.Uploads | None = None
         """This process's uploads to DST (S3): file jobs' parts sent during the fill."""
@@ -205,7 +208,8 @@ class OnStorage:
         self.dst_store = store
         staging = _staging(store.url)
         self.staged = staging / store.name
-        self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
+        self.partial = staging / f".{store.name}.shardckpt-partial"
+        self.names[str(self.partial)] = store.url
         self.names[str(self.staged)] = store.url
 
         def check() -> None:
@@ -231,8 +235,11 @@ class OnStorage:
 
         runtime.agreed(check)
         if storage.checks_parts(store) and not getattr(request, "dry_run", False):
-            self.uploads = storage.Uploads(store, overwrite=request.overwrite)
-            storage.stream_into(staging / f".{store.name}.shardckpt-partial", self.uploads)
+            buffer = getattr(request, "buffer_bytes", DEFAULT_BUFFER_BYTES)
+            self.uploads = storage.Uploads(
+                store, overwrite=request.overwrite, in_flight=storage.parts_in_flight(buffer)
+            )
+            storage.stream_into(self.partial, self.uploads)
         return self.staged
 
     def _lock(self, path: Path) -> None:
@@ -297,8 +304,8 @@ class OnStorage:
     def cleanup(self) -> None:
         """Remove the node's stand-ins of SRC (on the rank that laid them out) and the staged DST."""
         remote_files.forget(self.stand_ins)
-        if self.staged is not None:
-            storage.stream_into(self.staged.parent / f".{self.staged.name}.shardckpt-partial", None)
+        if self.partial is not None:
+            storage.stream_into(self.partial, None)
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)

@@ -549,23 +549,17 @@ def upload(
 
 
 def _put(local: Path, store: Store, names: Sequence[str]) -> None:
-    """Upload ``names`` under ``local`` (``""``: the file ``local`` itself), several at a time.
+    """Upload ``names`` under ``local`` (``""``: the file ``local`` itself) with the filesystem's ``put``.
 
-    One request for the filesystem (s3fs sends the files side by side, each large one as a
-    multipart upload); a failure names the object when there is one, else DST.
+    For the stores other than S3 (``gs://``, ``az://``, ``memory://``): one request for the
+    filesystem; a failure names the object when there is one, else DST.
     """
     if not names:
         return
     sources = [str(local / name) if name else str(local) for name in names]
     targets = [store.child(name) if name else store.path for name in names]
     url = store.url if len(names) > 1 or not names[0] else f"{store.url}/{names[0]}"
-    bounded = UPLOAD_BOUNDS if "s3" in _protocols(store.fs) else {}
-    retried(lambda: store.fs.put(sources, targets, **bounded), url, writing=True)
-
-
-UPLOAD_BOUNDS = {"batch_size": 2, "chunksize": 16 << 20, "max_concurrency": 4}
-"""How s3fs uploads a DST that is not S3's own (an s3fs without ``call_s3``): 2 files at
-once, each over 32 MiB in 16 MiB parts, 4 in flight per file."""
+    retried(lambda: store.fs.put(sources, targets), url, writing=True)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -578,7 +572,18 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 PART_BYTES = 16 << 20
 """The size of an upload's parts (S3: at least 5 MiB but the last); a file up to this size is one PUT."""
 PARTS_IN_FLIGHT = 4
-"""How many parts (or PUTs) one process sends at once: at most 4 x 16 MiB of them in memory."""
+"""The most parts (or PUTs) one process sends at once: at most 4 x 16 MiB of them in memory."""
+
+
+def parts_in_flight(buffer_bytes: int) -> int:
+    """Return how many parts a process sends at once with ``--buffer-size`` ``buffer_bytes``.
+
+    A quarter of the buffer's size, in parts, from 1 to ``PARTS_IN_FLIGHT``: 4 at the
+    default 256 MiB, 1 from 64 MiB down (a part is 16 MiB).
+    """
+    return max(1, min(PARTS_IN_FLIGHT, buffer_bytes // 4 // PART_BYTES))
+
+
 _MOST_PARTS = 10_000  # S3's limit per upload
 
 

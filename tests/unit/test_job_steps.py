@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardckpt.cli.app import run
 from shardckpt.engine import fill
+from shardckpt.engine.dst_files import DstFiles
 from shardckpt.state.regions import nbytes
 
 ROW = 48 * 4  # bytes in a row of "w"
@@ -86,3 +87,35 @@ def test_a_steps_rows_are_written_from_where_they_were_read_not_copied_into_a_se
     got = {"w": torch.empty_like(big)}
     dcp.load({"model": got}, checkpoint_id=tmp_path / "out", no_dist=True)
     assert torch.equal(got["w"], big)
+
+
+@pytest.mark.parametrize("buffer", ["1KiB", "256MiB"])
+def test_the_bytes_a_file_job_says_are_final_are_the_files_last_bytes(
+    src, tmp_path, monkeypatch, buffer
+):
+    # What DST on object storage uploads during the fill: a part is sent once the job says
+    # its bytes are final, so no byte it said is final may change after (a CRC-32 field
+    # written once its record's data is). At 1 KiB, w's record goes in parts: its bytes
+    # become final step by step, not at its end (DCP's items keep their CRC-32s after
+    # their data).
+    said: list[tuple[str, int, bytes]] = []  # file, final up to, its bytes then
+    ends: dict[str, int] = {}
+
+    def final(self, file, upto):
+        said.append((file, upto, self.path(file).read_bytes()[:upto]))
+
+    def whole(self, file, size):
+        ends[file] = size
+
+    monkeypatch.setattr(DstFiles, "final", final)
+    monkeypatch.setattr(DstFiles, "whole", whole)
+    out = tmp_path / "out"
+    argv = ["convert", str(src), str(out), "--to", "sharded", "--world-size", "1", "-q"]
+    assert run([*argv, "--buffer-size", buffer]) == 0
+    written = files(out)
+    assert ends == {"__0_0.distcp": len(written["__0_0.distcp"])}
+    for file, upto, seen in said:
+        assert seen == written[file][:upto], (file, upto)
+    steps = [upto for _, upto, _ in said]
+    assert steps == sorted(steps)  # never back
+    assert len(set(steps)) > (18 if buffer == "1KiB" else 0)  # w's 18 KiB a KiB at a time
