@@ -114,9 +114,11 @@ def child(case: str, src: str, dst: str, world_size: int, buffer: str = "") -> d
     finally:
         wall = time.perf_counter() - start
         shutil.rmtree(work, ignore_errors=True)
+    used = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "code": code,
         "wall_s": wall,
+        "cpu_s": used.ru_utime + used.ru_stime,
         "peak_rss_mib": peak_rss_mib(),
         "requests": dict(counts),
     }
