@@ -237,7 +237,11 @@ class OnStorage:
         if storage.checks_parts(store) and not getattr(request, "dry_run", False):
             buffer = getattr(request, "buffer_bytes", DEFAULT_BUFFER_BYTES)
             self.uploads = storage.Uploads(
-                store, overwrite=request.overwrite, in_flight=storage.parts_in_flight(buffer)
+                store,
+                overwrite=request.overwrite,
+                in_flight=storage.parts_in_flight(buffer),
+                # --verify reads the staged DST back: its bytes must stay until then.
+                drop_sent=not getattr(request, "verify", False),
             )
             storage.stream_into(self.partial, self.uploads)
         return self.staged

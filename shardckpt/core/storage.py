@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -43,6 +44,7 @@ from shardckpt.core.errors import (
     in_chain,
     notice,
 )
+from shardckpt.core.libc import linux_call
 from shardckpt.core.signals import committing, reopened
 
 _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
@@ -606,6 +608,22 @@ def part_size(number: int) -> int:
     return PART_BYTES * (1 + (number - 1) // 1000)
 
 
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+# libc's fallocate(fd, mode, offset, length); None where there is none.
+_FALLOCATE = linux_call("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give the local disk back the blocks of ``length`` bytes of ``fd`` from ``offset`` (they read as zeros).
+
+    Best effort: where the filesystem cannot (or the call is missing) the bytes stay.
+    """
+    if _FALLOCATE is not None:
+        _FALLOCATE(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+
+
 def _read_part(fd: int, offset: int, length: int) -> tuple[bytes, str]:
     """Return ``length`` bytes of ``fd`` from ``offset`` and their CRC-32 (``checksum``)."""
     data = os.pread(fd, length, offset)
@@ -649,8 +667,18 @@ class Uploads:
     read and sent again, ``RETRIES`` times).
     """
 
-    def __init__(self, store: Store, *, overwrite: bool = False, in_flight: int = PARTS_IN_FLIGHT):
+    def __init__(
+        self,
+        store: Store,
+        *,
+        overwrite: bool = False,
+        in_flight: int = PARTS_IN_FLIGHT,
+        drop_sent: bool = False,
+    ):
         self.store = store
+        self.drop_sent = drop_sent
+        """Whether a part's bytes are dropped from the local file once the store has them
+        (``punch_hole``): nothing reads the staged DST after its upload."""
         self.bucket = store.path.partition("/")[0]
         self.overwrite = overwrite
         self.begun = False
@@ -756,7 +784,8 @@ class Uploads:
             self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="shardckpt-upload")
         with self._lock:
             if file.fd is None:
-                file.fd = os.open(file.path, os.O_RDONLY | os.O_CLOEXEC)
+                mode = os.O_RDWR if self.drop_sent else os.O_RDONLY
+                file.fd = os.open(file.path, mode | os.O_CLOEXEC)
             file.pending += 1
         future = self._pool.submit(fn, *args)
         future.add_done_callback(lambda f, file=file: self._done(file, f))
@@ -819,7 +848,10 @@ class Uploads:
             )
             return {"ETag": sent["ETag"], "ChecksumCRC32": crc}
 
-        return retried(send, self._url(name), writing=True)
+        done = retried(send, self._url(name), writing=True)
+        if self.drop_sent:
+            punch_hole(fd, offset, length)
+        return done
 
     def _put_whole(self, name: str, file: _File) -> dict:
         """Send ``file`` as one PUT, with its CRC-32."""

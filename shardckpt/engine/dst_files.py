@@ -15,12 +15,12 @@ import ctypes
 import os
 import posixpath
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from shardckpt.core.files import kept_open, writing
+from shardckpt.core.libc import linux_call
 from shardckpt.core.storage import stream_of
 
 Progress = Callable[[int], None]
@@ -28,20 +28,10 @@ Progress = Callable[[int], None]
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Return libc's ``sync_file_range`` (Linux only), None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    call.restype = ctypes.c_int
-    return call
-
-
-_START_WRITEBACK = _sync_file_range()
+# libc's sync_file_range(fd, offset, nbytes, flags); None where there is none.
+_START_WRITEBACK = linux_call(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 
 
 class DstFiles:

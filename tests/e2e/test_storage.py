@@ -408,6 +408,11 @@ def _slow_parts(delay: float) -> None:
     storage.Uploads._send_part = slow
 
 
+def _allocated(path: Path) -> int:
+    """Return the bytes of the local disk ``path`` takes."""
+    return path.stat().st_blocks * 512
+
+
 def _staged(name: str) -> Path:
     """Return DST file ``name`` where the fill writes it, in this test's staging directory."""
     found = list(
@@ -435,6 +440,10 @@ def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big
     proc = warm_cli.start([*argv, "-q"], setup=setup)
     uploading(proc, lambda: s3.open_uploads(bucket))  # its first part is on its way
     if phase == "during the fill":  # while the fill still writes the file (8 MiB a step)
+        # ... the local disk is given back as each part is sent: a hole of 16 MiB at least.
+        uploading(
+            proc, lambda: _allocated(_staged(out)) <= _staged(out).stat().st_size - (16 << 20)
+        )
         assert _staged(out).stat().st_size < 112 << 20
     proc.send_signal(sig)
     _, err = proc.communicate(60)
@@ -701,4 +710,18 @@ def test_each_rank_reads_by_ranges_and_uploads_the_files_it_wrote_then_rank_0_co
     assert [g["commit"] for g in got] == [[".metadata"], []]
     assert all(g["ranged_bytes"] > 0 for g in got)  # each rank read SRC's data itself
     assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_verify_reads_the_staged_dst_whose_parts_were_already_sent(s3, many):  # noqa: F811
+    # A part's local bytes are dropped once sent, but not for --verify, which reads them
+    # after the fill (a slow one: its first parts are long sent by then).
+    local, sd = many
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "--verify", "-q"]
+    done = warm_cli.run([*argv, "--buffer-size", "8MiB"], setup=(_slow_fill, 0.2))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert_equal(load_dcp(dst, sd), sd)
     no_leftovers(s3, bucket)
