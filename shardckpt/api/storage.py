@@ -4,8 +4,10 @@ A URL SRC is laid out in a private temporary directory, once per node (by its lo
 rank; removed when the command ends): its DCP data objects as stand-ins that every rank
 reads from the store by ranges (``core.remote_files``), its other objects fetched. A URL
 DST is written under a staging directory on this node, named for the URL (so every rank
-of a ``torchrun`` on one node writes the same one), then uploaded: each rank the data
-files it wrote, then the coordinator the commit objects (``publish``). Errors and results
+of a ``torchrun`` on one node writes the same one), and uploaded: each rank the data
+files it wrote (on S3, a file written whole by one process part by part while the fill
+writes it, ``core.storage.Uploads``; the others after the fill), then the coordinator
+the commit objects (``publish``). Errors and results
 name the URLs, never the local paths standing for them.
 """
 

@@ -10,7 +10,9 @@ the rest to the filesystem.
 Every request is retried a bounded number of times with backoff (``RETRIES``); then the
 failure is one line naming the object. A DST is committed last (``upload``): every data
 object first, then the objects a reader takes as the checkpoint's commit (DCP's
-``.metadata``); a marker object beside DST (``.NAME.shardckpt-partial``) says a run is
+``.metadata``), S3's data objects as multipart uploads whose parts carry their CRC-32
+(``Uploads``; a file job's parts sent while the fill writes it, ``stream_into``); a
+marker object beside DST (``.NAME.shardckpt-partial``) says a run is
 writing it, so the next run knows what it finds there for a killed run's leftovers
 (``clear_leftovers``) and aborts its open multipart uploads.
 """
