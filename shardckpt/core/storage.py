@@ -576,16 +576,19 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 PART_BYTES = 16 << 20
 """The size of an upload's parts (S3: at least 5 MiB but the last); a file up to this size is one PUT."""
 PARTS_IN_FLIGHT = 4
-"""The most parts (or PUTs) one process sends at once: at most 4 x 16 MiB of them in memory."""
+"""The most parts (or PUTs) one process sends at once."""
+PART_HELD = 2 * PART_BYTES
+"""What a part in flight holds: its bytes, and the copy the S3 client makes of them as it
+sends them (a 64 MiB PUT through s3fs peaks at 64 MiB more, traced)."""
 
 
 def parts_in_flight(buffer_bytes: int) -> int:
     """Return how many parts a process sends at once with ``--buffer-size`` ``buffer_bytes``.
 
-    A quarter of the buffer's size, in parts, from 1 to ``PARTS_IN_FLIGHT``: 4 at the
-    default 256 MiB, 1 from 64 MiB down (a part is 16 MiB).
+    As many as a quarter of the buffer holds (``PART_HELD`` each), from 1 to
+    ``PARTS_IN_FLIGHT``: 2 at the default 256 MiB, 4 from 512 MiB, 1 under 256 MiB.
     """
-    return max(1, min(PARTS_IN_FLIGHT, buffer_bytes // 4 // PART_BYTES))
+    return max(1, min(PARTS_IN_FLIGHT, buffer_bytes // 4 // PART_HELD))
 
 
 _MOST_PARTS = 10_000  # S3's limit per upload
@@ -697,6 +700,13 @@ class Uploads:
     def streamed(self) -> list[str]:
         """Return the files this process took (``final`` or ``whole``): no one else uploads them."""
         return list(self._files)
+
+    def share(self, buffer_bytes: int) -> int:
+        """Return what the parts in flight take of a ``--buffer-size`` of ``buffer_bytes``: a quarter at most.
+
+        Under 128 MiB one part is more than that: its excess is held beside the buffer.
+        """
+        return min(self._in_flight * PART_HELD, buffer_bytes // 4)
 
     def begin(self, coordinator: bool) -> None:
         """Put the marker beside DST (the coordinator), before any part is sent (agreed, every rank)."""

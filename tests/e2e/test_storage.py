@@ -725,3 +725,25 @@ def test_verify_reads_the_staged_dst_whose_parts_were_already_sent(s3, many):  #
     assert (done.returncode, done.stderr) == (0, "")
     assert_equal(load_dcp(dst, sd), sd)
     no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize(
+    ("buffer", "rows"), [("64MiB", 48 << 20), ("256MiB", 192 << 20), ("1GiB", 896 << 20)]
+)
+def test_the_parts_in_flight_come_out_of_the_buffer(s3, big, capsys, monkeypatch, buffer, rows):  # noqa: F811
+    from shardckpt.engine import fill
+
+    seen: list[int] = []
+    real = fill.rows_budget
+    monkeypatch.setattr(fill, "rows_budget", lambda b, t: seen.append(b) or real(b, t))
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    code, err = cli(capsys, *argv, "--buffer-size", buffer)
+    assert (code, err) == (0, [])
+    # The parts in flight, 16 MiB each and as much again in the S3 client, from the buffer:
+    # a quarter of it at most (1 part, 2, or 4 at most).
+    assert seen == [rows]
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
