@@ -1,6 +1,7 @@
 """An S3 server on loopback for the object-storage tests: moto's, started once per test process.
 
-``s3`` (a session fixture) starts ``moto_server -H 127.0.0.1 -p PORT`` and points the
+``s3`` (a session fixture) starts moto's server (``moto_checked.py``: moto's own, which
+also checks the CRC-32 each upload is sent with, as S3 does) on loopback and points the
 standard AWS environment at it (``AWS_ENDPOINT_URL``, fake credentials), so shardckpt
 and torch's ``FsspecReader``/``FsspecWriter`` reach it as they would reach S3; a test
 that uses it is skipped, with the reason, where s3fs or moto is not installed or the
@@ -82,13 +83,12 @@ def s3() -> Iterator[S3]:
             __import__(module)
         except ImportError:
             pytest.skip(f"{module} is not installed (pip install -e '.[s3,s3-server]')")
-    server = Path(sys.executable).with_name("moto_server")
-    if not server.exists():
-        server = Path(shutil.which("moto_server") or server)
+    # moto's server, checking each PUT's and part's checksum against its bytes as S3 does.
+    server = [sys.executable, str(Path(__file__).with_name("moto_checked.py"))]
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [str(server), "-H", "127.0.0.1", "-p", str(port)],
+        [*server, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

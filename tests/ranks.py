@@ -94,26 +94,27 @@ def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> 
     os.environ.update(env)
     tempfile.tempdir = None
     uploaded: dict[str, list[str]] = {"data": [], "commit": []}
-    put_data, commit = storage.put_data, storage.commit
+    whole, commit = storage.Uploads.whole, storage.commit
 
-    def recorded_put(local, store, names):
-        uploaded["data"] += names
-        return put_data(local, store, names)
+    def recorded_whole(self, name, path, size):  # every file this rank sends, as it ends
+        uploaded["data"].append(name)
+        return whole(self, name, path, size)
 
     def recorded_commit(local, store, last):
         uploaded["commit"] += last
         return commit(local, store, last)
 
-    storage.put_data, storage.commit = recorded_put, recorded_commit
+    storage.Uploads.whole, storage.commit = recorded_whole, recorded_commit
     remote_files.requests.count = remote_files.requests.bytes = 0
     try:
         convert(src, dst, to, kwargs)
     finally:
-        storage.put_data, storage.commit = put_data, commit
+        storage.Uploads.whole, storage.commit = whole, commit
         for key, value in before.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         tempfile.tempdir = tempdir
+    uploaded["data"] = [n for n in uploaded["data"] if n not in uploaded["commit"]]
     return {**uploaded, "ranged_bytes": remote_files.requests.bytes}

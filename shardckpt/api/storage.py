@@ -5,8 +5,10 @@ rank; removed when the command ends): its data objects (``storage.read_in_place`
 a safetensors or torch.save SRC, an hf directory's shards) as stand-ins that every rank
 reads from the store by ranges (``core.remote_files``), its other objects fetched. A URL
 DST is written under a staging directory on this node, named for the URL (so every rank
-of a ``torchrun`` on one node writes the same one), then uploaded: each rank the data
-files it wrote, then the coordinator the commit objects (``publish``). Errors and results
+of a ``torchrun`` on one node writes the same one), and uploaded: each rank the data
+files it wrote (on S3, a file written whole by one process part by part while the fill
+writes it, ``core.storage.Uploads``; the others after the fill), then the coordinator
+the commit objects (``publish``). Errors and results
 name the URLs, never the local paths standing for them.
 """
 
@@ -29,6 +31,7 @@ from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
 from shardckpt.core.lock import FileLock, LockBusy
 from shardckpt.core.signals import sheltered
+from shardckpt.state.choices import DEFAULT_BUFFER_BYTES
 
 R = TypeVar("R")
 
@@ -81,6 +84,22 @@ def _refuse_same(src: str, dst: str) -> None:
         )
 
 
+def _clear_staged(staging: Path, name: str) -> None:
+    """Remove what a killed run left in the URL's staging directory (its lock is this run's now).
+
+    The next step says what it left at the URL; the local copy standing for it is private.
+    """
+    for leftover in (
+        staging / name,
+        *(staging / f".{name}.shardckpt-{k}" for k in ("partial", "old")),
+    ):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
 class OnStorage:
     """The local paths a command runs on for the URLs of one request, and what is done with them."""
 
@@ -109,7 +128,11 @@ class OnStorage:
         self.names: dict[str, str] = {}
         self.dst_store: storage.Store | None = None
         self.staged: Path | None = None
+        self.partial: Path | None = None
+        """Where the fill writes the staged DST (``core.destination``'s partial output)."""
         self.url_lock: FileLock | None = None
+        self.uploads: storage.Uploads | None = None
+        """This process's uploads to DST (S3): file jobs' parts sent during the fill."""
         self.fetched: Path | None = None
         """The node's stand-ins of the URL SRCs, on the rank that laid them out."""
         self.stand_ins: list[tuple[int, int]] = []
@@ -191,7 +214,8 @@ class OnStorage:
         self.dst_store = store
         staging = _staging(store.url)
         self.staged = staging / store.name
-        self.names[str(staging / f".{store.name}.shardckpt-partial")] = store.url
+        self.partial = staging / f".{store.name}.shardckpt-partial"
+        self.names[str(self.partial)] = store.url
         self.names[str(self.staged)] = store.url
 
         def check() -> None:
@@ -206,11 +230,26 @@ class OnStorage:
                 return  # nothing is written: DST is judged as a local one is, not at all
             staging.mkdir(parents=True, exist_ok=True)
             if runtime.coordinator:
-                self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                try:
+                    self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                except FileNotFoundError:  # a run that just ended removed the directory
+                    staging.mkdir(parents=True, exist_ok=True)
+                    self._lock(staging / f".{store.name}.shardckpt-url-lock")
+                _clear_staged(staging, store.name)
                 storage.clear_leftovers(store, self.commits)
                 storage.check_dst(store, overwrite=request.overwrite)
 
         runtime.agreed(check)
+        if storage.checks_parts(store) and not getattr(request, "dry_run", False):
+            buffer = getattr(request, "buffer_bytes", DEFAULT_BUFFER_BYTES)
+            self.uploads = storage.Uploads(
+                store,
+                overwrite=request.overwrite,
+                in_flight=storage.parts_in_flight(buffer),
+                # --verify reads the staged DST back: its bytes must stay until then.
+                drop_sent=not getattr(request, "verify", False),
+            )
+            storage.stream_into(self.partial, self.uploads)
         return self.staged
 
     def _lock(self, path: Path) -> None:
@@ -236,6 +275,11 @@ class OnStorage:
         if self.dst_store is None or self.staged is None or getattr(self.asked, "dry_run", False):
             return
         runtime = self.runtime
+        # From here a failure is upload's to clean up: data objects may be complete.
+        uploads, self.uploads = self.uploads, None
+        streamed = uploads.streamed if uploads is not None else []
+        if runtime.distributed:  # every rank leaves out what any rank streamed
+            streamed = [name for names in runtime.all_gather(streamed) for name in names]
         storage.upload(
             self.staged,
             self.dst_store,
@@ -244,7 +288,23 @@ class OnStorage:
             rank=runtime.rank,
             world_size=runtime.world_size,
             agreed=runtime.agreed,
+            uploads=uploads,
+            streamed=set(streamed),
         )
+
+    def abandon(self) -> None:
+        """Stop this process's uploads of a run that failed: parts not sent dropped, its open uploads aborted.
+
+        Standalone, where the marker was put for them and no data object was completed, the
+        marker goes too: nothing of the run is left at DST.
+        """
+        uploads, self.uploads = self.uploads, None
+        if uploads is None or self.dst_store is None:
+            return
+        with sheltered(raising=False):
+            uploads.abort()
+            if uploads.begun and not self.runtime.distributed:
+                storage.abandon(self.dst_store)
 
     def done_reading(self) -> None:
         """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""
@@ -254,6 +314,8 @@ class OnStorage:
     def cleanup(self) -> None:
         """Remove the node's stand-ins of SRC (on the rank that laid them out) and the staged DST."""
         remote_files.forget(self.stand_ins)
+        if self.partial is not None:
+            storage.stream_into(self.partial, None)
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)
@@ -289,6 +351,7 @@ def on_storage(
         yield run
         run.done_reading()
     except BaseException as exc:
+        run.abandon()
         _rename(exc, run.names)
         raise
     finally:

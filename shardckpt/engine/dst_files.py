@@ -13,33 +13,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import posixpath
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from shardckpt.core.files import kept_open, writing
+from shardckpt.core.libc import linux_call
+from shardckpt.core.storage import stream_of
 
 Progress = Callable[[int], None]
 
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Return libc's ``sync_file_range`` (Linux only), None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    call.restype = ctypes.c_int
-    return call
-
-
-_START_WRITEBACK = _sync_file_range()
+# libc's sync_file_range(fd, offset, nbytes, flags); None where there is none.
+_START_WRITEBACK = linux_call(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 
 
 class DstFiles:
@@ -64,6 +56,9 @@ class DstFiles:
         """Files closed since they were written into, in order."""
         self._writeback: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self._flusher: threading.Thread | None = None
+        self.stream = stream_of(root)
+        """Where DST is on object storage: the uploads its files go to as they are written, and
+        ``root``'s name under DST (``core.storage.stream_into``); None elsewhere."""
 
     def path(self, file: str) -> Path:
         """Return the path of ``file``."""
@@ -97,6 +92,18 @@ class DstFiles:
         """Close ``file``, written whole; ``sync`` flushes it later."""
         self._jobs.discard(file)
         self._close(file)
+
+    def final(self, file: str, upto: int) -> None:
+        """Say the first ``upto`` bytes of ``file`` will not change: on object storage, their parts are sent."""
+        if self.stream is not None:
+            uploads, under = self.stream
+            uploads.final(posixpath.join(under, file), self.path(file), upto)
+
+    def whole(self, file: str, size: int) -> None:
+        """Say ``file`` is complete at ``size`` bytes: on object storage, the rest of it is sent."""
+        if self.stream is not None:
+            uploads, under = self.stream
+            uploads.whole(posixpath.join(under, file), self.path(file), size)
 
     def pin(self, file: str) -> int:
         """Return ``fd(file)``, kept open until ``unpin`` (another thread writes through it)."""

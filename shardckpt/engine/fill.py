@@ -74,17 +74,22 @@ def run(
         frame = writer.frame(runtime)
     metas = plan.metas
     threads = threads or default_threads()
+    files = DstFiles(writer.root)
+    # DST on object storage: the parts in flight come out of the one buffer too.
+    buffer = plan.buffer_bytes - (files.stream[0].share(plan.buffer_bytes) if files.stream else 0)
     # The workers' slices come out of the one buffer: a step's rows get what they leave.
-    budget = rows_budget(plan.buffer_bytes, threads)
+    budget = rows_budget(buffer, threads)
     # In source order, so that the rows of one tensor that go to several files (several
     # target ranks' shards) are read together, once.
     order = {m.key: i for i, (_, m) in enumerate(plan.tensors)}
     regions = sorted(frame.regions, key=lambda r: (order[r.key], r.start))
     work = batches(regions, metas, budget)
-    files = DstFiles(writer.root)
+    if files.stream is not None and _any_rank(runtime, bool(frame.files)):
+        # DST on object storage: file jobs' parts go as they are written, after the marker.
+        runtime.agreed(lambda: files.stream[0].begin(runtime.coordinator))
     jobs = JobQueue(frame.files, files, budget)
     workers = Workers(threads)
-    size = slice_bytes(plan.buffer_bytes, threads)
+    size = slice_bytes(buffer, threads)
     total = sum(nbytes(r, metas) for r in frame.regions) + jobs.data
     # Every rank's share is about the same: the bar counts this rank's, for all of them.
     progress.begin(total * runtime.world_size, "write")

@@ -104,6 +104,7 @@ class JobWriter:
         self._patches: dict[int, bytes] = {}  # CRC fields not written yet, by offset
         self._running: int | None = None  # the CRC-32 of a blob whose data goes in parts
         self._blob_at = 0  # where that blob starts in the file
+        self._blob_crc_at: tuple[int, ...] = ()  # its CRC-32 fields, from its start
         self.written = 0
         self.done = False
 
@@ -204,6 +205,7 @@ class JobWriter:
                 self._put(tail, copy=True)
             elif kind is _Open:
                 self._running, self._blob_at = 0, self._base + self._length
+                self._blob_crc_at = segment.blob.crc_at
                 self._put(segment.blob.head, copy=True)
             elif kind is _Close:
                 self._put(segment.blob.tail, copy=True)
@@ -290,6 +292,21 @@ class JobWriter:
         self.written += self._length
         self._base = end
         self._pieces, self._length, self._copied = [], 0, 0
+        self.files.final(self.job.file, self._final())
+
+    def _final(self) -> int:
+        """Return how far the file's bytes are final: up to its first CRC-32 field still to be written.
+
+        A record not complete yet (and a blob whose data goes in parts) has a CRC-32 field
+        in its local header, before its data, written once its data is; records lie in
+        file order. (DCP's ``torch.save`` items keep theirs after the data: nothing waits.)
+        """
+        upto = self._base
+        if self._records and self._records[0].crc_at:
+            upto = min(upto, *self._records[0].crc_at)
+        if self._running is not None and self._blob_crc_at:
+            upto = min(upto, *(self._blob_at + at for at in self._blob_crc_at))
+        return upto
 
     def _open(self) -> int:
         """Return the job's file, created (empty) the first time."""
@@ -304,6 +321,7 @@ class JobWriter:
                 "records (or their checksums) were written"
             )
         self.files.done(self.job.file)
+        self.files.whole(self.job.file, self.written)
 
 
 def _length(piece) -> int:

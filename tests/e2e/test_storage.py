@@ -253,7 +253,7 @@ def test_a_second_run_on_the_same_url_is_refused_and_leaves_the_first_alone(s3, 
     bucket = s3.bucket()
     dst = f"s3://{bucket}/out"
     argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
-    first = warm_cli.start(argv)
+    first = warm_cli.start(argv, setup=(_slow_fill, 0.3))
     marker = f"{bucket}/.out.shardckpt-partial"
     uploading(first, lambda: s3.fs.invalidate_cache() or s3.fs.exists(marker))
     code, err = cli(capsys, *argv)
@@ -368,31 +368,174 @@ def big(tmp_path_factory) -> tuple[Path, dict]:
     return local, sd
 
 
+@pytest.fixture(scope="module")
+def many(tmp_path_factory) -> tuple[Path, dict]:
+    """A 112 MiB DCP of 14 tensors of 8 MiB on the local disk: its data file is written a tensor a step."""
+    sd = {"model": {f"w{i}": torch.arange(2 * 2**20, dtype=torch.float32) + i for i in range(14)}}
+    local = tmp_path_factory.mktemp("many") / "ckpt"
+    dcp.save(sd, checkpoint_id=local, no_dist=True)
+    return local, sd
+
+
+def _this_tmpdir() -> None:
+    """In the warm child: stage in this test's TMPDIR (the fork server's is another test's)."""
+    tempfile.tempdir = None
+
+
+def _slow_fill(delay: float) -> None:
+    """In the warm child: each write of a file job (a step of a DCP data file) takes ``delay`` seconds more."""
+    from shardckpt.engine import jobs
+
+    _this_tmpdir()
+    original = jobs.JobWriter.write
+
+    def slow(self, *args, **kwargs):
+        time.sleep(delay)
+        return original(self, *args, **kwargs)
+
+    jobs.JobWriter.write = slow
+
+
+def _slow_parts(delay: float) -> None:
+    """In the warm child: each part sent to DST takes ``delay`` seconds more."""
+    from shardckpt.core import storage
+
+    original = storage.Uploads._send_part
+
+    def slow(self, *args):
+        time.sleep(delay)
+        return original(self, *args)
+
+    storage.Uploads._send_part = slow
+
+
+def _allocated(path: Path) -> int:
+    """Return the bytes of the local disk ``path`` takes."""
+    return path.stat().st_blocks * 512
+
+
+def _staged(name: str) -> Path:
+    """Return DST file ``name`` where the fill writes it, in this test's staging directory."""
+    found = list(
+        Path(tempfile.gettempdir()).glob(f"shardckpt-staging/*/.out.shardckpt-partial/{name}")
+    )
+    assert len(found) == 1, list(Path(tempfile.gettempdir()).rglob("*"))
+    return found[0]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("phase", ["during the fill", "after the fill"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big, sig):  # noqa: F811
-    local, sd = big
+def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big, many, sig, phase):  # noqa: F811
     bucket = s3.bucket()
     dst = f"s3://{bucket}/out"
-    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
-    proc = warm_cli.start(argv)
-    uploading(proc, lambda: s3.open_uploads(bucket))  # in the middle of the data's upload
+    if phase == "during the fill":  # a DCP's data file: its parts stream as it is written
+        (local, sd), setup, out = many, (_slow_fill, 0.3), "__0_0.distcp"
+        argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1"]
+        argv += ["--buffer-size", "8MiB"]
+        said = f"shardckpt: interrupted by SIGTERM: '{dst}' was not written"
+    else:  # hf shards are filled by every rank and patched once filled: uploaded after
+        (local, sd), setup, out = big, (_slow_parts, 0.5), "model-00001-of-00001.safetensors"
+        argv = ["convert", local, dst, "--to", "full", "--format", "hf"]
+        said = "shardckpt: interrupted by SIGTERM"
+    proc = warm_cli.start([*argv, "-q"], setup=setup)
+    uploading(proc, lambda: s3.open_uploads(bucket))  # its first part is on its way
+    if phase == "during the fill":  # while the fill still writes the file (8 MiB a step)
+        # ... the local disk is given back as each part is sent: a hole of 16 MiB at least.
+        uploading(
+            proc, lambda: _allocated(_staged(out)) <= _staged(out).stat().st_size - (16 << 20)
+        )
+        assert _staged(out).stat().st_size < 112 << 20
     proc.send_signal(sig)
-    out, err = proc.communicate(60)
+    _, err = proc.communicate(60)
     assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -sig), err
-    assert s3.keys(f"{bucket}/out") == []  # no .metadata, and no data object completed
+    assert s3.keys(f"{bucket}/out") == []  # no commit object, and no data object completed
     if sig == signal.SIGTERM:
-        assert s3.open_uploads(bucket) == []  # aborted on the way out
-        assert err.splitlines()[-1] == "shardckpt: interrupted by SIGTERM"
-    rerun = warm_cli.run(argv)
+        assert err.splitlines()[-1] == said
+        no_leftovers(s3, bucket)  # its uploads aborted, its marker removed
+    rerun = warm_cli.run([*argv, "-q"], setup=(_this_tmpdir,))
     assert rerun.returncode == 0, rerun.stderr
     if sig == signal.SIGKILL:
         assert rerun.stderr == (
             f"shardckpt: note: removed what a run that did not finish left at '{dst}' "
             "(uncommitted objects and 1 open uploads)\n"
         )
+    if phase == "during the fill":
+        assert_equal(load_dcp(dst, sd), sd)
+    else:
+        assert_equal(load_safetensors(s3.fs.cat_file(f"{bucket}/out/{out}")), sd["model"])
+    no_leftovers(s3, bucket)
+
+
+def composite_crc32(data: bytes, part: int) -> str:
+    """Return S3's checksum of an object uploaded in parts of ``part`` bytes, each with its CRC-32."""
+    import base64
+    import zlib
+
+    parts = [data[i : i + part] for i in range(0, len(data), part)]
+    crcs = b"".join(zlib.crc32(p).to_bytes(4, "big") for p in parts)
+    return f"{base64.b64encode(zlib.crc32(crcs).to_bytes(4, 'big')).decode()}-{len(parts)}"
+
+
+def test_every_part_and_put_carries_its_crc32_which_the_store_keeps(s3, big, capsys):  # noqa: F811
+    import base64
+    import zlib
+
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    code, err = cli(capsys, "convert", local, dst, "--to", "sharded", "--world-size", "1", "-q")
+    assert code == 0, err
+    for name in (".metadata", "__0_0.distcp"):
+        key = f"{bucket}/out/{name}"
+        head = s3.fs.call_s3(
+            "head_object", Bucket=bucket, Key=f"out/{name}", ChecksumMode="ENABLED"
+        )
+        data = s3.fs.cat_file(key)
+        if len(data) > 16 << 20:  # a multipart upload of 16 MiB parts, each one's CRC-32 sent
+            # S3 says "CRC-N"; moto leaves out the "-N"
+            value, count = composite_crc32(data, 16 << 20).split("-")
+            assert head["ChecksumCRC32"] in (value, f"{value}-{count}")
+        else:  # one PUT
+            assert (
+                head["ChecksumCRC32"]
+                == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+            )
     assert_equal(load_dcp(dst, sd), sd)
     no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("to", ["sharded", "hf"])
+def test_bytes_changed_after_their_crc32_are_refused_by_the_store(s3, big, capsys, monkeypatch, to):  # noqa: F811
+    from shardckpt.core import storage
+
+    read_part = storage._read_part
+
+    def changed(fd, offset, length):
+        data, crc = read_part(fd, offset, length)
+        if offset == 0:  # a part whose bytes change on the way, after their CRC-32 was taken
+            return bytes([data[0] ^ 1]) + data[1:], crc
+        return data, crc
+
+    monkeypatch.setattr(storage, "_read_part", changed)
+    monkeypatch.setattr(storage, "RETRIES", 1)
+    local, _ = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    name = "__0_0.distcp"
+    if to == "hf":  # uploaded after the fill, not streamed
+        argv = ["convert", local, dst, "--to", "full", "--format", "hf", "-q"]
+        name = "model-00001-of-00001.safetensors"
+    # botocore sends a refused part again 4 times itself (legacy retries): not here.
+    code, err = cli(capsys, *argv, "--storage-option", "config_kwargs.retries.max_attempts=1")
+    assert code == 4
+    assert err == [
+        f"shardckpt: error: '{dst}/{name}': writing failed after 2 tries (400 BadDigest): "
+        "check the endpoint (AWS_ENDPOINT_URL) and the network, and run again"
+    ]
+    assert s3.keys(f"{bucket}/out") == []  # nothing committed, nothing completed
+    no_leftovers(s3, bucket)  # no open upload, no marker
 
 
 @pytest.mark.slow
@@ -910,4 +1053,40 @@ def test_two_ranks_read_an_s3_hf_directory_in_place_each_its_part(s3, tmp_path):
     total = sum(sizes.values())
     assert all(n > 0 for n in ranged)
     assert total <= sum(ranged) <= total + 2 * len(sizes) * 4 * (256 << 10)
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_verify_reads_the_staged_dst_whose_parts_were_already_sent(s3, many):  # noqa: F811
+    # A part's local bytes are dropped once sent, but not for --verify, which reads them
+    # after the fill (a slow one: its first parts are long sent by then).
+    local, sd = many
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "--verify", "-q"]
+    done = warm_cli.run([*argv, "--buffer-size", "8MiB"], setup=(_slow_fill, 0.2))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize(
+    ("buffer", "rows"), [("64MiB", 48 << 20), ("256MiB", 192 << 20), ("1GiB", 896 << 20)]
+)
+def test_the_parts_in_flight_come_out_of_the_buffer(s3, big, capsys, monkeypatch, buffer, rows):  # noqa: F811
+    from shardckpt.engine import fill
+
+    seen: list[int] = []
+    real = fill.rows_budget
+    monkeypatch.setattr(fill, "rows_budget", lambda b, t: seen.append(b) or real(b, t))
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    code, err = cli(capsys, *argv, "--buffer-size", buffer)
+    assert (code, err) == (0, [])
+    # The parts in flight, 16 MiB each and as much again in the S3 client, from the buffer:
+    # a quarter of it at most (1 part, 2, or 4 at most).
+    assert seen == [rows]
+    assert_equal(load_dcp(dst, sd), sd)
     no_leftovers(s3, bucket)

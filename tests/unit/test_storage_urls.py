@@ -251,7 +251,8 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
     root = store.path
     assert order == [
         [f"{root}/model/__0_0.distcp", f"{root}/optim/__0_0.distcp", f"{root}/random.pkl"],
-        [f"{root}/model/.metadata", f"{root}/optim/.metadata"],
+        [f"{root}/model/.metadata"],  # one after another, in their order
+        [f"{root}/optim/.metadata"],
     ]
     assert memory.cat_file(f"{root}/optim/.metadata") == b"m"
     assert not memory.exists(store.beside(".out.shardckpt-partial"))
