@@ -86,7 +86,7 @@ def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> 
     import os
     import tempfile
 
-    from shardckpt.core import remote_files, storage
+    from shardckpt.core import remote_files, uploads
 
     # The pooled rank runs later tests too: the store's environment and the test's own
     # TMPDIR (removed when the test ends) are this call's only.
@@ -94,7 +94,7 @@ def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> 
     os.environ.update(env)
     tempfile.tempdir = None
     uploaded: dict[str, list[str]] = {"data": [], "commit": []}
-    whole, commit = storage.Uploads.whole, storage.commit
+    whole, commit = uploads.Uploads.whole, uploads.commit
 
     def recorded_whole(self, name, path, size):  # every file this rank sends, as it ends
         uploaded["data"].append(name)
@@ -104,12 +104,12 @@ def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> 
         uploaded["commit"] += last
         return commit(local, store, last)
 
-    storage.Uploads.whole, storage.commit = recorded_whole, recorded_commit
+    uploads.Uploads.whole, uploads.commit = recorded_whole, recorded_commit
     remote_files.requests.count = remote_files.requests.bytes = 0
     try:
         convert(src, dst, to, kwargs)
     finally:
-        storage.Uploads.whole, storage.commit = whole, commit
+        uploads.Uploads.whole, uploads.commit = whole, commit
         for key, value in before.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -7,7 +7,7 @@ reads from the store by ranges (``core.remote_files``), its other objects fetche
 DST is written under a staging directory on this node, named for the URL (so every rank
 of a ``torchrun`` on one node writes the same one), and uploaded: each rank the data
 files it wrote (on S3, a file written whole by one process part by part while the fill
-writes it, ``core.storage.Uploads``; the others after the fill), then the coordinator
+writes it, ``core.uploads.Uploads``; the others after the fill), then the coordinator
 the commit objects (``publish``). Errors and results
 name the URLs, never the local paths standing for them.
 """
@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shardckpt.core import remote_files, storage
+from shardckpt.core import remote_files, storage, uploads
 from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
@@ -131,7 +131,7 @@ class OnStorage:
         self.partial: Path | None = None
         """Where the fill writes the staged DST (``core.destination``'s partial output)."""
         self.url_lock: FileLock | None = None
-        self.uploads: storage.Uploads | None = None
+        self.uploads: uploads.Uploads | None = None
         """This process's uploads to DST (S3): file jobs' parts sent during the fill."""
         self.fetched: Path | None = None
         """The node's stand-ins of the URL SRCs, on the rank that laid them out."""
@@ -236,20 +236,20 @@ class OnStorage:
                     staging.mkdir(parents=True, exist_ok=True)
                     self._lock(staging / f".{store.name}.shardckpt-url-lock")
                 _clear_staged(staging, store.name)
-                storage.clear_leftovers(store, self.commits)
-                storage.check_dst(store, overwrite=request.overwrite)
+                uploads.clear_leftovers(store, self.commits)
+                uploads.check_dst(store, overwrite=request.overwrite)
 
         runtime.agreed(check)
-        if storage.checks_parts(store) and not getattr(request, "dry_run", False):
+        if uploads.checks_parts(store) and not getattr(request, "dry_run", False):
             buffer = getattr(request, "buffer_bytes", DEFAULT_BUFFER_BYTES)
-            self.uploads = storage.Uploads(
+            self.uploads = uploads.Uploads(
                 store,
                 overwrite=request.overwrite,
-                in_flight=storage.parts_in_flight(buffer),
+                in_flight=uploads.parts_in_flight(buffer),
                 # --verify reads the staged DST back: its bytes must stay until then.
                 drop_sent=not getattr(request, "verify", False),
             )
-            storage.stream_into(self.partial, self.uploads)
+            uploads.stream_into(self.partial, self.uploads)
         return self.staged
 
     def _lock(self, path: Path) -> None:
@@ -276,11 +276,11 @@ class OnStorage:
             return
         runtime = self.runtime
         # From here a failure is upload's to clean up: data objects may be complete.
-        uploads, self.uploads = self.uploads, None
-        streamed = uploads.streamed if uploads is not None else []
+        sending, self.uploads = self.uploads, None
+        streamed = sending.streamed if sending is not None else []
         if runtime.distributed:  # every rank leaves out what any rank streamed
             streamed = [name for names in runtime.all_gather(streamed) for name in names]
-        storage.upload(
+        uploads.upload(
             self.staged,
             self.dst_store,
             self.commits,
@@ -288,7 +288,7 @@ class OnStorage:
             rank=runtime.rank,
             world_size=runtime.world_size,
             agreed=runtime.agreed,
-            uploads=uploads,
+            uploads=sending,
             streamed=set(streamed),
         )
 
@@ -298,13 +298,13 @@ class OnStorage:
         Standalone, where the marker was put for them and no data object was completed, the
         marker goes too: nothing of the run is left at DST.
         """
-        uploads, self.uploads = self.uploads, None
-        if uploads is None or self.dst_store is None:
+        sending, self.uploads = self.uploads, None
+        if sending is None or self.dst_store is None:
             return
         with sheltered(raising=False):
-            uploads.abort()
-            if uploads.begun and not self.runtime.distributed:
-                storage.abandon(self.dst_store)
+            sending.abort()
+            if sending.begun and not self.runtime.distributed:
+                uploads.abandon(self.dst_store)
 
     def done_reading(self) -> None:
         """Return once every rank is done with the node's copy of SRC (the fetcher removes it)."""
@@ -315,7 +315,7 @@ class OnStorage:
         """Remove the node's stand-ins of SRC (on the rank that laid them out) and the staged DST."""
         remote_files.forget(self.stand_ins)
         if self.partial is not None:
-            storage.stream_into(self.partial, None)
+            uploads.stream_into(self.partial, None)
         if self.fetched is not None:
             with sheltered(raising=False):
                 shutil.rmtree(self.fetched, ignore_errors=True)

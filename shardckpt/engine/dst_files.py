@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shardckpt.core.files import kept_open, writing
 from shardckpt.core.libc import linux_call
-from shardckpt.core.storage import stream_of
+from shardckpt.core.uploads import stream_of
 
 Progress = Callable[[int], None]
 
@@ -58,7 +58,7 @@ class DstFiles:
         self._flusher: threading.Thread | None = None
         self.stream = stream_of(root)
         """Where DST is on object storage: the uploads its files go to as they are written, and
-        ``root``'s name under DST (``core.storage.stream_into``); None elsewhere."""
+        ``root``'s name under DST (``core.uploads.stream_into``); None elsewhere."""
 
     def path(self, file: str) -> Path:
         """Return the path of ``file``."""

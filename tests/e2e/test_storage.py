@@ -398,15 +398,15 @@ def _slow_fill(delay: float) -> None:
 
 def _slow_parts(delay: float) -> None:
     """In the warm child: each part sent to DST takes ``delay`` seconds more."""
-    from shardckpt.core import storage
+    from shardckpt.core import uploads
 
-    original = storage.Uploads._send_part
+    original = uploads.Uploads._send_part
 
     def slow(self, *args):
         time.sleep(delay)
         return original(self, *args)
 
-    storage.Uploads._send_part = slow
+    uploads.Uploads._send_part = slow
 
 
 def _allocated(path: Path) -> int:
@@ -507,9 +507,9 @@ def test_every_part_and_put_carries_its_crc32_which_the_store_keeps(s3, big, cap
 
 @pytest.mark.parametrize("to", ["sharded", "hf"])
 def test_bytes_changed_after_their_crc32_are_refused_by_the_store(s3, big, capsys, monkeypatch, to):  # noqa: F811
-    from shardckpt.core import storage
+    from shardckpt.core import storage, uploads
 
-    read_part = storage._read_part
+    read_part = uploads._read_part
 
     def changed(fd, offset, length):
         data, crc = read_part(fd, offset, length)
@@ -517,7 +517,7 @@ def test_bytes_changed_after_their_crc32_are_refused_by_the_store(s3, big, capsy
             return bytes([data[0] ^ 1]) + data[1:], crc
         return data, crc
 
-    monkeypatch.setattr(storage, "_read_part", changed)
+    monkeypatch.setattr(uploads, "_read_part", changed)
     monkeypatch.setattr(storage, "RETRIES", 1)
     local, _ = big
     bucket = s3.bucket()

@@ -11,7 +11,7 @@ import errno
 import pytest
 from object_store import own_tmpdir  # noqa: F401 - the fixture
 
-from shardckpt.core import storage
+from shardckpt.core import storage, uploads
 from shardckpt.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_IO,
@@ -219,14 +219,14 @@ def test_commit_objects_come_last_at_any_depth_deepest_first():
         "metadata.json",
         "notes/x.metadata",
     ]
-    assert storage.commit_objects(names, (".metadata", "metadata.json")) == [
+    assert uploads.commit_objects(names, (".metadata", "metadata.json")) == [
         "optim/sub/.metadata",
         "model/.metadata",
         ".metadata",
         "metadata.json",
     ]
-    assert storage.commit_objects(names, ("model/.metadata",)) == ["model/.metadata"]
-    assert storage.commit_objects(names, ()) == []
+    assert uploads.commit_objects(names, ("model/.metadata",)) == ["model/.metadata"]
+    assert uploads.commit_objects(names, ()) == []
 
 
 def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_path, monkeypatch):
@@ -247,7 +247,7 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
         "put",
         lambda fs, lpath, rpath, **kw: order.append(rpath) or put(fs, lpath, rpath, **kw),
     )
-    storage.upload(local, store, (".metadata",), overwrite=False)
+    uploads.upload(local, store, (".metadata",), overwrite=False)
     root = store.path
     assert order == [
         [f"{root}/model/__0_0.distcp", f"{root}/optim/__0_0.distcp", f"{root}/random.pkl"],
