@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,3 +407,35 @@ def test_what_is_read_without_torch_torch_s_loader_reads_alike(tmp_path):
                 assert a == b and type(a) is type(b), name
     assert read == ["plain", "a tuple in a tuple"]
     assert not (tmp_path / "marker").exists()
+
+
+def test_a_torch_file_read_without_torch_lists_checks_and_reads_as_with_it(
+    sources, tmp_path, monkeypatch
+):
+    # In this process torch is loaded; the reader is told it is not, so it reads the
+    # stand-ins. Its index, verify's findings (the tensors named in a damaged record)
+    # and the tensors it reads (torch loaded then) are those of torch's own loader.
+    from damage import copy
+
+    from shardckpt.api.integrity import verify
+    from shardckpt.api.requests import VerifyRequest
+    from shardckpt.formats.torch_save import file
+
+    src = copy(Path(sources["model.pt"]), tmp_path / "model.pt")
+    flip_in_torch_file(src, "model.base.T")
+    torch_reader = file.TorchReader(src)
+    by_torch = verify(VerifyRequest(src=src))
+    monkeypatch.setattr(file, "loaded", lambda: False)
+    plain_reader = file.TorchReader(src)
+    assert plain_reader._tensors is None
+    assert plain_reader.index() == torch_reader.index()
+    plain = verify(VerifyRequest(src=src))
+    assert plain.damaged == by_torch.damaged and len(plain.damaged) == 1
+    assert plain.damaged[0].tensors == ("model.base.T", "model.base.rows")
+    metas = [m for _, m in plain_reader.index().tensors()]
+    for a, b in zip(
+        plain_reader.read(metas, [None] * len(metas), None),
+        torch_reader.read(metas, [None] * len(metas), None),
+    ):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

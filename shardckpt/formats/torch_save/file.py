@@ -50,6 +50,7 @@ from shardckpt.formats.torch_save.mapped import (
 )
 from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
 from shardckpt.state.checksums import active, checked, raw_bytes
+from shardckpt.state.dtypes import dtype_named
 from shardckpt.state.plain_tensor import PlainTensor
 from shardckpt.state.regions import Region, spread
 from shardckpt.state.tree import TensorMeta, dotted, map_leaves, tensor_leaves, too_deep, walk
@@ -225,7 +226,7 @@ class TorchReader(Reader):
         def describe(_path, leaf):
             if not isinstance(leaf, PlainTensor):
                 return leaf
-            metas.append(TensorMeta(str(len(metas)), leaf.shape, leaf.dtype))
+            metas.append(TensorMeta(str(len(metas)), leaf.shape, dtype_named(leaf.dtype.name)))
             return metas[-1]
 
         try:
