@@ -261,8 +261,10 @@ def plain_torch_file(path: Path) -> PlainFile:
         archive = records[0].name[: -len("/data.pkl")]
         named = {r.name: r for r in records}
         if (
-            "/" in archive
-            or len(named) != len(records)
+            not archive
+            or "/" in archive
+            # torch's zip reader finds a record by its name in any case: each must be one.
+            or len({r.name.lower() for r in records}) != len(records)
             or any(not r.name.startswith(f"{archive}/") for r in records)
             or sum(r.name.lower().endswith("data.pkl") for r in records) != 1
         ):
