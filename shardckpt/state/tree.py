@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.lazy_torch import is_tensor, torch
+from shardckpt.state.plain_tensor import PlainTensor
 
 PathItem = str | int
 Path = tuple[PathItem, ...]
@@ -59,8 +60,8 @@ class TensorMeta:
 
 
 def is_tensor_leaf(value: object) -> bool:
-    """Return whether ``value`` is a tensor or a tensor's metadata."""
-    return isinstance(value, TensorMeta) or is_tensor(value)
+    """Return whether ``value`` is a tensor or a tensor's metadata (``TensorMeta``, ``PlainTensor``)."""
+    return isinstance(value, (TensorMeta, PlainTensor)) or is_tensor(value)
 
 
 def _enters(value: object) -> bool:

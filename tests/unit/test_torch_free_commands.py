@@ -1,7 +1,7 @@
-"""``inspect`` and ``verify`` of DCP, safetensors and hf sources import no torch, and print what they did.
+"""``inspect`` and ``verify`` of DCP, torch.save, safetensors and hf sources import no torch, and print what they did.
 
 Each source is written by the real library (``torch.distributed.checkpoint.save``, in
-both its serializations; ``safetensors``' ``save_file``). The commands run in a fresh interpreter, once as a user's
+both its serializations; ``torch.save``; ``safetensors``' ``save_file``). The commands run in a fresh interpreter, once as a user's
 shell starts them (nothing imported) and once with torch imported first, the way every
 command ran before; the two must print the same (but for timings) and exit alike, and
 the first must end with no ``torch`` in ``sys.modules``.
@@ -16,10 +16,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from damage import flip_in_torch_file
 from safetensors.torch import save_file
 from test_hf import write_hf_like_transformers
 from torch.distributed.checkpoint import FileSystemWriter
@@ -78,6 +81,24 @@ def tree() -> dict:
     }
 
 
+def torch_save_tree() -> dict:
+    """``tree()`` as a training script saves it, with what torch.save pickles otherwise.
+
+    A module's ``state_dict()`` (an OrderedDict with ``_metadata``), a parameter, a
+    transposed view and a slice of one storage, a float8 tensor (an ``UntypedStorage``
+    with its dtype) and a list of tensors.
+    """
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(6, 4, generator=g)
+    out = tree()
+    out["model"].update({"base.T": base.t(), "base.rows": base[2:4]})
+    out["linear"] = torch.nn.Linear(3, 2).state_dict()
+    out["scale"] = torch.nn.Parameter(torch.ones(2))
+    out["fp8"] = torch.zeros(3, dtype=torch.float8_e4m3fn)
+    out["buffers"] = [torch.ones(2, dtype=torch.float16), torch.zeros(1, dtype=torch.uint16)]
+    return out
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("sources")
@@ -90,7 +111,8 @@ def sources(tmp_path_factory) -> dict[str, str]:
     model = {k: v.contiguous() for k, v in tree()["model"].items()}
     save_file(model, root / "model.safetensors")
     write_hf_like_transformers(root / "hf", model, per_shard=2)
-    names = ("dcp", "dcp-safetensors", "model.safetensors", "hf")
+    torch.save(torch_save_tree(), root / "model.pt")
+    names = ("dcp", "dcp-safetensors", "model.safetensors", "hf", "model.pt")
     return {name: str(root / name) for name in names}
 
 
@@ -117,6 +139,14 @@ def test_inspect_and_verify_import_no_torch_and_print_what_they_printed_with_it(
     listing = json.loads(by_argv[f"inspect {sources['dcp']} --json"][1])
     assert "bfloat16" in json.dumps(listing) and "run-1" in json.dumps(listing)
     assert by_argv[f"verify {sources['hf']}"][1].startswith(f"intact: {sources['hf']} (hf, 3 files")
+    listing = by_argv[f"inspect {sources['model.pt']}"][1]
+    for line in ("model.base.T     4x6", "model.norm.weight  4", "fp8  ", "linear.bias", "run-1"):
+        assert line.split()[0] in listing, line
+    assert "bfloat16" in listing and "float8_e4m3fn" in listing
+    # Every record checked against its CRC-32 (base.T and base.rows share one), data.pkl too.
+    records = len(zipfile.ZipFile(sources["model.pt"]).namelist())
+    checked = by_argv[f"verify {sources['model.pt']} --json"][1]
+    assert '"intact": true, "files": 1, ' in checked and f'"checked": {records}, ' in checked
 
 
 @pytest.mark.launches
@@ -198,3 +228,214 @@ def test_the_legacy_magic_number_is_torch_s():
     from shardckpt.codecs.pickle_scan import MAGIC_NUMBER as ours
 
     assert ours == MAGIC_NUMBER
+
+
+def torch_file_variants(src: str, root) -> dict[str, str]:
+    """Return copies of the torch.save file ``src``, each damaged or hostile in its own way."""
+    out = {}
+    flipped = root / "flipped.pt"
+    flipped.write_bytes(open(src, "rb").read())
+    flip_in_torch_file(flipped, "model.embed.weight")
+    out["flipped"] = flipped
+    torch.save({"w": torch.ones(2), "run": os.system}, root / "hostile.pt")
+    out["hostile"] = root / "hostile.pt"
+    cut = root / "cut.pt"
+    raw = open(src, "rb").read()
+    cut.write_bytes(raw[: len(raw) // 2])
+    out["cut"] = cut
+    # What the stand-ins leave to torch: a tensor inside a tuple, a torch.Size, a legacy
+    # (not zip) file; each read as before, by torch.
+    torch.save({"pair": (torch.ones(1), 2)}, root / "tuple.pt")
+    out["tuple"] = root / "tuple.pt"
+    torch.save({"w": torch.ones(2), "shape": torch.Size([2])}, root / "size.pt")
+    out["size"] = root / "size.pt"
+    torch.save({"w": torch.ones(2)}, root / "legacy.pt", _use_new_zipfile_serialization=False)
+    out["legacy"] = root / "legacy.pt"
+    return {k: str(v) for k, v in out.items()}
+
+
+@pytest.mark.launches
+def test_a_damaged_or_hostile_torch_file_is_told_alike_without_torch(sources, tmp_path):
+    files = torch_file_variants(sources["model.pt"], tmp_path)
+    # Each in an interpreter of its own: one that imports torch would hide the next one's import.
+    argv_list = [
+        ["verify", files["flipped"]],
+        ["inspect", files["flipped"], "--verify"],
+        ["inspect", files["cut"]],
+        ["inspect", files["hostile"]],
+        ["verify", files["hostile"]],
+        ["inspect", files["tuple"], "--json"],
+        ["verify", files["size"]],
+        ["inspect", files["legacy"]],
+        ["inspect", sources["model.pt"], "--trust-pickle"],
+    ]
+    alone = [run([argv], "nothing")[0] for argv in argv_list]
+    after_torch = run(argv_list, "torch")
+    assert [m[:3] for m in alone] == [b[:3] for b in after_torch]
+    assert [m[0] for m in alone] == [3, 3, 3, 3, 3, 0, 0, 0, 0]
+    # A flipped byte is found by its record's CRC-32, without torch.
+    assert "damaged: " in alone[0][1] and "'model.embed.weight'" in alone[0][1]
+    assert alone[2][2].startswith(f"shardckpt: error: '{files['cut']}': is a damaged torch.save")
+    # Read without torch; each of the others is left to torch's loader, which imports it.
+    assert [m[3] for m in alone] == [False] * 3 + [True] * 6
+    # A global off the allow-list: torch's loader refuses it, in the line it always gave.
+    assert alone[3][2] == (
+        f"shardckpt: error: '{files['hostile']}': refused to unpickle (names posix.system, "
+        "not on the weights-only allow-list): pass --trust-pickle only if you trust this file\n"
+    )
+
+
+def test_the_globals_read_without_torch_are_on_torch_s_allow_list():
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    from shardckpt.codecs.torch_pickle import _GLOBALS, _STORAGES
+
+    allowed = _get_allowed_globals()
+    for module, name in _GLOBALS:
+        assert f"{module}.{name}" in allowed, (module, name)
+    for cls, dtype in _STORAGES.items():
+        assert getattr(torch, cls).dtype is getattr(torch, dtype)
+
+
+def _tensor(size: int = 2, numel: int = 2, key: str = "0", storage=("torch", "FloatStorage")):
+    """The opcodes of a tensor as torch.save pickles one, over storage ``key`` of ``numel`` floats."""
+    from pickle_payloads import _call, _global, _str, _tuple
+
+    persid = (
+        _tuple(
+            _str("storage"),
+            _global(*storage),
+            _str(key),
+            _str("cpu"),
+            pickle.BININT1 + bytes([numel]),
+        )
+        + pickle.BINPERSID
+    )
+    hooks = _call(_global("collections", "OrderedDict"))
+    sizes = _tuple(pickle.BININT1 + bytes([size]))
+    return _call(
+        _global("torch._utils", "_rebuild_tensor_v2"),
+        persid,
+        pickle.BININT1 + b"\0",
+        sizes,
+        _tuple(pickle.BININT1 + b"\1"),
+        pickle.NEWFALSE,
+        hooks,
+    )
+
+
+def _dict(*items: bytes) -> bytes:
+    return (
+        pickle.PROTO
+        + b"\2"
+        + pickle.EMPTY_DICT
+        + pickle.MARK
+        + b"".join(items)
+        + pickle.SETITEMS
+        + pickle.STOP
+    )
+
+
+def crafted(marker) -> dict[str, bytes]:
+    """Pickles of a torch.save file (its one storage: 2 floats), each but two unlike any torch.save writes.
+
+    torch's loader refuses some and reads others (a storage larger than its record, whose
+    bytes run on into the next one's); the stand-ins read only the two torch.save writes.
+    """
+    from pickle_payloads import _call, _global, _str, _tuple, reduce_os_system
+
+    one = pickle.BININT1 + b"\1"
+    return {
+        "plain": _dict(_str("w"), _tensor(), _str("step"), one),
+        "past its storage": _dict(_str("w"), _tensor(size=3)),
+        "storage larger than its record": _dict(_str("w"), _tensor(size=2, numel=4)),
+        "no record": _dict(_str("w"), _tensor(key="7")),
+        "untyped by the wrong name": _dict(_str("w"), _tensor(storage=("torch", "UntypedStorage"))),
+        "item set in a list": _dict(_str("l"), pickle.EMPTY_LIST + one + one + pickle.SETITEM),
+        "append to a dict": _dict(_str("d"), pickle.EMPTY_DICT + one + pickle.APPEND),
+        "state set on a tensor": _dict(_str("w"), _tensor() + pickle.EMPTY_DICT + pickle.BUILD),
+        "OrderedDict called with items": _dict(
+            _str("o"), _call(_global("collections", "OrderedDict"), pickle.EMPTY_LIST)
+        ),
+        "OrderedDict made by NEWOBJ": _dict(
+            _str("o"), _global("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.NEWOBJ
+        ),
+        "short binstring": _dict(_str("s"), pickle.SHORT_BINSTRING + b"\3abc"),
+        "stack global": _dict(
+            _str("o"),
+            _str("collections")
+            + _str("OrderedDict")
+            + pickle.STACK_GLOBAL
+            + pickle.EMPTY_TUPLE
+            + pickle.REDUCE,
+        ),
+        "a tuple in a tuple": _dict(_str("t"), _tuple(_tuple(one))),
+        "os.system": reduce_os_system(marker),
+    }
+
+
+def test_what_is_read_without_torch_torch_s_loader_reads_alike(tmp_path):
+    # Each crafted pickle is read by the stand-ins only where torch's weights_only loader
+    # reads it too, and then into the same tree: dtypes, shapes, views and plain values.
+    from pickle_payloads import torch_file
+
+    from shardckpt.codecs.torch_pickle import NotPlain, plain_torch_file
+    from shardckpt.state.plain_tensor import PlainTensor
+    from shardckpt.state.tree import walk
+
+    read = []
+    for name, pickled in crafted(tmp_path / "marker").items():
+        path = torch_file(tmp_path / f"{len(read)}.pt", pickled)
+        try:
+            plain = plain_torch_file(path).obj
+        except NotPlain:
+            continue
+        read.append(name)
+        loaded = torch.load(path, weights_only=True, mmap=True)
+        mine = [(p, v) for p, v in walk(plain)]
+        theirs = [(p, v) for p, v in walk(loaded)]
+        assert [p for p, _ in mine] == [p for p, _ in theirs], name
+        for (_, a), (_, b) in zip(mine, theirs):
+            if isinstance(a, PlainTensor):
+                assert (str(a.dtype), a.shape, a.stride, a.storage_offset) == (
+                    str(b.dtype),
+                    tuple(b.shape),
+                    b.stride(),
+                    b.storage_offset(),
+                ), name
+            else:
+                assert a == b and type(a) is type(b), name
+    assert read == ["plain", "a tuple in a tuple"]
+    assert not (tmp_path / "marker").exists()
+
+
+def test_a_torch_file_read_without_torch_lists_checks_and_reads_as_with_it(
+    sources, tmp_path, monkeypatch
+):
+    # In this process torch is loaded; the reader is told it is not, so it reads the
+    # stand-ins. Its index, verify's findings (the tensors named in a damaged record)
+    # and the tensors it reads (torch loaded then) are those of torch's own loader.
+    from damage import copy
+
+    from shardckpt.api.integrity import verify
+    from shardckpt.api.requests import VerifyRequest
+    from shardckpt.formats.torch_save import file
+
+    src = copy(Path(sources["model.pt"]), tmp_path / "model.pt")
+    flip_in_torch_file(src, "model.base.T")
+    torch_reader = file.TorchReader(src)
+    by_torch = verify(VerifyRequest(src=src))
+    monkeypatch.setattr(file, "loaded", lambda: False)
+    plain_reader = file.TorchReader(src)
+    assert plain_reader._tensors is None
+    assert plain_reader.index() == torch_reader.index()
+    plain = verify(VerifyRequest(src=src))
+    assert plain.damaged == by_torch.damaged and len(plain.damaged) == 1
+    assert plain.damaged[0].tensors == ("model.base.T", "model.base.rows")
+    metas = [m for _, m in plain_reader.index().tensors()]
+    for a, b in zip(
+        plain_reader.read(metas, [None] * len(metas), None),
+        torch_reader.read(metas, [None] * len(metas), None),
+    ):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

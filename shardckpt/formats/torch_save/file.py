@@ -24,6 +24,7 @@ from shardckpt.codecs.pickle_scan import (
     judge_failed_load,
     quiet_protocol_warning,
 )
+from shardckpt.codecs.torch_pickle import NotPlain, plain_torch_file, stand_ins
 from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import (
@@ -37,19 +38,22 @@ from shardckpt.core.files import (
     source_stat,
     writing,
 )
-from shardckpt.core.lazy_torch import torch
+from shardckpt.core.lazy_torch import loaded, torch
 from shardckpt.core.torch_internals import missing_safe_globals, storage_key, stored_offset
 from shardckpt.formats.base import Frame, Index, Reader, Rows, StoredRun, Writer
 from shardckpt.formats.torch_save.mapped import (
     MappedRecord,
     expect_mapped,
     mapped_records,
+    record_written,
     stored_records,
 )
 from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
 from shardckpt.state.checksums import active, checked, raw_bytes
+from shardckpt.state.dtypes import dtype_named
+from shardckpt.state.plain_tensor import PlainTensor
 from shardckpt.state.regions import Region, spread
-from shardckpt.state.tree import TensorMeta, map_leaves, tensor_leaves, too_deep
+from shardckpt.state.tree import TensorMeta, dotted, map_leaves, tensor_leaves, too_deep, walk
 
 
 def load(
@@ -74,19 +78,7 @@ def load(
     on the meta device with ``lazy`` (their bytes are read later, by ranges:
     ``TorchReader``), else whole into memory.
     """
-    if stat.S_ISDIR(source_stat(path).st_mode):
-        raise BadInputError(
-            "is a directory, not a torch.save file",
-            path=path,
-            hint=f"pass the file itself, or {SRC_FORMAT} dcp for a DCP directory",
-        )
-    source_file(path)
-    try:
-        check_torch_file(path, path)
-    except DamagedPickle as exc:
-        raise _damaged(path, str(exc)) from None
-    except OSError as exc:
-        raise os_error(exc, path) from None
+    checked_file(path)
     options: dict = {"weights_only": not trust_pickle}
     allowed = [*missing_safe_globals(), *ATTRIBUTE_BAGS, *safe_globals]
     if trust_pickle and trusted_pickle is not None:
@@ -134,6 +126,23 @@ def load(
     )
 
 
+def checked_file(path: Path) -> None:
+    """Raise one line unless ``path`` is a file whose pickles pass ``check_torch_file``: what every read of it checks first."""
+    if stat.S_ISDIR(source_stat(path).st_mode):
+        raise BadInputError(
+            "is a directory, not a torch.save file",
+            path=path,
+            hint=f"pass the file itself, or {SRC_FORMAT} dcp for a DCP directory",
+        )
+    source_file(path)
+    try:
+        check_torch_file(path, path)
+    except DamagedPickle as exc:
+        raise _damaged(path, str(exc)) from None
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
 class _Unmapped(io.BufferedReader):
     """A stand-in's stream as torch must read it: through its reads, never its descriptor.
 
@@ -179,6 +188,11 @@ class TorchReader(Reader):
 
     def __init__(self, src, trust_pickle: bool = False):
         super().__init__(src, trust_pickle)
+        self._tensors: dict[str, torch.Tensor] | None = None
+        """By key; None while the file is read without torch (``_read_plain``)."""
+        if not loaded() and not trust_pickle and not is_remote_file(self.src):
+            if self._read_plain():
+                return
         # A legacy (not zip) file has no records, and torch reads its storages whatever the device.
         self._stored = is_remote_file(self.src) and is_torch_zip(self.src)
         """Whether rows are read from the file by record (a URL SRC's), not from the loaded tensors."""
@@ -191,11 +205,58 @@ class TorchReader(Reader):
             self._stored = False
             self._load(lazy=False)
 
+    def _read_plain(self) -> bool:
+        """Read the file's metadata without torch (``codecs.torch_pickle``); return False where torch must.
+
+        For ``inspect`` and ``verify``, which run without torch: each storage's record
+        goes to the active ledger with the tensors viewing it, as ``expect_mapped`` tells
+        it of a mapped file's. A file the stand-ins do not read (or whose tree they would
+        not describe as torch's loader does) is left to ``_load``, which words any error.
+        """
+        checked_file(self.src)
+        try:
+            plain = plain_torch_file(self.src)
+        except (NotPlain, OSError):
+            return False
+        if not isinstance(plain.obj, dict):
+            return False
+        refuse_placeholders(self.src, plain.obj)
+        metas: list[TensorMeta] = []
+
+        def describe(_path, leaf):
+            if not isinstance(leaf, PlainTensor):
+                return leaf
+            metas.append(TensorMeta(str(len(metas)), leaf.shape, dtype_named(leaf.dtype.name)))
+            return metas[-1]
+
+        try:
+            tree = map_leaves(plain.obj, describe)
+            if stand_ins(tree):
+                return False  # a tensor in a tuple, a key or a set: torch's loader says what it is
+        except RecursionError:
+            return False
+        names: dict[str, list[str]] = {}
+        for path_, leaf in walk(plain.obj):
+            if isinstance(leaf, PlainTensor) and leaf.storage_bytes:
+                names.setdefault(leaf.storage, []).append(dotted(path_))
+        if (ledger := active()) is not None:
+            for key, held in names.items():
+                ledger.expect(record_written(self.src, plain.records[key]), held)
+        self._tree, self._stored, self._records = tree, False, {}
+        return True
+
+    def _torch_loaded(self) -> dict[str, torch.Tensor]:
+        """Return the tensors by key, loading the file with torch first where it was read without."""
+        if self._tensors is None:
+            self._load(lazy=False)
+        assert self._tensors is not None
+        return self._tensors
+
     def _load(self, *, lazy: bool) -> None:
         obj = load_dict(self.src, self.trust_pickle, lazy=lazy)
         # A ZeRO-3 model-states file read as a torch file would give empty weights.
         refuse_placeholders(self.src, obj)
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._tensors = {}
         try:
             self._tree = map_leaves(obj, self._describe)
         except RecursionError:
@@ -240,13 +301,13 @@ class TorchReader(Reader):
             return [self._read_stored(meta, r) for meta, r in zip(metas, rows)]
         out = []
         for meta, r in zip(metas, rows):
-            t = self._tensors[meta.key]
+            t = self._torch_loaded()[meta.key]
             out.append(checked(t if r is None else t[r[0] : r[1]]))
         return out
 
     def _read_stored(self, meta: TensorMeta, r: Rows) -> torch.Tensor:
         """Return rows ``r`` of ``meta`` read from its record in the file, checked against its CRC-32."""
-        t = self._tensors[meta.key]
+        t = self._torch_loaded()[meta.key]
         first, stop = (0, 0) if r is None or not meta.shape else r
         shape = meta.shape if r is None or not meta.shape else (stop - first, *meta.shape[1:])
         out = torch.empty(shape, dtype=t.dtype)
@@ -284,7 +345,7 @@ class TorchReader(Reader):
         order: copied as they lie (``engine.stored_copy``), not through the mapping. None
         for a tensor that is not one run there (a transposed view) or not placed.
         """
-        t = self._tensors[meta.key]
+        t = self._torch_loaded()[meta.key]
         record = self._records.get(self._key(t))  # type: ignore[arg-type]
         if (
             record is None

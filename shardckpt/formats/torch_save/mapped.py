@@ -83,7 +83,7 @@ def stored_records(path: Path, obj: object) -> dict[int, MappedRecord]:
     records = _readable_records(path) if names else None
     by_start = {r.start: r for r in records or ()}
     return {
-        at: MappedRecord(_written(path, by_start[at]), tuple(held))
+        at: MappedRecord(record_written(path, by_start[at]), tuple(held))
         for at, held in names.items()
         if at in by_start
     }
@@ -100,13 +100,13 @@ def _placed(path: Path, obj: object) -> dict[int, tuple[torch.UntypedStorage, Ma
         return {}
     placed = _place(storages, records)
     return {
-        ptr: (mapped.storage, MappedRecord(_written(path, placed[ptr]), tuple(mapped.names)))
+        ptr: (mapped.storage, MappedRecord(record_written(path, placed[ptr]), tuple(mapped.names)))
         for ptr, mapped in storages.items()
         if placed.get(ptr) is not None
     }
 
 
-def _written(path: Path, record: ZipRecord) -> Written:
+def record_written(path: Path, record: ZipRecord) -> Written:
     """Return a storage's zip record as the span of ``path`` whose bytes are checked against its CRC-32."""
     where = f"record '{record.name}' at byte {record.start}"
     return Written(str(path), record.start, record.length, record.crcs, where)

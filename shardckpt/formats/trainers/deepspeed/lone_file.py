@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 from shardckpt.core.errors import BadInputError, ShardckptError
-from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.trainers.deepspeed.names import (
     LATEST,
     MODEL_FILE,
@@ -21,6 +20,7 @@ from shardckpt.formats.trainers.deepspeed.names import (
     is_deepspeed_file,
     read_pointer,
 )
+from shardckpt.state.tree import is_tensor_leaf
 
 
 def whole_checkpoint(path: Path) -> Path:
@@ -82,7 +82,7 @@ def refuse_placeholders(path: Path, obj: object) -> None:
     for fqn, value in obj["module"].items():
         shape = shapes.get(fqn)
         if (
-            isinstance(value, torch.Tensor)
+            is_tensor_leaf(value)
             and value.numel() == 0
             and isinstance(shape, tuple)
             and math.prod(shape) > 0
