@@ -9,6 +9,7 @@ the first must end with no ``torch`` in ``sys.modules``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -439,3 +440,40 @@ def test_a_torch_file_read_without_torch_lists_checks_and_reads_as_with_it(
     ):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+GOLDENS = Path(__file__).resolve().parents[1] / "goldens" / "dcp"
+
+
+@pytest.mark.launches
+def test_a_dcp_of_torch_2_15_is_read_without_torch_as_with_it():
+    # torch 2.15 pickles each tensor's TensorProperties with its strides (six fields, not
+    # five); read without torch it lists and checks what torch's own classes read (an
+    # older torch's classes read the five they know).
+    src = str(GOLDENS / "torch-2.15.0")
+    argv_list = [["inspect", src], ["inspect", src, "--json"], ["verify", src]]
+    alone, after_torch = run(argv_list, "nothing"), run(argv_list, "torch")
+    assert [m[:3] for m in alone] == [b[:3] for b in after_torch]
+    assert [m[0] for m in alone] == [0, 0, 0]
+    assert [m[3] for m in alone] == [False, False, False]
+    listed = json.loads(alone[1][1])["entries"]
+    assert [(e["path"], e.get("shape")) for e in listed] == [
+        (["model", "w"], [4, 3]),
+        (["model", "norm"], [3]),
+        (["step"], None),
+    ]
+
+
+def test_a_dcp_of_torch_2_15_converts_under_this_torch_to_what_it_saved(tmp_path, capsys):
+    from shardckpt.cli.app import run as cli
+
+    spec = importlib.util.spec_from_file_location("dcp_goldens_make", GOLDENS / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    dst = tmp_path / "full.pt"
+    assert cli(["convert", str(GOLDENS / "torch-2.15.0"), str(dst), "--to", "full", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+    got, want = torch.load(dst, weights_only=True), make.state()
+    assert got["step"] == want["step"]
+    for name, value in want["model"].items():
+        assert torch.equal(got["model"][name], value), name

@@ -48,9 +48,20 @@ class TensorProperties:
     requires_grad: bool = False
     memory_format: Any = None
     pin_memory: bool = False
+    strides: Any = None
+    """The saved tensor's strides (torch 2.15 and later pickle six fields, earlier five)."""
 
     def __setstate__(self, state: tuple) -> None:
-        (self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory) = state
+        if len(state) == 5:
+            state = (*state, None)
+        (
+            self.dtype,
+            self.layout,
+            self.requires_grad,
+            self.memory_format,
+            self.pin_memory,
+            self.strides,
+        ) = state
 
 
 @dataclass

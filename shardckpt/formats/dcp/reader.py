@@ -60,6 +60,10 @@ def _metadata_vocabulary() -> dict[tuple[str, str], object]:
 
     classes = [getattr(torch_metadata, c.__name__) for c in plain_metadata.CLASSES]
     vocabulary: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
+    if "strides" not in torch_metadata.TensorProperties.__dataclass_fields__:
+        # This torch predates 2.15, which pickles a tensor's strides as a sixth field.
+        key = (torch_metadata.__name__, "TensorProperties")
+        vocabulary[key] = _properties_of_newer_torch(torch_metadata.TensorProperties)
     vocabulary.update(torch_internals.dcp_metadata_globals())
     vocabulary[("torch", "Size")] = torch.Size
     vocabulary[("collections", "OrderedDict")] = OrderedDict
@@ -73,6 +77,21 @@ def _metadata_vocabulary() -> dict[tuple[str, str], object]:
         for name, pure in (("Posix", PurePosixPath), ("Windows", PureWindowsPath)):
             vocabulary[(module, f"{name}Path")] = vocabulary[(module, f"Pure{name}Path")] = pure
     return vocabulary
+
+
+def _properties_of_newer_torch(properties: type) -> type:
+    """Return this torch's ``TensorProperties``, reading the six fields torch 2.15 pickles too.
+
+    The sixth, the saved tensor's strides, is dropped: rows are read from each chunk's own
+    record, whose pickle has its strides, and this torch's loader has no use for them.
+    """
+
+    class TensorProperties(properties):
+        def __setstate__(self, state) -> None:
+            super().__setstate__(tuple(state)[:5])
+
+    TensorProperties.__module__ = properties.__module__
+    return TensorProperties
 
 
 def torch_vocabulary() -> Mapping[tuple[str, str], object]:
