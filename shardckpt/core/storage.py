@@ -283,6 +283,13 @@ torch.save readers read a stand-in through ``core.files`` (``opened``'s ``Routed
 HF_READ_IN_PLACE = ".safetensors"
 """The weights of a Hugging Face directory SRC (``save_pretrained``'s shards), read where they lie."""
 
+RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pth)")
+"""A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
+``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
+``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
+(``torch_save.in_place``). veRL's ``*_world_size_N_rank_R.pt`` are not among them (its
+flat optimizer state is loaded whole): fetched whole."""
+
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
 
@@ -301,8 +308,8 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
 
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
-    them, and no object under it is a trainer's data: ``TRAINER_DATA``). Every other
-    object is fetched whole.
+    them, and no object under it is a trainer's data: ``TRAINER_DATA``); a directory's
+    per-rank ``torch.save`` files (``RANK_FILE``). Every other object is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
@@ -312,6 +319,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         for name in objects
         if name.endswith(READ_WHERE_THEY_LIE)
         or (hf and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or (RANK_FILE.fullmatch(name) and "world_size" not in name)
     ]
 
 

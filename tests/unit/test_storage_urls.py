@@ -256,3 +256,34 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
     assert memory.cat_file(f"{root}/optim/.metadata") == b"m"
     assert not memory.exists(store.beside(".out.shardckpt-partial"))
     memory.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def test_per_rank_files_at_the_top_of_a_directory_are_read_in_place_and_the_rest_fetched():
+    # The readers of per-rank files (fsdp2-ranks, fsdp1-*) read them by ranges; every
+    # other trainer's torch.save (DeepSpeed's, veRL's, a subdirectory's) and the small
+    # objects beside them are fetched whole.
+    store = storage.Store("s3://b/run", None, "b/run")
+    objects = dict.fromkeys(
+        [
+            "rank0.pt",
+            "rank_1.pth",
+            "model_rank2.pt",
+            "rank3-of-4.pt",
+            "model_world_size_2_rank_0.pt",
+            "sub/rank0.pt",
+            "mp_rank_00_model_states.pt",
+            "pytorch_model_fsdp_rank0.bin",
+            "frank0.pt",
+            "common.pt",
+            "latest",
+            "__0_0.distcp",
+        ],
+        1,
+    )
+    assert sorted(storage.read_in_place(store, objects)) == [
+        "__0_0.distcp",
+        "model_rank2.pt",
+        "rank0.pt",
+        "rank3-of-4.pt",
+        "rank_1.pth",
+    ]
