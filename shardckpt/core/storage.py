@@ -290,6 +290,14 @@ RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pt
 (``torch_save.in_place``). veRL's ``*_world_size_N_rank_R.pt`` are not among them (its
 flat optimizer state is loaded whole): fetched whole."""
 
+DEEPSPEED_FILE = re.compile(
+    r"(?:[^/]+/)?(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt"
+)
+"""A DeepSpeed save's model- or optimizer-states file, in SRC or in its tag directory
+(``global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt``), read where it lies: the
+DeepSpeed reader loads it on the meta device and reads its flat partitions by ranges
+(``torch_save.in_place``)."""
+
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
 
@@ -309,7 +317,8 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
     them, and no object under it is a trainer's data: ``TRAINER_DATA``); a directory's
-    per-rank ``torch.save`` files (``RANK_FILE``). Every other object is fetched whole.
+    per-rank ``torch.save`` files (``RANK_FILE``) and DeepSpeed's states files
+    (``DEEPSPEED_FILE``). Every other object is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
@@ -320,6 +329,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         if name.endswith(READ_WHERE_THEY_LIE)
         or (hf and "/" not in name and name.endswith(HF_READ_IN_PLACE))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
+        or DEEPSPEED_FILE.fullmatch(name)
     ]
 
 

@@ -1031,3 +1031,63 @@ def test_s3_fsdp1_rank_files_to_local_full_are_fsdp1s_own_full_state_read_in_pla
     assert reads.whole == []
     assert reads.stand_ins == dict.fromkeys(["rank_0.pt", "rank_1.pt"], 0)
     no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("case", ["z2-bf16", "z3-fp32"])
+def test_s3_deepspeed_run_to_local_full_is_zero_to_fp32s_output_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    case,
+):
+    from deepspeed_goldens import run_dir, zero_to_fp32
+
+    local = run_dir(case)  # DeepSpeed's own save (tests/goldens/deepspeed/make.py)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/{case}"
+    s3.put_dir(local, url[5:])
+    sizes = sizes_of(s3, url[5:], ("_states.pt",))
+    reads = Reads(monkeypatch, ("_states.pt",))
+    out = tmp_path / "full.pt"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    model = torch.load(out, weights_only=True)["model"]
+    assert_equal(model, {k: v for k, v in zero_to_fp32(case).items() if k in model})
+    mine = tmp_path / "local.pt"
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
+    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
+    # Only `latest` fetched whole; every states file by ranges, none on the disk.
+    assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_a_deepspeed_partition_on_s3_is_exit_3_naming_it(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from deepspeed_files import copy_run, deepspeed_classes
+    from deepspeed_goldens import run_dir
+
+    src = copy_run(run_dir("z2-bf16"), tmp_path)
+    name = "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with deepspeed_classes():
+        flipped = damage.flip_in_torch_file(
+            src / name,
+            "optimizer_state_dict.single_partition_of_fp32_groups.0",
+            weights_only=False,
+        )
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/z2"
+    s3.put_dir(src, url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
+        reads = Reads(monkeypatch, ("_states.pt",))
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}/{name}': {flipped.message()}: {damage.RECOPY}"]
+        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
+    assert not (tmp_path / "out.pt").exists()
+    no_leftovers(s3, bucket)
