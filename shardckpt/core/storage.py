@@ -298,6 +298,11 @@ DEEPSPEED_FILE = re.compile(
 DeepSpeed reader loads it on the meta device and reads its flat partitions by ranges
 (``torch_save.in_place``)."""
 
+TORCH_CHECKPOINTING_METADATA = "metadata.pkl"
+"""The file that makes a directory torch_checkpointing's: the ``.safetensors`` files at
+its top (an item saved with ``SafetensorsSerialization``) are read where they lie, by
+``pread`` (``safetensors_file.read_rows``); its ``.pt`` items are fetched whole."""
+
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
 
@@ -317,17 +322,19 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
     them, and no object under it is a trainer's data: ``TRAINER_DATA``); a directory's
-    per-rank ``torch.save`` files (``RANK_FILE``) and DeepSpeed's states files
-    (``DEEPSPEED_FILE``). Every other object is fetched whole.
+    per-rank ``torch.save`` files (``RANK_FILE``), DeepSpeed's states files
+    (``DEEPSPEED_FILE``) and torch_checkpointing's ``*.safetensors`` items. Every other
+    object is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
     hf = not any(name.endswith(TRAINER_DATA) for name in objects)
+    torch_checkpointing = TORCH_CHECKPOINTING_METADATA in objects
     return [
         name
         for name in objects
         if name.endswith(READ_WHERE_THEY_LIE)
-        or (hf and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
         or DEEPSPEED_FILE.fullmatch(name)
     ]

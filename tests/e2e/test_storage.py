@@ -1091,3 +1091,36 @@ def test_a_flipped_byte_in_a_deepspeed_partition_on_s3_is_exit_3_naming_it(
         assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
     assert not (tmp_path / "out.pt").exists()
     no_leftovers(s3, bucket)
+
+
+@pytest.mark.trainers
+def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    pytest.importorskip("torch_checkpointing")
+    import torch_checkpointing_jobs
+    from harness import run_ranks
+
+    # The library's own save at 2: the model as model_{rank}.safetensors, the optimizer as .pt.
+    local = tmp_path / "step-2"
+    state, _ = run_ranks(torch_checkpointing_jobs.save, 2, str(local))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/tcp/step-2"
+    s3.put_dir(local, url[5:])
+    sizes = sizes_of(s3, url[5:], (".safetensors",))
+    assert sorted(sizes) == ["model_0.safetensors", "model_1.safetensors"]
+    reads = Reads(monkeypatch, (".safetensors",))
+    out = tmp_path / "model.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    assert_equal(load_safetensors(out.read_bytes()), state["model"])
+    mine = tmp_path / "local.safetensors"
+    assert cli(capsys, "convert", local, mine, "--to", "full", "--only", "model", "-q")[0] == 0
+    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
+    # The safetensors items by ranges, none on the disk; metadata.pkl and the .pt items fetched.
+    assert not [k for k in reads.whole if k.endswith(".safetensors")]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    no_leftovers(s3, bucket)

@@ -294,3 +294,14 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
         "rank3-of-4.pt",
         "rank_1.pth",
     ]
+
+
+def test_torch_checkpointings_safetensors_items_are_read_in_place_its_pt_items_fetched():
+    store = storage.Store("s3://b/tcp", None, "b/tcp")
+    objects = dict.fromkeys(
+        ["metadata.pkl", "model_0.safetensors", "optim_0.pt", "x/y.safetensors"], 1
+    )
+    assert storage.read_in_place(store, objects) == ["model_0.safetensors"]
+    # Without its metadata.pkl, a directory of safetensors beside a .pt is a trainer's: fetched.
+    del objects["metadata.pkl"]
+    assert storage.read_in_place(store, objects) == []
