@@ -938,6 +938,16 @@ def read_rows_in_place(reads: Reads, local: Path, data: int) -> None:
     assert data <= reads.requests.bytes <= data + (records + 8) * (256 << 10)
 
 
+def model_as_local_converts(capsys, url: str, local: Path, tmp_path: Path, *argv) -> dict:
+    """Return the model ``convert URL --to full --only model`` exports, asserting it is the local original's export byte for byte."""
+    out, mine = tmp_path / "model.safetensors", tmp_path / "local.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q", *argv)
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    code, _ = cli(capsys, "convert", local, mine, "--to", "full", "--only", "model", "-q", *argv)
+    assert code == 0 and out.read_bytes() == mine.read_bytes()
+    return load_safetensors(out.read_bytes())
+
+
 def test_s3_fsdp2_rank_files_to_local_full_and_dcp_read_their_rows_in_place(
     s3,  # noqa: F811
     fsdp2_ranks,
@@ -954,18 +964,12 @@ def test_s3_fsdp2_rank_files_to_local_full_and_dcp_read_their_rows_in_place(
 
     # --only model: each file's pickle and its model shards' rows, not its optimizer state.
     reads = Reads(monkeypatch, (".pt",))
-    out = tmp_path / "model.safetensors"
-    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q")
-    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
-    assert_equal(load_safetensors(out.read_bytes()), full["model"])
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path), full["model"])
     assert reads.whole == []
     assert reads.stand_ins == dict.fromkeys(sizes, 0)
     read_rows_in_place(
         reads, local, sum(t.numel() * t.element_size() for t in full["model"].values())
     )
-    mine = tmp_path / "local.safetensors"
-    assert cli(capsys, "convert", local, mine, "--to", "full", "--only", "model", "-q")[0] == 0
-    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
 
     # All of it, resharded to a DCP at 3: every byte read about once.
     reads = Reads(monkeypatch, (".pt",))
@@ -1019,15 +1023,12 @@ def test_s3_fsdp1_rank_files_to_local_full_are_fsdp1s_own_full_state_read_in_pla
     url = f"s3://{bucket}/run/{kind}"
     s3.put_dir(local, url[5:])
     reads = Reads(monkeypatch, (".pt",))
-    out = tmp_path / "model.safetensors"
     flat = (
         ["--model", "fsdp1_jobs:build_model", "--wrap", "fsdp1_jobs:Block"]
         if kind == "local"
         else []
     )
-    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q", *flat)
-    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
-    assert_equal(load_safetensors(out.read_bytes()), full["model"])
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path, *flat), full["model"])
     assert reads.whole == []
     assert reads.stand_ins == dict.fromkeys(["rank_0.pt", "rank_1.pt"], 0)
     no_leftovers(s3, bucket)
@@ -1113,13 +1114,7 @@ def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
     sizes = sizes_of(s3, url[5:], (".safetensors",))
     assert sorted(sizes) == ["model_0.safetensors", "model_1.safetensors"]
     reads = Reads(monkeypatch, (".safetensors",))
-    out = tmp_path / "model.safetensors"
-    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q")
-    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
-    assert_equal(load_safetensors(out.read_bytes()), state["model"])
-    mine = tmp_path / "local.safetensors"
-    assert cli(capsys, "convert", local, mine, "--to", "full", "--only", "model", "-q")[0] == 0
-    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path), state["model"])
     # The safetensors items by ranges, none on the disk; metadata.pkl and the .pt items fetched.
     assert not [k for k in reads.whole if k.endswith(".safetensors")]
     assert reads.stand_ins == dict.fromkeys(sizes, 0)
