@@ -67,6 +67,8 @@ def values(t: torch.Tensor) -> torch.Tensor:
     """
     if t.device.type != "meta":
         return checked(t)
+    if not t.numel():  # an empty storage has no record
+        return torch.empty(t.shape, dtype=t.dtype)
     path, records = getattr(t.untyped_storage(), _FILE)
     record: MappedRecord = records[stored_offset(t.untyped_storage())]
     size = t.element_size()
