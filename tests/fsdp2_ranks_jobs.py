@@ -126,3 +126,20 @@ def save_replicated_dcp(out_dir: str) -> dict[str, Any] | None:
 def build_model() -> torch.nn.Module:
     """Return the example TinyLM: the zero-argument factory ``--model`` names."""
     return example.build_model(0)
+
+
+def save_wide_rank_files(out_dir: str) -> dict[str, Any] | None:
+    """Save ``rank{r}.pt`` of an FSDP2 job whose shards span several ranged requests; return the full state on rank 0.
+
+    Two linear layers (8 MiB and 4 MiB of weights) sharded over the job and one AdamW
+    step, saved as ``save_rank_files`` saves (FQN-keyed optimizer state).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 512))
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 1024)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optim": get_state_dict(model, optimizer)[1]}
+    torch.save(state, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    return _full_state(model, optimizer)

@@ -277,6 +277,26 @@ torch.save readers read a stand-in through ``core.files`` (``opened``'s ``Routed
 HF_READ_IN_PLACE = ".safetensors"
 """The weights of a Hugging Face directory SRC (``save_pretrained``'s shards), read where they lie."""
 
+RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pth)")
+"""A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
+``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
+``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
+(``torch_save.in_place``). veRL's ``*_world_size_N_rank_R.pt`` are not among them (its
+flat optimizer state is loaded whole): fetched whole."""
+
+DEEPSPEED_FILE = re.compile(
+    r"(?:[^/]+/)?(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt"
+)
+"""A DeepSpeed save's model- or optimizer-states file, in SRC or in its tag directory
+(``global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt``), read where it lies: the
+DeepSpeed reader loads it on the meta device and reads its flat partitions by ranges
+(``torch_save.in_place``)."""
+
+TORCH_CHECKPOINTING_METADATA = "metadata.pkl"
+"""The file that makes a directory torch_checkpointing's: the ``.safetensors`` files at
+its top (an item saved with ``SafetensorsSerialization``) are read where they lie, by
+``pread`` (``safetensors_file.read_rows``); its ``.pt`` items are fetched whole."""
+
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
 
@@ -295,17 +315,22 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
 
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
-    them, and no object under it is a trainer's data: ``TRAINER_DATA``). Every other
+    them, and no object under it is a trainer's data: ``TRAINER_DATA``); a directory's
+    per-rank ``torch.save`` files (``RANK_FILE``), DeepSpeed's states files
+    (``DEEPSPEED_FILE``) and torch_checkpointing's ``*.safetensors`` items. Every other
     object is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
     hf = not any(name.endswith(TRAINER_DATA) for name in objects)
+    torch_checkpointing = TORCH_CHECKPOINTING_METADATA in objects
     return [
         name
         for name in objects
         if name.endswith(READ_WHERE_THEY_LIE)
-        or (hf and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or (RANK_FILE.fullmatch(name) and "world_size" not in name)
+        or DEEPSPEED_FILE.fullmatch(name)
     ]
 
 

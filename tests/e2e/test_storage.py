@@ -1090,3 +1090,211 @@ def test_the_parts_in_flight_come_out_of_the_buffer(s3, big, capsys, monkeypatch
     assert seen == [rows]
     assert_equal(load_dcp(dst, sd), sd)
     no_leftovers(s3, bucket)
+
+
+# ------------------------------------------------ per-rank torch.save files read where they lie
+
+
+@pytest.fixture(scope="module")
+def fsdp2_ranks(tmp_path_factory) -> tuple[Path, dict]:
+    """``rank{r}.pt`` of a real FSDP2 job at 2 (shards of several ranged requests), and the job's full state."""
+    import fsdp2_ranks_jobs as jobs
+    from harness import run_ranks
+
+    root = tmp_path_factory.mktemp("fsdp2") / "ranks"
+    root.mkdir()
+    full = run_ranks(jobs.save_wide_rank_files, 2, str(root))[0]
+    return root, full
+
+
+def read_rows_in_place(reads: Reads, local: Path, data: int) -> None:
+    """Assert a run asked for ``data`` bytes of the rank files ``local`` holds (on S3), about once, no more.
+
+    Beyond the rows: a 256 KiB block per zip record of each file (its local header, read
+    before its data), and a few for its directory and pickle.
+    """
+    records = sum(len({at for at, _ in damage.storages(p).values()}) for p in local.iterdir())
+    assert data <= reads.requests.bytes <= data + (records + 8) * (256 << 10)
+
+
+def model_as_local_converts(capsys, url: str, local: Path, tmp_path: Path, *argv) -> dict:
+    """Return the model ``convert URL --to full --only model`` exports, asserting it is the local original's export byte for byte."""
+    out, mine = tmp_path / "model.safetensors", tmp_path / "local.safetensors"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "--only", "model", "-q", *argv)
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    code, _ = cli(capsys, "convert", local, mine, "--to", "full", "--only", "model", "-q", *argv)
+    assert code == 0 and out.read_bytes() == mine.read_bytes()
+    return load_safetensors(out.read_bytes())
+
+
+def test_s3_fsdp2_rank_files_to_local_full_and_dcp_read_their_rows_in_place(
+    s3,  # noqa: F811
+    fsdp2_ranks,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    local, full = fsdp2_ranks
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run/ranks"
+    s3.put_dir(local, url[5:])
+    sizes = sizes_of(s3, url[5:], (".pt",))
+    assert sorted(sizes) == ["rank0.pt", "rank1.pt"]
+
+    # --only model: each file's pickle and its model shards' rows, not its optimizer state.
+    reads = Reads(monkeypatch, (".pt",))
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path), full["model"])
+    assert reads.whole == []
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    read_rows_in_place(
+        reads, local, sum(t.numel() * t.element_size() for t in full["model"].values())
+    )
+
+    # All of it, resharded to a DCP at 3: every byte read about once.
+    reads = Reads(monkeypatch, (".pt",))
+    out = tmp_path / "dcp"
+    code, err = cli(capsys, "convert", url, out, "--to", "sharded", "--world-size", "3", "-q")
+    assert (code, err) == (0, [])
+    back = {"model": _zeros(full["model"]), "optim": {"state": _zeros(full["optim"]["state"])}}
+    dcp.load(back, checkpoint_id=out, no_dist=True)
+    assert_equal(back, {"model": full["model"], "optim": {"state": full["optim"]["state"]}})
+    read_rows_in_place(reads, local, sum(sizes.values()))
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_an_fsdp2_rank_file_on_s3_is_exit_3_naming_it(
+    s3,  # noqa: F811
+    fsdp2_ranks,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    local = damage.copy(fsdp2_ranks[0], tmp_path / "ranks")
+    flipped = damage.flip_in_torch_file(local / "rank1.pt", "model.0.weight")
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run/ranks"
+    s3.put_dir(local, url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.safetensors", "--to", "full"]):
+        reads = Reads(monkeypatch, (".pt",))
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}/rank1.pt': {flipped.message()}: {damage.RECOPY}"]
+        assert reads.whole == []  # the record's CRC-32 checked as its rows were read by range
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ranks"]
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "local"])
+def test_s3_fsdp1_rank_files_to_local_full_are_fsdp1s_own_full_state_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    kind,
+):
+    import fsdp1_jobs
+    from harness import run_ranks
+
+    # SHARDED_STATE_DICT (ShardedTensors) and LOCAL_STATE_DICT (flat shards) of a real FSDP1 job at 2.
+    full = run_ranks(fsdp1_jobs.save, 2, str(tmp_path), False)[0]
+    local = tmp_path / kind
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run/{kind}"
+    s3.put_dir(local, url[5:])
+    reads = Reads(monkeypatch, (".pt",))
+    flat = (
+        ["--model", "fsdp1_jobs:build_model", "--wrap", "fsdp1_jobs:Block"]
+        if kind == "local"
+        else []
+    )
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path, *flat), full["model"])
+    assert reads.whole == []
+    assert reads.stand_ins == dict.fromkeys(["rank_0.pt", "rank_1.pt"], 0)
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("case", ["z2-bf16", "z3-fp32"])
+def test_s3_deepspeed_run_to_local_full_is_zero_to_fp32s_output_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    case,
+):
+    from deepspeed_goldens import run_dir, zero_to_fp32
+
+    local = run_dir(case)  # DeepSpeed's own save (tests/goldens/deepspeed/make.py)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/{case}"
+    s3.put_dir(local, url[5:])
+    sizes = sizes_of(s3, url[5:], ("_states.pt",))
+    reads = Reads(monkeypatch, ("_states.pt",))
+    out = tmp_path / "full.pt"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    model = torch.load(out, weights_only=True)["model"]
+    assert_equal(model, {k: v for k, v in zero_to_fp32(case).items() if k in model})
+    mine = tmp_path / "local.pt"
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
+    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
+    # Only `latest` fetched whole; every states file by ranges, none on the disk.
+    assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_a_deepspeed_partition_on_s3_is_exit_3_naming_it(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from deepspeed_files import copy_run, deepspeed_classes
+    from deepspeed_goldens import run_dir
+
+    src = copy_run(run_dir("z2-bf16"), tmp_path)
+    name = "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with deepspeed_classes():
+        flipped = damage.flip_in_torch_file(
+            src / name,
+            "optimizer_state_dict.single_partition_of_fp32_groups.0",
+            weights_only=False,
+        )
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/z2"
+    s3.put_dir(src, url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
+        reads = Reads(monkeypatch, ("_states.pt",))
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}/{name}': {flipped.message()}: {damage.RECOPY}"]
+        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
+    assert not (tmp_path / "out.pt").exists()
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.trainers
+def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    pytest.importorskip("torch_checkpointing")
+    import torch_checkpointing_jobs
+    from harness import run_ranks
+
+    # The library's own save at 2: the model as model_{rank}.safetensors, the optimizer as .pt.
+    local = tmp_path / "step-2"
+    state, _ = run_ranks(torch_checkpointing_jobs.save, 2, str(local))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/tcp/step-2"
+    s3.put_dir(local, url[5:])
+    sizes = sizes_of(s3, url[5:], (".safetensors",))
+    assert sorted(sizes) == ["model_0.safetensors", "model_1.safetensors"]
+    reads = Reads(monkeypatch, (".safetensors",))
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path), state["model"])
+    # The safetensors items by ranges, none on the disk; metadata.pkl and the .pt items fetched.
+    assert not [k for k in reads.whole if k.endswith(".safetensors")]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    no_leftovers(s3, bucket)

@@ -257,3 +257,52 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
     assert memory.cat_file(f"{root}/optim/.metadata") == b"m"
     assert not memory.exists(store.beside(".out.shardckpt-partial"))
     memory.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
+    # The readers of per-rank files (fsdp2-ranks, fsdp1-*) and of DeepSpeed's states files
+    # read them by ranges; every other trainer's torch.save (veRL's, a universal
+    # checkpoint's, a subdirectory's rank files) and the small objects beside them are
+    # fetched whole.
+    store = storage.Store("s3://b/run", None, "b/run")
+    objects = dict.fromkeys(
+        [
+            "rank0.pt",
+            "rank_1.pth",
+            "model_rank2.pt",
+            "rank3-of-4.pt",
+            "model_world_size_2_rank_0.pt",
+            "sub/rank0.pt",
+            "mp_rank_00_model_states.pt",
+            "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "global_step3/zero/embed.weight/fp32.pt",
+            "pytorch_model_fsdp_rank0.bin",
+            "frank0.pt",
+            "common.pt",
+            "latest",
+            "__0_0.distcp",
+        ],
+        1,
+    )
+    assert sorted(storage.read_in_place(store, objects)) == [
+        "__0_0.distcp",
+        "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "model_rank2.pt",
+        "mp_rank_00_model_states.pt",
+        "rank0.pt",
+        "rank3-of-4.pt",
+        "rank_1.pth",
+    ]
+
+
+def test_torch_checkpointings_safetensors_items_are_read_in_place_its_pt_items_fetched():
+    store = storage.Store("s3://b/tcp", None, "b/tcp")
+    objects = dict.fromkeys(
+        ["metadata.pkl", "model_0.safetensors", "optim_0.pt", "x/y.safetensors"], 1
+    )
+    assert storage.read_in_place(store, objects) == ["model_0.safetensors"]
+    # Without its metadata.pkl, a directory of safetensors beside a .pt is a trainer's: fetched.
+    del objects["metadata.pkl"]
+    assert storage.read_in_place(store, objects) == []

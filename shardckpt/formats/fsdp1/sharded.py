@@ -23,7 +23,7 @@ from shardckpt.formats.ranks.dim0_split import describe_chunks
 from shardckpt.formats.ranks.rank_names import check_complete, present_rank_files
 from shardckpt.formats.ranks.rank_set import OwnTensors, check_one_save, job_world_size, none_own
 from shardckpt.formats.ranks.sharded_tensor_load import StoredShardedTensor, load_rank_file
-from shardckpt.state.checksums import checked
+from shardckpt.formats.torch_save.in_place import values
 from shardckpt.state.tree import Chunk, TensorMeta, dotted, map_leaves, walk
 
 # A dim-0 piece of a ShardedTensor: first row and the rows, held by one rank's file.
@@ -146,14 +146,14 @@ class Fsdp1ShardedReader(Reader):
     def _read_one(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         if meta.key in self._whole:
             t = self._whole[meta.key]
-            return checked(t if rows is None else t[rows[0] : rows[1]])
+            return values(t if rows is None else t[rows[0] : rows[1]])
         start, stop = rows if rows is not None else (0, meta.shape[0])
         out = torch.empty((stop - start,) + meta.shape[1:], dtype=meta.dtype)
         covered = 0
         for first, piece in self._pieces[meta.key]:
             lo, hi = max(start, first), min(stop, first + piece.shape[0])
             if lo < hi:
-                out[lo - start : hi - start] = checked(piece[lo - first : hi - first])
+                out[lo - start : hi - start] = values(piece[lo - first : hi - first])
                 covered += hi - lo
         if covered != stop - start:
             raise BadInputError(

@@ -31,8 +31,7 @@ from shardckpt.core.torch_internals import local_chunk, mesh_rank, mesh_world_si
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.ranks.rank_names import present_rank_files
 from shardckpt.formats.ranks.rank_set import check_one_save, job_world_size
-from shardckpt.formats.torch_save.file import load_dict
-from shardckpt.state.checksums import checked
+from shardckpt.formats.torch_save.in_place import load_in_place, values
 from shardckpt.state.tree import Chunk, TensorMeta, map_leaves, subtree, walk
 
 
@@ -89,7 +88,7 @@ class Fsdp2RanksReader(Reader):
         self.parts = self.present_files()
         with quiet_mesh_unpickling():
             self.objects = {
-                part: {r: load_dict(p, self.trust_pickle) for r, p in files.items()}
+                part: {r: load_in_place(p, self.trust_pickle) for r, p in files.items()}
                 for part, files in self.parts.items()
             }
         self.world_size = self._check_world_size()
@@ -204,13 +203,13 @@ class Fsdp2RanksReader(Reader):
 
     def _rows(self, source: _Source, c: Chunk, lo: int, hi: int) -> torch.Tensor:
         """Return rows [lo, hi) of the tensor from chunk ``c``'s file, their bytes checked as read."""
-        return checked(self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]])
+        return values(self._local(source, c.rank)[lo - c.offsets[0] : hi - c.offsets[0]])
 
     def _read_one(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         """Return rows ``[start, stop)`` (or all) of a tensor, from the files whose chunks hold them."""
         source = self._sources[meta.key]
         if not meta.shape:
-            return checked(self._local(source, source.chunks[0].rank))
+            return values(self._local(source, source.chunks[0].rank))
         start, stop = rows if rows is not None else (0, meta.shape[0])
         wanted = (stop - start,) + meta.shape[1:]
         # Replicas hold the same chunk: read each distinct chunk once, from its lowest rank.

@@ -33,6 +33,7 @@ from shardckpt.core.torch_internals import local_chunk
 from shardckpt.core.words import shown
 from shardckpt.formats.ranks.rank_names import check_complete
 from shardckpt.formats.ranks.sharded_tensor_load import StoredShardedTensor
+from shardckpt.formats.torch_save.in_place import values
 from shardckpt.state.tree import Path as TreePath
 from shardckpt.state.tree import dotted, subtree, walk
 from shardckpt.state.values import values_equal
@@ -165,7 +166,7 @@ def _difference(leaf: object, first: object, there: str) -> str:
         if _same_bytes(leaf, first):  # type: ignore[arg-type]
             return ""
         if leaf.dim() == 0:
-            return f"is {leaf.item()!r} here but {first.item()!r} {there}"  # type: ignore[union-attr]
+            return f"is {values(leaf).item()!r} here but {values(first).item()!r} {there}"  # type: ignore[union-attr]
         return f"holds other values here than {there}"
     if values_equal(leaf, first):
         return ""
@@ -209,7 +210,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return values(t.detach()).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _check_local_shard(file: Path, path: TreePath, leaf: object, rank: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.torch_internals import sharded_tensor
-from shardckpt.formats.torch_save.file import load_dict
+from shardckpt.formats.torch_save.in_place import load_in_place
 
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
@@ -110,4 +110,4 @@ class _TrustedPickle:
 def load_rank_file(path: Path, trust_pickle: bool) -> dict:
     """Return the state dict in one rank's file, memory-mapped, ShardedTensors as ``StoredShardedTensor``."""
     allowed = safe_globals()
-    return load_dict(path, trust_pickle, safe_globals=allowed, trusted_pickle=_TrustedPickle)
+    return load_in_place(path, trust_pickle, safe_globals=allowed, trusted_pickle=_TrustedPickle)

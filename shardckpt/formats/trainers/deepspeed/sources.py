@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardckpt.formats.base import Rows
-from shardckpt.state.checksums import checked
+from shardckpt.formats.torch_save.in_place import values
 from shardckpt.state.tree import TensorMeta
 
 
@@ -51,11 +51,11 @@ class Spans:
         if len(inside) == 1 and inside[0].flat.dtype == meta.dtype:
             # One span holds every element asked for: read as it lies, no second copy.
             s = inside[0]
-            return checked(s.flat[s.at + lo - s.start : s.at + hi - s.start]).view(out_shape)
+            return values(s.flat[s.at + lo - s.start : s.at + hi - s.start]).view(out_shape)
         out = torch.empty(hi - lo, dtype=meta.dtype)
         for s in inside:
             a, b = max(lo, s.start), min(hi, s.start + s.numel)
-            out[a - lo : b - lo] = checked(s.flat[s.at + a - s.start : s.at + b - s.start])
+            out[a - lo : b - lo] = values(s.flat[s.at + a - s.start : s.at + b - s.start])
         return out.view(out_shape)
 
 
@@ -68,7 +68,7 @@ class Whole:
     def read(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         """Return ``rows`` of the tensor (all of it for None) in ``meta``'s dtype."""
         t = self.tensor if rows is None or not meta.shape else self.tensor[rows[0] : rows[1]]
-        t = checked(t)
+        t = values(t)
         return t if t.dtype == meta.dtype else t.to(meta.dtype)
 
 

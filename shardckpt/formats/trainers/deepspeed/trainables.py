@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from shardckpt.core.errors import BadInputError
+from shardckpt.formats.torch_save import in_place
 from shardckpt.formats.trainers.deepspeed.assemble import Stored, Trainable
 from shardckpt.formats.trainers.deepspeed.partitions import (
     LayoutError,
@@ -151,7 +152,10 @@ def _one_value(save: ZeroSave, flat: int, name: str, values: list) -> Stored:
             hint="shardckpt reads optimizers whose state is per element or per parameter "
             "(Adam, AdamW, SGD, ...)",
         )
-    if not all(isinstance(v, torch.Tensor) and torch.equal(v, value) for v in values):
+    if not all(
+        isinstance(v, torch.Tensor) and torch.equal(in_place.values(v), in_place.values(value))
+        for v in values
+    ):
         raise BadInputError(
             f"optimizer state '{name}' of flat tensor {flat} differs between the ranks",
             path=save.files.dir,

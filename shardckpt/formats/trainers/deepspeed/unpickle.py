@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.errors import UnsafePickleError
-from shardckpt.formats.torch_save.file import load, load_dict
+from shardckpt.formats.torch_save.file import load
+from shardckpt.formats.torch_save.in_place import load_in_place
 
 LOSS_SCALERS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -103,9 +104,13 @@ def load_file(path: Path) -> object:
 
 
 def load_dict_file(path: Path) -> dict:
-    """Return the dict in one DeepSpeed ``torch.save`` file (as ``load_file``); refuse any other top level."""
+    """Return the dict in one DeepSpeed ``torch.save`` file (as ``load_file``); refuse any other top level.
+
+    A URL SRC's file is loaded on the meta device, its tensors read by ranges
+    (``torch_save.in_place.values``).
+    """
     with _refusals_explained():
-        return load_dict(path, False, safe_globals=stand_ins())
+        return load_in_place(path, False, safe_globals=stand_ins())
 
 
 def _refusal_hint(message: str) -> str:

@@ -16,7 +16,8 @@ torch item's values are rank 0's. Items without a resharder are not in the metad
 their ``<item>_<rank>.pt`` files are found by name, and their value is rank 0's (one
 that differs between ranks cannot be carried to another world size, and is refused
 when selected). Any other file in the directory is named as unreadable, never skipped.
-Rows are read from memory-mapped ``.pt`` files or with safetensors' ``get_slice``.
+Rows are read from memory-mapped ``.pt`` files, and from ``.safetensors`` files by ``pread``
+(``safetensors_file.read_rows``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from shardckpt.core.errors import BadInputError
@@ -35,7 +35,7 @@ from shardckpt.core.files import check_separate, has_file, source_file
 from shardckpt.core.torch_internals import local_chunk, mesh_rank
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
-from shardckpt.formats.hf.safetensors_file import opened, tensor_meta
+from shardckpt.formats.hf.safetensors_file import data_starts, opened, read_rows, tensor_meta
 from shardckpt.formats.torch_save.file import load
 from shardckpt.formats.trainers.torch_checkpointing.metadata import (
     METADATA_FILE,
@@ -108,6 +108,10 @@ class TorchCheckpointingReader(Reader):
             lambda k: f"rank {k[1]}'s file of item '{k[0]}'",
         )
         self._objects: dict[str, dict[int, object]] = {}
+        self._headers: dict[
+            tuple[str, int], tuple[Path, dict[str, int], dict[str, TensorMeta]]
+        ] = {}
+        """Each safetensors file's path, where its tensors' data starts and their metas, by (item, rank)."""
         self._sources: dict[str, _Source] = {}
         self.differing: set[str] = set()
         """Items outside the metadata, holding no DTensor, whose value differs between ranks
@@ -180,6 +184,15 @@ class TorchCheckpointingReader(Reader):
             return self._describe_safetensors(key, item)
         return self._describe_torch(key, item)
 
+    def _header(self, key: str, rank: int) -> tuple[Path, dict[str, int], dict[str, TensorMeta]]:
+        """Return rank ``rank``'s safetensors file of item ``key``, where its tensors start, and their metas (read once)."""
+        if (key, rank) not in self._headers:
+            path = source_file(self._path(key, rank))
+            with opened(path, "the file is truncated or damaged; re-copy it") as f:
+                metas = {k: tensor_meta(path, k, f.get_slice(k)) for k in f.keys()}
+            self._headers[(key, rank)] = (path, data_starts(path), metas)
+        return self._headers[(key, rank)]
+
     def _new_source(
         self, key: str, path: tuple, sharding_chunks, shape, dtype, label
     ) -> TensorMeta:
@@ -191,9 +204,8 @@ class TorchCheckpointingReader(Reader):
     def _describe_safetensors(self, key: str, item: Item) -> dict:
         tree: dict = {}
         for rank in range(self.world_size):
-            path = source_file(self._path(key, rank))
-            with opened(path, "the file is truncated or damaged; re-copy it") as f:
-                held = {k: tensor_meta(path, k, f.get_slice(k)) for k in f.keys()}
+            path, _, metas = self._header(key, rank)
+            held = dict(metas)
             for tpath, sharding in item.tensors.items():
                 name, sizes = dotted(tpath), sharding.chunks[rank][0]
                 meta = held.pop(name, None)
@@ -386,11 +398,10 @@ class TorchCheckpointingReader(Reader):
         """Return rows [lo, hi) of rank ``rank``'s local shard of a tensor (all of a 0-d one)."""
         item = self.items[source.item]
         if item is not None and item.serialization == SAFETENSORS:
-            with safe_open(self._path(source.item, rank), framework="pt") as f:
-                name = dotted(source.path)
-                if not f.get_slice(name).get_shape():
-                    return f.get_tensor(name)
-                return f.get_slice(name)[lo:hi]
+            # By pread, never a mapping: a URL SRC's stand-in maps as zeros.
+            path, starts, metas = self._header(source.item, rank)
+            meta = metas[dotted(source.path)]
+            return read_rows(path, starts, [meta], [(lo, hi) if meta.shape else None], None)[0]
         t = self._at(source.item, rank, source.path)
         local = t.to_local() if isinstance(t, DTensor) else t.detach()
         return local if local.dim() == 0 else local[lo:hi]

@@ -1,0 +1,98 @@
+"""``torch.save`` files of a directory on a URL (per-rank files) read where they lie.
+
+The readers of per-rank files (``fsdp2-ranks``, ``fsdp1-sharded``, ``fsdp1-local``) keep
+each file's loaded object and take views of its tensors (a DTensor's local shard, a
+ShardedTensor's shards, rows of them). A local file is memory-mapped, so a view costs
+nothing until it is read. The stand-in of a URL SRC's object (``core.files.is_remote_file``)
+must never be mapped (a mapping reads zeros): ``load_in_place`` loads it on the meta
+device instead, which says where each storage's zip record lies, and ``values`` reads a
+view's elements from there by ranged reads (``core.files``), each checked against its
+record's CRC-32 as the mapped file's are (``state.checksums``). So a rank reads the
+pickles of every file and only the rows it copies.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardckpt.core.files import is_remote_file, open_source, read_exactly
+from shardckpt.core.lazy_torch import torch
+from shardckpt.core.torch_internals import stored_offset
+from shardckpt.formats.torch_save.file import is_torch_zip, load_dict
+from shardckpt.formats.torch_save.mapped import MappedRecord, _local_tensors, stored_records
+from shardckpt.state.checksums import active, checked, raw_bytes
+from shardckpt.state.tree import walk
+
+_FILE = "_shardckpt_records"
+"""The attribute of a storage loaded on the meta device naming its file and records.
+
+torch keeps one Python object per storage (and reads ``_checkpoint_offset`` from it the
+same way), so every view of it finds them."""
+
+
+def load_in_place(path: Path, trust_pickle: bool, **options) -> dict:
+    """Return ``load_dict(path, trust_pickle, **options)``: a URL SRC's ``torch.save`` zip on the meta device.
+
+    Each storage of such a file is tagged with its file and record, for ``values``. A
+    file whose storages cannot all be placed (the other byte order, a torch that does
+    not say where they lie) or a legacy (not zip) file is loaded whole into memory
+    through a stream, as ``load`` does.
+    """
+    if not (is_remote_file(path) and is_torch_zip(path)):
+        return load_dict(path, trust_pickle, **options)
+    obj = load_dict(path, trust_pickle, lazy=True, **options)
+    records = stored_records(path, obj)
+    storages = [
+        t.untyped_storage()
+        for _, leaf in walk(obj)
+        for t in _local_tensors(leaf)
+        if t.untyped_storage().nbytes()
+    ]
+    if not all(stored_offset(s) in records for s in storages):
+        return load_dict(path, trust_pickle, **options)
+    if (ledger := active()) is not None:
+        for record in records.values():
+            ledger.expect(record.written, record.names)
+    for storage in storages:
+        setattr(storage, _FILE, (path, records))
+    return obj
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """Return the values of ``t`` (a tensor of a loaded file, or a view of one), their bytes checked.
+
+    A mapped file's view is returned as it is (``checked`` notes its bytes); a view of a
+    storage ``load_in_place`` left on the meta device is read from its record.
+    """
+    if t.device.type != "meta":
+        return checked(t)
+    if not t.numel():  # an empty storage has no record
+        return torch.empty(t.shape, dtype=t.dtype)
+    path, records = getattr(t.untyped_storage(), _FILE)
+    record: MappedRecord = records[stored_offset(t.untyped_storage())]
+    size = t.element_size()
+    if t.is_contiguous():
+        out = torch.empty(t.shape, dtype=t.dtype)
+        if out.numel():
+            _read_into(
+                path, raw_bytes(out), record.written.start + t.storage_offset() * size, record
+            )
+        return out
+    # A view that is not one run of its record: the record read whole.
+    data = torch.empty(record.written.length, dtype=torch.uint8)
+    _read_into(path, raw_bytes(data), record.written.start, record)
+    whole = torch.empty(0, dtype=t.dtype)
+    return whole.set_(data.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _read_into(path: Path, data, at: int, record: MappedRecord) -> None:
+    """Fill ``data`` from byte ``at`` of ``path`` and note it, in its record, in the active ledger."""
+    fd = open_source(path)
+    try:
+        read_exactly(fd, data, at, path, f"the data of {record.written.where}")
+    finally:
+        os.close(fd)
+    if (ledger := active()) is not None:
+        ledger.expect(record.written, record.names)
+        ledger.note(*record.written.key, at - record.written.start, data)
