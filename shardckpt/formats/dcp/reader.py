@@ -89,6 +89,7 @@ def _properties_of_newer_torch(properties: type) -> type:
     class TensorProperties(properties):
         def __setstate__(self, state) -> None:
             super().__setstate__(tuple(state)[:5])
+            self.__class__ = properties  # torch's own, as every other reader of it expects
 
     TensorProperties.__module__ = properties.__module__
     return TensorProperties
