@@ -30,9 +30,7 @@ from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import (
     SourceStream,
     is_remote_file,
-    open_source,
     os_error,
-    read_exactly,
     read_head,
     source_file,
     source_stat,
@@ -45,6 +43,8 @@ from shardckpt.formats.torch_save.mapped import (
     MappedRecord,
     expect_mapped,
     mapped_records,
+    read_record_into,
+    record_view,
     record_written,
     stored_records,
 )
@@ -317,26 +317,10 @@ class TorchReader(Reader):
         runs = self.stored_runs(meta, first * row, first * row + out.numel())
         record = self._records[self._key(t)]  # type: ignore[index]
         if runs is None:  # a view that is not one run: its storage's record read whole
-            data = torch.empty(record.written.length, dtype=torch.uint8)
-            self._read_into(raw_bytes(data), record.written.start, record)
-            whole = torch.empty(0, dtype=t.dtype).set_(
-                data.untyped_storage(), t.storage_offset(), t.shape, t.stride()
-            )
+            whole = record_view(self.src, t, record)
             return whole if r is None or not meta.shape else whole[first:stop].clone()
-        self._read_into(raw_bytes(out), runs[0].offset, record)
+        read_record_into(self.src, raw_bytes(out), runs[0].offset, record)
         return out
-
-    def _read_into(self, data, at: int, record: MappedRecord) -> None:
-        """Fill ``data`` from byte ``at`` of the file and note it, in its record, in the active ledger."""
-        fd = open_source(self.src)
-        try:
-            read_exactly(fd, data, at, self.src, f"the data of {record.written.where}")
-        finally:
-            os.close(fd)
-        ledger = active()
-        if ledger is not None:
-            ledger.expect(record.written, record.names)
-            ledger.note(*record.written.key, at - record.written.start, data)
 
     def stored_runs(self, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
         """Return where elements [start, stop) of ``meta`` lie in the file: one run of its record.

@@ -13,14 +13,19 @@ pickles of every file and only the rows it copies.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from shardckpt.core.files import is_remote_file, open_source, read_exactly
+from shardckpt.core.files import is_remote_file
 from shardckpt.core.lazy_torch import torch
 from shardckpt.core.torch_internals import stored_offset
 from shardckpt.formats.torch_save.file import is_torch_zip, load_dict
-from shardckpt.formats.torch_save.mapped import MappedRecord, _local_tensors, stored_records
+from shardckpt.formats.torch_save.mapped import (
+    MappedRecord,
+    local_tensors,
+    read_record_into,
+    record_view,
+    stored_records,
+)
 from shardckpt.state.checksums import active, checked, raw_bytes
 from shardckpt.state.tree import walk
 
@@ -46,7 +51,7 @@ def load_in_place(path: Path, trust_pickle: bool, **options) -> dict:
     storages = [
         t.untyped_storage()
         for _, leaf in walk(obj)
-        for t in _local_tensors(leaf)
+        for t in local_tensors(leaf)
         if t.untyped_storage().nbytes()
     ]
     if not all(stored_offset(s) in records for s in storages):
@@ -75,24 +80,8 @@ def values(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous():
         out = torch.empty(t.shape, dtype=t.dtype)
         if out.numel():
-            _read_into(
+            read_record_into(
                 path, raw_bytes(out), record.written.start + t.storage_offset() * size, record
             )
         return out
-    # A view that is not one run of its record: the record read whole.
-    data = torch.empty(record.written.length, dtype=torch.uint8)
-    _read_into(path, raw_bytes(data), record.written.start, record)
-    whole = torch.empty(0, dtype=t.dtype)
-    return whole.set_(data.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
-def _read_into(path: Path, data, at: int, record: MappedRecord) -> None:
-    """Fill ``data`` from byte ``at`` of ``path`` and note it, in its record, in the active ledger."""
-    fd = open_source(path)
-    try:
-        read_exactly(fd, data, at, path, f"the data of {record.written.where}")
-    finally:
-        os.close(fd)
-    if (ledger := active()) is not None:
-        ledger.expect(record.written, record.names)
-        ledger.note(*record.written.key, at - record.written.start, data)
+    return record_view(path, t, record)  # a view that is not one run of its record

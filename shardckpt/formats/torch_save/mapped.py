@@ -17,10 +17,10 @@ from pathlib import Path
 
 from shardckpt.codecs.pickle_scan import DamagedZip
 from shardckpt.codecs.zip_records import ZipRecord, zip_records
-from shardckpt.core.files import open_source, pread
+from shardckpt.core.files import open_source, pread, read_exactly
 from shardckpt.core.lazy_torch import torch
 from shardckpt.core.torch_internals import stored_offset
-from shardckpt.state.checksums import Written, active
+from shardckpt.state.checksums import Written, active, raw_bytes
 from shardckpt.state.tree import dotted, walk
 
 _CANDIDATES = 8
@@ -76,7 +76,7 @@ def stored_records(path: Path, obj: object) -> dict[int, MappedRecord]:
     """
     names: dict[int, list[str]] = {}
     for path_, leaf in walk(obj):
-        for tensor in _local_tensors(leaf):
+        for tensor in local_tensors(leaf):
             at = stored_offset(tensor.untyped_storage())
             if at is not None and tensor.untyped_storage().nbytes():
                 names.setdefault(at, []).append(dotted(path_))
@@ -124,7 +124,7 @@ def _storages(obj: object) -> dict[int, _Mapped]:
     """Return the CPU storages the tensors of ``obj`` view, by address, with the tensors and their bytes."""
     out: dict[int, _Mapped] = {}
     for path, leaf in walk(obj):
-        for tensor in _local_tensors(leaf):
+        for tensor in local_tensors(leaf):
             storage = tensor.untyped_storage()
             if tensor.device.type != "cpu" or not storage.nbytes():
                 continue
@@ -132,7 +132,7 @@ def _storages(obj: object) -> dict[int, _Mapped]:
     return out
 
 
-def _local_tensors(leaf: object) -> list[torch.Tensor]:
+def local_tensors(leaf: object) -> list[torch.Tensor]:
     """Return the plain tensors a leaf holds: itself, a DTensor's local shard, a ShardedTensor's shards."""
     shards = getattr(leaf, "local_shards", None)
     if isinstance(shards, list):
@@ -173,3 +173,23 @@ def _place(storages: dict[int, _Mapped], records: list[ZipRecord]) -> dict[int, 
         ):
             return placed  # type: ignore[return-value]
     return {}
+
+
+def read_record_into(path: Path, data, at: int, record: MappedRecord) -> None:
+    """Fill ``data`` from byte ``at`` of ``path`` (inside ``record``) and note it in the active ledger."""
+    fd = open_source(path)
+    try:
+        read_exactly(fd, data, at, path, f"the data of {record.written.where}")
+    finally:
+        os.close(fd)
+    if (ledger := active()) is not None:
+        ledger.expect(record.written, record.names)
+        ledger.note(*record.written.key, at - record.written.start, data)
+
+
+def record_view(path: Path, t: torch.Tensor, record: MappedRecord) -> torch.Tensor:
+    """Return view ``t`` of ``record``'s storage, the record read whole (a view that is not one run of it)."""
+    data = torch.empty(record.written.length, dtype=torch.uint8)
+    read_record_into(path, raw_bytes(data), record.written.start, record)
+    whole = torch.empty(0, dtype=t.dtype)
+    return whole.set_(data.untyped_storage(), t.storage_offset(), t.shape, t.stride())
