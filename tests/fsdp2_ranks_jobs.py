@@ -132,10 +132,15 @@ def save_wide_rank_files(out_dir: str) -> dict[str, Any] | None:
     """Save ``rank{r}.pt`` of an FSDP2 job whose shards span several ranged requests; return the full state on rank 0.
 
     Two linear layers (8 MiB and 4 MiB of weights) sharded over the job and one AdamW
-    step, saved as ``save_rank_files`` saves (FQN-keyed optimizer state).
+    step, saved as ``save_rank_files`` saves (FQN-keyed optimizer state). A third layer
+    of one output row leaves the last rank's shards of it empty, and an empty buffer is
+    a storage of no bytes (torch.load on the meta device reads no record for it).
     """
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 512))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 512), torch.nn.Linear(512, 1)
+    )
+    model.register_buffer("empty", torch.empty(0, 4))
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model(torch.randn(4, 1024)).sum().backward()
