@@ -16,6 +16,7 @@ ranks) is written here with its own bytes.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -240,11 +241,28 @@ class TensorBlob:
         return len(self.head) + self.data.length + len(self.tail)
 
 
+def unbacked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return a CPU tensor of ``shape`` and ``dtype`` whose bytes no one will read: a shared map of a sparse file.
+
+    ``torch.save`` under ``skip_data`` pickles it as it pickles a fake tensor (location
+    ``cpu``, the storage's size) and never touches its pages, so it takes no memory and
+    no commit charge; unlike a ``FakeTensorMode``, whose first use imports torch's
+    compiler stack (``torch._dynamo``, triton where installed: over a second and 100 MiB
+    of memory), it needs nothing but the file.
+    """
+    count = math.prod(shape)
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    with tempfile.TemporaryFile() as f:
+        f.truncate(count * dtype.itemsize)
+        flat = torch.from_file(f"/proc/self/fd/{f.fileno()}", shared=True, size=count, dtype=dtype)
+    return flat.view(shape)
+
+
 @lru_cache(maxsize=4096)
 def tensor_blob(shape: tuple[int, ...], dtype: torch.dtype) -> TensorBlob:
     """Return the blob layout ``torch.save`` gives a contiguous tensor of ``shape`` and ``dtype``."""
-    with fake_mode():
-        placeholder = torch.empty(shape, dtype=dtype)
+    placeholder = unbacked(shape, dtype)
     with tempfile.TemporaryFile() as f:
         _skeleton_save(placeholder, f)
         end = f.tell()

@@ -66,3 +66,24 @@ def test_every_command_imports_the_library_through_library_load():
                     if any(alias.name == "api" for alias in node.names):
                         unguarded.append(f"{path.name}:{func.name}")
     assert unguarded == []
+
+
+@pytest.mark.launches
+def test_resharding_a_dcp_loads_no_compiler(tmp_path):
+    # A DCP item's blob is laid out with an unbacked tensor, not a FakeTensorMode, whose
+    # first use imports torch._dynamo and triton (a second or more, 100 MiB of memory).
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(8, 3), "b": torch.arange(5), "e": torch.empty(0, 2)}
+    dcp.save(state, checkpoint_id=tmp_path / "src", no_dist=True)
+    ask = ASK.replace(
+        '["--version"], ',
+        f'["convert", "{tmp_path / "src"}", "{tmp_path / "out"}", "--to", "sharded", '
+        '"--world-size", "3", "-q"], ',
+    ).replace('m == "torch" or m.startswith("torch.")', 'm.startswith(("torch._dynamo", "triton"))')
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[0, 0, 0, 0, 0] [] True"
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
