@@ -8,13 +8,16 @@ than a second says what it is doing, one line each.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from shardckpt.core.streams import say
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 def human_bytes(n: float) -> str:
@@ -95,7 +98,7 @@ class Progress:
             return
         self._bytes = unit == "bytes"
         desc = f"{self.desc} {phase}".strip() if phase else self.desc
-        self._bar = (_ByteBar if self._bytes else tqdm)(
+        self._bar = _bar_class(self._bytes)(
             total=total,
             desc=desc,
             unit="" if self._bytes else f" {unit}",
@@ -122,13 +125,25 @@ class Progress:
             self._bar = None
 
 
-class _ByteBar(tqdm):
-    """A bar whose ``{sizes}`` field shows done/total and the rate in binary units."""
+@functools.cache
+def _bar_class(of_bytes: bool) -> type[tqdm]:
+    """Return tqdm, or for bytes its subclass whose ``{sizes}`` field shows done/total and the rate in binary units.
 
-    @property
-    def format_dict(self):
-        d = super().format_dict
-        done, seconds = d["n"], d["elapsed"]
-        rate = f", {human_bytes(done / seconds)}/s" if seconds > 0 and done else ""
-        d["sizes"] = f"{human_bytes(done)}/{human_bytes(d['total'] or 0)}{rate}"
-        return d
+    tqdm is imported here, when a terminal gets a bar: a command whose stderr is no
+    terminal (CI, a pipe) never loads it (40 ms of a torch-free command's start).
+    """
+    from tqdm import tqdm
+
+    if not of_bytes:
+        return tqdm
+
+    class ByteBar(tqdm):
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            done, seconds = d["n"], d["elapsed"]
+            rate = f", {human_bytes(done / seconds)}/s" if seconds > 0 and done else ""
+            d["sizes"] = f"{human_bytes(done)}/{human_bytes(d['total'] or 0)}{rate}"
+            return d
+
+    return ByteBar
