@@ -48,17 +48,19 @@ def natural(name: str) -> list:
 def dealt(sizes: Mapping[str, int], rank: int, world_size: int) -> dict[str, list[Part]]:
     """Return the parts of the files ``sizes`` (name: bytes) that rank ``rank`` of ``world_size`` sends.
 
-    Every ``world_size``-th part of them all, file after file in natural name order, the
-    first to rank 0: dealt over the files together rather than file by file, the ranks'
-    bytes differ by one part at most whatever the files' sizes. Each part is a sequential
-    read of 16 MiB or more, so handing a rank runs of consecutive parts would buy it
-    nothing; dealt one by one, the ranks move through the files together.
+    The parts of every file, file after file in natural name order, each to the rank that
+    has the fewest bytes so far (the lowest such rank): the ranks' bytes differ by one part
+    at most, whatever the files' sizes (dealt in turn, part p to rank p mod N, two-part
+    files of 16 MiB and 4 MiB would give every 16 MiB part to rank 0), and they move
+    through the files together. Runs of consecutive parts would buy a rank nothing: each
+    part is a sequential read of 16 MiB or more.
     """
     mine: dict[str, list[Part]] = {}
-    index = 0
+    load = [0] * world_size
     for name in sorted(sizes, key=natural):
         for part in parts_of(sizes[name]):
-            if index % world_size == rank:
+            least = load.index(min(load))
+            load[least] += part[2]
+            if least == rank:
                 mine.setdefault(name, []).append(part)
-            index += 1
     return mine

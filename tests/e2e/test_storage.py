@@ -1333,6 +1333,7 @@ def convert_sending_parts(src: Path, dst: str, to: dict, damaged: int | None = N
 
 
 def parts_of(size: int) -> int:
+    """Return how many parts of 16 MiB a file of ``size`` bytes is uploaded in (fewer than 1,000)."""
     return -(-size // PART)
 
 
@@ -1353,14 +1354,15 @@ def test_a_file_every_rank_filled_is_one_upload_of_both_ranks_parts_completed_on
     assert [g["error"] for g in got] == [None, None]
     large = {name: size for name, size in sizes_of(s3, dst[5:], ("",)).items() if size > PART}
     assert len(large) == (2 if out == "hf" else 1)
-    # Every part of every large file went once, from one rank or the other: part p of them
-    # all (file after file) from rank p mod 2, so both ranks sent parts of each file.
+    # Every part of every large file went once, from one rank or the other, both ranks
+    # sent parts of each file, and about as many bytes (within one part).
     every = [(name, n) for name in sorted(large) for n in range(1, parts_of(large[name]) + 1)]
     sent = [[(name or out, n) for name, n in g["sent"]] for g in got]  # "": DST itself
     assert sorted(sent[0] + sent[1]) == every
-    assert sent[0] == every[0::2] and sent[1] == every[1::2]
     for name in large:
         assert {r for r in (0, 1) for sent_name, _ in sent[r] if sent_name == name} == {0, 1}
+    nbytes = [sum(min(PART, large[name] - (n - 1) * PART) for name, n in mine) for mine in sent]
+    assert abs(nbytes[0] - nbytes[1]) <= PART
     # Each upload completed once, with every part: the single file by rank 0 (its commit),
     # hf's shards each by the rank that opened it.
     done = [(r, name or out, n) for r in (0, 1) for name, n in got[r]["completed"]]
@@ -1410,4 +1412,36 @@ def test_a_part_one_rank_fails_aborts_the_upload_and_the_rerun_succeeds(s3, two_
     ) in err
     s3.fs.invalidate_cache()
     assert_equal(load_safetensors(s3.fs.cat_file(dst[5:])), sd["model"])
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_upload_leaves_no_object_and_the_rerun_succeeds(
+    s3,  # noqa: F811
+    two_tensors,
+    tmp_path,
+    capsys,
+):
+    local, sd = two_tensors
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/export/model.pt"
+    # Each rank's parts wait 3 s before they go: rank 1 is killed while it holds part 2.
+    program = Path(__file__).parents[1] / "slow_parts_cli.py"
+    cmd = ["--standalone", "--nproc-per-node=2", str(program), "convert", local, dst]
+    cmd += ["--to", "full", "--only", "model", "-q"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_PARTS_DIR=str(tmp_path))
+    proc = warm_cli.start_torchrun(cmd, env=dict(env, SLOW_PARTS_DELAY="3"))
+    uploading(proc, lambda: (tmp_path / "parts-1").exists() and (tmp_path / "parts-0").exists())
+    assert (tmp_path / "parts-1").read_text() == " 2\n"  # "": DST itself, part 2 of 3
+    assert s3.open_uploads(bucket) == ["export/model.pt"]  # one upload, both ranks' parts
+    os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
+    _, err = proc.communicate(120)
+    assert proc.returncode != 0, err
+    s3.fs.invalidate_cache()
+    assert not s3.fs.exists(dst[5:])  # never completed
+    code, err = cli(capsys, "convert", local, dst, "--to", "full", "--only", "model", "-q")
+    assert code == 0, err
+    s3.fs.invalidate_cache()
+    with s3.fs.open(dst[5:]) as f:
+        assert_equal(torch.load(f, weights_only=True), sd["model"])
     no_leftovers(s3, bucket)
