@@ -3,9 +3,11 @@
 Every data object goes up first, then the objects a reader takes as the checkpoint's
 commit (DCP's ``.metadata``; ``upload``). S3's data objects are multipart uploads whose
 parts carry their CRC-32 (``Uploads``; a file job's parts are sent while the fill writes
-it, ``stream_into``). A marker object beside DST (``.NAME.shardckpt-partial``) says a run
-is writing it, so the next run knows what it finds there for a killed run's leftovers
-(``clear_leftovers``) and aborts its open multipart uploads. Stores, URLs, retries and
+it, ``stream_into``; under torchrun a file every rank filled is one upload whose parts
+every rank sends, ``_together``). A marker object beside DST
+(``.NAME.shardckpt-partial``) says a run is writing it, so the next run knows what it
+finds there for a killed run's leftovers (``clear_leftovers``) and aborts its open
+multipart uploads. Stores, URLs, retries and
 the one line of a failed request are ``core/storage.py``'s.
 """
 
@@ -310,7 +312,7 @@ def _together(
     small = [name for name in rest if name not in large]
     data = [name for name in rest if name in large]
     owned = share(data, rank, world_size) + ([n for n in last if n in large] if rank == 0 else [])
-    opened = agreed(lambda: {name: uploads.open(name) for name in owned})
+    opened = agreed(lambda: {name: uploads.open(name, large[name]) for name in owned})
     ids = {name: upload_id for got in all_gather(opened) for name, upload_id in got.items()}
     mine = {name: (ids[name], parts) for name, parts in dealt(large, rank, world_size).items()}
     sent = agreed(lambda: put_data(local, store, share(small, rank, world_size), uploads, mine))
@@ -444,9 +446,9 @@ class Uploads:
     only an offset, read from the file when it is sent. ``finish()`` waits for every part
     and completes each upload, ``abort()`` drops the parts not sent and aborts each upload
     opened. ``open``, ``send`` and ``complete`` are the steps of a file whose parts several
-    processes send (``_together``). Every part and PUT carries the CRC-32 of its bytes (``ChecksumCRC32``), so the
-    store refuses bytes that changed on the way (S3 answers 400 BadDigest: the part is
-    read and sent again, ``storage.RETRIES`` times).
+    processes send (``_together``). Every part and PUT carries the CRC-32 of its bytes
+    (``ChecksumCRC32``), so the store refuses bytes that changed on the way (S3 answers
+    400 BadDigest: the part is read and sent again, ``storage.RETRIES`` times).
     """
 
     def __init__(
@@ -511,8 +513,9 @@ class Uploads:
         while file.sent < size:
             self._part(name, file, min(size - file.sent, part_size(len(file.parts) + 1)))
 
-    def open(self, name: str) -> str:
-        """Open the multipart upload of file ``name`` whose parts several processes send; return its id."""
+    def open(self, name: str, size: int) -> str:
+        """Open the multipart upload of file ``name`` (``size`` bytes) whose parts several processes send; return its id."""
+        self._fits(name, len(parts_of(size)))
         self._opened[name] = self._create(name)
         return self._opened[name]
 
@@ -580,6 +583,15 @@ class Uploads:
     def _url(self, name: str) -> str:
         return f"{self.store.url}/{name}" if name else self.store.url
 
+    def _fits(self, name: str, parts: int) -> None:
+        """Raise when file ``name`` takes ``parts`` parts, more than one upload takes (S3: 10,000)."""
+        if parts > MOST_PARTS:
+            raise IOFailure(
+                f"is larger than an upload of {MOST_PARTS} parts takes",
+                path=self._url(name),
+                hint="write a DST with more, smaller files (a larger --world-size)",
+            )
+
     def _raise_failure(self) -> None:
         """Raise the first failure of a part sent: the fill stops at once, not after it."""
         if self._failed is not None:
@@ -590,12 +602,7 @@ class Uploads:
         if file.created is None:
             file.created = self._submit(file, self._create, name)
         number = len(file.parts) + 1
-        if number > MOST_PARTS:
-            raise IOFailure(
-                f"is larger than an upload of {MOST_PARTS} parts takes",
-                path=self._url(name),
-                hint="write a DST with more, smaller files (a larger --world-size)",
-            )
+        self._fits(name, number)
         future = self._submit(file, self._send_part, name, file, number, file.sent, length)
         file.parts.append((number, future))
         file.sent += length
