@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import reference  # noqa: F401  (makes examples/make_checkpoint.py importable for --model)
 import torch
 import torch.distributed as dist
@@ -81,18 +84,34 @@ def verify(src: str) -> tuple[bool, list[tuple[str, str]], int]:
     return result.intact, [(f.file, f.message) for f in result.damaged], result.bytes
 
 
-def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> dict:
-    """Run ``api.convert`` between URLs on this rank (``env``: the store's); return what it read and uploaded."""
+@contextlib.contextmanager
+def _on_store(env: dict) -> Iterator[None]:
+    """Run the body with the store's environment ``env`` and the test's own TMPDIR, both restored after.
+
+    The pooled rank runs later tests too: the store's environment and the test's own
+    TMPDIR (removed when the test ends) are this call's only.
+    """
     import os
     import tempfile
 
-    from shardckpt.core import remote_files, uploads
-
-    # The pooled rank runs later tests too: the store's environment and the test's own
-    # TMPDIR (removed when the test ends) are this call's only.
     before, tempdir = {k: os.environ.get(k) for k in env}, tempfile.tempdir
     os.environ.update(env)
     tempfile.tempdir = None
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        tempfile.tempdir = tempdir
+
+
+def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> dict:
+    """Run ``api.convert`` between URLs on this rank (``env``: the store's); return what it read and uploaded."""
+    from shardckpt.core import remote_files, uploads
+
     uploaded: dict[str, list[str]] = {"data": [], "commit": []}
     whole, commit = uploads.Uploads.whole, uploads.commit
 
@@ -100,21 +119,65 @@ def convert_on_storage(src: str, dst: str, to: str, kwargs: dict, env: dict) -> 
         uploaded["data"].append(name)
         return whole(self, name, path, size)
 
-    def recorded_commit(local, store, last):
+    def recorded_commit(local, store, last, sent=None):
         uploaded["commit"] += last
-        return commit(local, store, last)
+        return commit(local, store, last, sent)
 
     uploads.Uploads.whole, uploads.commit = recorded_whole, recorded_commit
     remote_files.requests.count = remote_files.requests.bytes = 0
     try:
-        convert(src, dst, to, kwargs)
+        with _on_store(env):
+            convert(src, dst, to, kwargs)
     finally:
         uploads.Uploads.whole, uploads.commit = whole, commit
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        tempfile.tempdir = tempdir
     uploaded["data"] = [n for n in uploaded["data"] if n not in uploaded["commit"]]
     return {**uploaded, "ranged_bytes": remote_files.requests.bytes}
+
+
+def convert_sending_parts(
+    src: str, dst: str, to: str, kwargs: dict, env: dict, damaged: int | None = None
+) -> dict:
+    """Run ``api.convert`` to a URL on this rank; return the parts it sent and the uploads it completed.
+
+    ``damaged``: on this rank, each part from that offset on is sent with a byte changed
+    after its CRC-32 was taken (the store refuses it); the error is returned.
+    """
+    from shardckpt.core import storage, uploads
+
+    sent: list[tuple[str, int]] = []
+    completed: list[tuple[str, int]] = []
+    send, complete, read_part = (
+        uploads.Uploads._send_part,
+        uploads.Uploads._complete,
+        uploads._read_part,
+    )
+
+    def recorded_send(self, name, file, number, offset, length):
+        done = send(self, name, file, number, offset, length)
+        sent.append((name, number))
+        return done
+
+    def recorded_complete(self, name, upload_id, parts):
+        complete(self, name, upload_id, parts)
+        completed.append((name, len(parts)))
+
+    def changed(fd, offset, length):
+        data, crc = read_part(fd, offset, length)
+        if offset >= damaged:
+            return bytes([data[0] ^ 1]) + data[1:], crc
+        return data, crc
+
+    uploads.Uploads._send_part, uploads.Uploads._complete = recorded_send, recorded_complete
+    retries = storage.RETRIES
+    if damaged is not None and dist.get_rank() == 1:
+        uploads._read_part, storage.RETRIES = changed, 1
+    error = None
+    try:
+        with _on_store(env):
+            convert(src, dst, to, kwargs)
+    except ShardckptError as exc:
+        error = (type(exc).__name__, exc.exit_code, exc.line())
+    finally:
+        uploads.Uploads._send_part, uploads.Uploads._complete = send, complete
+        uploads._read_part, storage.RETRIES = read_part, retries
+    return {"sent": sorted(sent), "completed": completed, "error": error}

@@ -8,8 +8,9 @@ reads from the store by ranges (``core.remote_files``), its other objects fetche
 DST is written under a staging directory on this node, named for the URL (so every rank
 of a ``torchrun`` on one node writes the same one), and uploaded: each rank the data
 files it wrote (on S3, a file written whole by one process part by part while the fill
-writes it, ``core.uploads.Uploads``; the others after the fill), then the coordinator
-the commit objects (``publish``). Errors and results
+writes it, ``core.uploads.Uploads``; the others after the fill, on S3 each one larger
+than a part as one upload whose parts every rank sends), then the coordinator the commit
+objects (``publish``). Errors and results
 name the URLs, never the local paths standing for them.
 """
 
@@ -268,7 +269,7 @@ class OnStorage:
             raise written_by_another(busy, self.dst_url) from None
 
     def publish(self) -> None:
-        """Upload the staged DST: each rank its share of the data files, then the coordinator the commit objects.
+        """Upload the staged DST: each rank its share of the data files (on S3, its share of every large file's parts), then the coordinator the commit objects.
 
         Agreed at each step: the commit objects are put only once every rank's uploads
         are complete; a failure on any rank aborts the open multipart uploads.
@@ -289,6 +290,7 @@ class OnStorage:
             rank=runtime.rank,
             world_size=runtime.world_size,
             agreed=runtime.agreed,
+            all_gather=runtime.all_gather,
             uploads=sending,
             streamed=set(streamed),
         )

@@ -3,9 +3,11 @@
 Every data object goes up first, then the objects a reader takes as the checkpoint's
 commit (DCP's ``.metadata``; ``upload``). S3's data objects are multipart uploads whose
 parts carry their CRC-32 (``Uploads``; a file job's parts are sent while the fill writes
-it, ``stream_into``). A marker object beside DST (``.NAME.shardckpt-partial``) says a run
-is writing it, so the next run knows what it finds there for a killed run's leftovers
-(``clear_leftovers``) and aborts its open multipart uploads. Stores, URLs, retries and
+it, ``stream_into``; under torchrun a file every rank filled is one upload whose parts
+every rank sends, ``_together``). A marker object beside DST
+(``.NAME.shardckpt-partial``) says a run is writing it, so the next run knows what it
+finds there for a killed run's leftovers (``clear_leftovers``) and aborts its open
+multipart uploads. Stores, URLs, retries and
 the one line of a failed request are ``core/storage.py``'s.
 """
 
@@ -16,9 +18,8 @@ import contextlib
 import ctypes
 import errno
 import os
-import re
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,15 @@ from shardckpt.core.errors import (
     notice,
 )
 from shardckpt.core.libc import linux_call
+from shardckpt.core.parts import (
+    MOST_PARTS,
+    PART_BYTES,
+    Part,
+    dealt,
+    natural,
+    part_size,
+    parts_of,
+)
 from shardckpt.core.signals import committing, reopened
 from shardckpt.core.storage import Store, retried, store_error
 
@@ -65,9 +75,14 @@ def _abort_uploads(store: Store) -> int:
         if u.get("Key", "") == key or u.get("Key", "").startswith(key + "/")
     ]
     for upload in uploads:
-        store.fs.call_s3(
-            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-        )
+        # Under torchrun every rank aborts them: one another rank aborted first is gone.
+        with contextlib.suppress(FileNotFoundError):
+            store.fs.call_s3(
+                "abort_multipart_upload",
+                Bucket=bucket,
+                Key=upload["Key"],
+                UploadId=upload["UploadId"],
+            )
     return len(uploads)
 
 
@@ -140,17 +155,13 @@ def split(local: Path, commits: Sequence[str]) -> tuple[list[str], list[str]]:
     return [f for f in files if f not in last], last
 
 
-def _natural(name: str) -> list:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
 def share(names: Sequence[str], rank: int, world_size: int) -> list[str]:
     """Return the data files rank ``rank`` of ``world_size`` uploads: every ``world_size``-th, in natural order.
 
     A per-rank file of target rank r (DCP's ``__r_0.distcp``) was written by the process
     acting for it, process r mod N (``core.placement``): that process uploads it.
     """
-    return sorted(names, key=_natural)[rank::world_size]
+    return sorted(names, key=natural)[rank::world_size]
 
 
 def begin_upload(store: Store, *, overwrite: bool) -> None:
@@ -165,31 +176,51 @@ def begin_upload(store: Store, *, overwrite: bool) -> None:
 
 
 def put_data(
-    local: Path, store: Store, names: Sequence[str], uploads: Uploads | None = None
-) -> None:
+    local: Path,
+    store: Store,
+    names: Sequence[str],
+    uploads: Uploads | None = None,
+    parts: Mapping[str, tuple[str, Sequence[Part]]] | None = None,
+) -> dict[str, list[dict]]:
     """Upload the data files ``names`` of ``local`` (several at once; each large one as a multipart upload).
 
     With ``uploads`` (S3): through it, each part with its CRC-32, and every upload it holds
-    (those streamed during the fill too) completed before returning.
+    (those streamed during the fill too) completed before returning; with ``parts`` (file:
+    its upload's id and the parts of it this process sends), those parts too, returned
+    sent but not completed (``Uploads.finish``).
     """
     if uploads is None:
         _put(local, store, names)
-        return
+        return {}
+    for name, (upload_id, mine) in (parts or {}).items():
+        uploads.send(name, _local(local, name), upload_id, mine)
     for name in names:
-        path = local / name if name else local
-        uploads.whole(name, path, path.stat().st_size)
-    uploads.finish()
+        uploads.whole(name, _local(local, name), _local(local, name).stat().st_size)
+    return uploads.finish()
 
 
-def commit(local: Path, store: Store, last: Sequence[str]) -> None:
+def _local(local: Path, name: str) -> Path:
+    """Return the staged file of DST file ``name`` (``""``: the single-file DST ``local`` itself)."""
+    return local / name if name else local
+
+
+def commit(
+    local: Path,
+    store: Store,
+    last: Sequence[str],
+    sent: Mapping[str, Callable[[], None]] | None = None,
+) -> None:
     """Upload the commit files ``last`` (once every data file is uploaded), then remove the marker.
 
-    One after another, in their order. Once it starts, a signal waits until DST is
+    One after another, in their order; one whose parts every rank ``sent`` already is
+    its upload's completion (the callable). Once it starts, a signal waits until DST is
     committed (then exit 0).
     """
     with committing(f"'{store.url}'"):
         for name in last:
-            if checks_parts(store):
+            if sent and name in sent:
+                sent[name]()
+            elif checks_parts(store):
                 put_data(local, store, [name], Uploads(store))
             else:
                 _put(local, store, [name])
@@ -217,7 +248,8 @@ def upload(
     overwrite: bool,
     rank: int = 0,
     world_size: int = 1,
-    agreed: Callable[[Callable[[], object]], object] = lambda step: step(),
+    agreed: Callable[[Callable[[], T]], T] = lambda step: step(),
+    all_gather: Callable[[T], list[T]] = lambda mine: [mine],
     uploads: Uploads | None = None,
     streamed: Collection[str] = (),
 ) -> None:
@@ -227,9 +259,10 @@ def upload(
     ``uploads`` began during the fill, ``Uploads.begin``). Each of ``world_size`` processes
     uploads its ``share`` of the data files no rank ``streamed`` during the fill, and
     completes its own uploads; the commit objects go once every share is up. Under torchrun
-    ``agreed`` is the runtime's (each step ends on every rank together; a failure on one is
-    every rank's). A failure aborts the open multipart uploads and leaves no commit object;
-    the next run clears the rest (``clear_leftovers``).
+    ``agreed`` and ``all_gather`` are the runtime's (each step ends on every rank together;
+    a failure on one is every rank's); on S3 each file larger than a part is sent by every
+    rank (``_together``). A failure aborts the open multipart uploads and leaves no commit
+    object; the next run clears the rest (``clear_leftovers``).
     """
     reopened()  # the local output was only DST's stand-in: a signal stops the upload
     first, last = split(local, commits)
@@ -237,8 +270,11 @@ def upload(
     begun = uploads is not None and uploads.begun
     try:
         agreed(lambda: rank == 0 and not begun and begin_upload(store, overwrite=overwrite))
-        agreed(lambda: put_data(local, store, share(rest, rank, world_size), uploads))
-        agreed(lambda: rank == 0 and commit(local, store, last))
+        if uploads is not None and world_size > 1:
+            _together(local, store, rest, last, uploads, rank, world_size, agreed, all_gather)
+        else:
+            agreed(lambda: put_data(local, store, share(rest, rank, world_size), uploads))
+            agreed(lambda: rank == 0 and commit(local, store, last))
     except BaseException:
         if uploads is not None:
             uploads.abort()
@@ -247,6 +283,62 @@ def upload(
         else:
             abort(store)
         raise
+
+
+def _together(
+    local: Path,
+    store: Store,
+    rest: Sequence[str],
+    last: Sequence[str],
+    uploads: Uploads,
+    rank: int,
+    world_size: int,
+    agreed: Callable[[Callable[[], T]], T],
+    all_gather: Callable[[T], list[T]],
+) -> None:
+    """Upload the staged DST from ``world_size`` ranks on its node: a file larger than a part is one upload, its parts from every rank.
+
+    1) (owners) open the uploads of the files larger than ``PART_BYTES``: rank 0 those of
+       commit objects (it completes them last), each data file's the rank ``share``
+       deals it to; every rank learns their ids.
+    2) (all ranks) each sends its ``dealt`` parts of them, read from the staged file with
+       their CRC-32s, and its ``share`` of the smaller files (one PUT each); every rank
+       learns every part's ETag and CRC-32.
+    3) (owners) complete the data files' uploads; 4) (rank 0) ``commit``, completing a
+       commit object's upload in its turn.
+    """
+    sizes = {name: _local(local, name).stat().st_size for name in [*rest, *last]}
+    large = {name: size for name, size in sizes.items() if size > PART_BYTES}
+    small = [name for name in rest if name not in large]
+    data = [name for name in rest if name in large]
+    owned = share(data, rank, world_size) + ([n for n in last if n in large] if rank == 0 else [])
+    opened = agreed(lambda: {name: uploads.open(name, large[name]) for name in owned})
+    ids = {name: upload_id for got in all_gather(opened) for name, upload_id in got.items()}
+    mine = {name: (ids[name], parts) for name, parts in dealt(large, rank, world_size).items()}
+    sent = agreed(lambda: put_data(local, store, share(small, rank, world_size), uploads, mine))
+    parts = _every_part(all_gather(sent), large)
+
+    def completer(name: str) -> Callable[[], None]:
+        return lambda: uploads.complete(name, ids[name], parts[name])
+
+    agreed(lambda: [completer(name)() for name in owned if name not in last])
+    sent_commits = {name: completer(name) for name in last if name in large}
+    agreed(lambda: rank == 0 and commit(local, store, last, sent_commits))
+
+
+def _every_part(
+    sent: Sequence[Mapping[str, list[dict]]], sizes: Mapping[str, int]
+) -> dict[str, list[dict]]:
+    """Return the parts every rank ``sent`` of each file of ``sizes``, in order: each of its parts once."""
+    parts: dict[str, list[dict]] = {name: [] for name in sizes}
+    for by_rank in sent:
+        for name, done in by_rank.items():
+            parts[name] += done
+    for name, done in parts.items():
+        done.sort(key=lambda part: part["PartNumber"])
+        if [part["PartNumber"] for part in done] != [n for n, _, _ in parts_of(sizes[name])]:
+            raise RuntimeError(f"internal: the ranks did not send each part of {name!r} once")
+    return parts
 
 
 def _put(local: Path, store: Store, names: Sequence[str]) -> None:
@@ -270,8 +362,6 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ DST: parts with their CRC-32
 
-PART_BYTES = 16 << 20
-"""The size of an upload's parts (S3: at least 5 MiB but the last); a file up to this size is one PUT."""
 PARTS_IN_FLIGHT = 4
 """The most parts (or PUTs) one process sends at once."""
 PART_HELD = 2 * PART_BYTES
@@ -288,9 +378,6 @@ def parts_in_flight(buffer_bytes: int) -> int:
     return max(1, min(PARTS_IN_FLIGHT, buffer_bytes // 4 // PART_HELD))
 
 
-_MOST_PARTS = 10_000  # S3's limit per upload
-
-
 def checks_parts(store: Store) -> bool:
     """Return whether DST is uploaded by ``Uploads``: S3, whose parts carry a checksum the store checks."""
     return "s3" in _protocols(store.fs) and hasattr(store.fs, "call_s3")
@@ -299,15 +386,6 @@ def checks_parts(store: Store) -> bool:
 def checksum(data) -> str:
     """Return the CRC-32 of ``data`` as S3 takes it (``ChecksumCRC32``): base64 of its 4 big-endian bytes."""
     return base64.b64encode(isal_zlib.crc32(data).to_bytes(4, "big")).decode()
-
-
-def part_size(number: int) -> int:
-    """Return the size of part ``number`` (from 1): 16 MiB, 16 MiB more every 1,000 parts.
-
-    S3 takes 10,000 parts of an upload: so a file of up to 860 GiB, written before its size
-    is known, fits.
-    """
-    return PART_BYTES * (1 + (number - 1) // 1000)
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -352,6 +430,9 @@ class _File:
     parts: list[tuple[int, Future[dict]]] = field(default_factory=list)
     pending: int = 0
     """Parts handed to the pool and not finished: the file stays open while there are any."""
+    shared: bool = False
+    """Whether its upload is every rank's (``Uploads.send``): this process sends some of its
+    parts, and another step completes it."""
 
 
 class Uploads:
@@ -364,9 +445,10 @@ class Uploads:
     ``PARTS_IN_FLIGHT`` at a time on threads of their own; a part waiting for a thread is
     only an offset, read from the file when it is sent. ``finish()`` waits for every part
     and completes each upload, ``abort()`` drops the parts not sent and aborts each upload
-    opened. Every part and PUT carries the CRC-32 of its bytes (``ChecksumCRC32``), so the
-    store refuses bytes that changed on the way (S3 answers 400 BadDigest: the part is
-    read and sent again, ``storage.RETRIES`` times).
+    opened. ``open``, ``send`` and ``complete`` are the steps of a file whose parts several
+    processes send (``_together``). Every part and PUT carries the CRC-32 of its bytes
+    (``ChecksumCRC32``), so the store refuses bytes that changed on the way (S3 answers
+    400 BadDigest: the part is read and sent again, ``storage.RETRIES`` times).
     """
 
     def __init__(
@@ -390,6 +472,8 @@ class Uploads:
         self._in_flight = in_flight
         self._pool: ThreadPoolExecutor | None = None
         self._files: dict[str, _File] = {}
+        self._opened: dict[str, str] = {}
+        """Uploads this process opened for several processes' parts (``open``), not completed yet."""
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
 
@@ -429,35 +513,67 @@ class Uploads:
         while file.sent < size:
             self._part(name, file, min(size - file.sent, part_size(len(file.parts) + 1)))
 
-    def finish(self) -> None:
-        """Wait for every part sent; complete each upload (its parts' CRC-32s with it)."""
+    def open(self, name: str, size: int) -> str:
+        """Open the multipart upload of file ``name`` (``size`` bytes) whose parts several processes send; return its id."""
+        self._fits(name, len(parts_of(size)))
+        self._opened[name] = self._create(name)
+        return self._opened[name]
+
+    def send(self, name: str, path: Path, upload_id: str, parts: Sequence[Part]) -> None:
+        """Send ``parts`` of file ``name`` (the local file ``path``) to the upload ``upload_id``; ``finish`` returns them, not completed."""
+        self._raise_failure()
+        created: Future[str] = Future()
+        created.set_result(upload_id)
+        file = self._files[name] = _File(path, created=created, shared=True)
+        for number, offset, length in parts:
+            future = self._submit(file, self._send_part, name, file, number, offset, length)
+            file.parts.append((number, future))
+
+    def complete(self, name: str, upload_id: str, parts: list[dict]) -> None:
+        """Complete the upload ``upload_id`` of file ``name`` with every process's ``parts``, in order."""
+        self._complete(name, upload_id, parts)
+        self._opened.pop(name, None)
+
+    def finish(self) -> dict[str, list[dict]]:
+        """Wait for every part sent; complete each upload (its parts' CRC-32s with it).
+
+        Return the parts sent of the uploads several processes send (``send``), by file:
+        those are completed once every process sent its own (``complete``).
+        """
+        sent: dict[str, list[dict]] = {}
         try:
             for name, file in self._files.items():
-                if file.size is None:
+                if file.size is None and not file.shared:
                     raise RuntimeError(f"internal: DST file {name!r} was streamed but never ended")
                 done = [{"PartNumber": n, **part.result()} for n, part in file.parts]
-                if file.created is None:
-                    continue  # one PUT, done with its future
-                self._complete(name, file.created.result(), done)
+                if file.shared:
+                    sent[name] = done
+                elif file.created is not None:  # else one PUT, done with its future
+                    self._complete(name, file.created.result(), done)
         finally:
             self._close()
         self._files.clear()
+        return sent
 
     def abort(self) -> None:
         """Drop the parts not sent, wait for those being sent, abort every upload opened (best effort)."""
         self._close(cancel=True)
+        opened = dict(self._opened)
         for name, file in self._files.items():
             created = file.created
-            if created is None or not created.done() or created.cancelled():
-                continue
+            if created is not None and created.done() and not created.cancelled():
+                with contextlib.suppress(Exception):
+                    opened[name] = created.result()
+        for name, upload_id in opened.items():
             with contextlib.suppress(Exception):
                 self.store.fs.call_s3(
                     "abort_multipart_upload",
                     Bucket=self.bucket,
                     Key=self._key(name),
-                    UploadId=created.result(),
+                    UploadId=upload_id,
                 )
         self._files.clear()
+        self._opened.clear()
 
     # -- inside
 
@@ -466,6 +582,15 @@ class Uploads:
 
     def _url(self, name: str) -> str:
         return f"{self.store.url}/{name}" if name else self.store.url
+
+    def _fits(self, name: str, parts: int) -> None:
+        """Raise when file ``name`` takes ``parts`` parts, more than one upload takes (S3: 10,000)."""
+        if parts > MOST_PARTS:
+            raise IOFailure(
+                f"is larger than an upload of {MOST_PARTS} parts takes",
+                path=self._url(name),
+                hint="write a DST with more, smaller files (a larger --world-size)",
+            )
 
     def _raise_failure(self) -> None:
         """Raise the first failure of a part sent: the fill stops at once, not after it."""
@@ -477,12 +602,7 @@ class Uploads:
         if file.created is None:
             file.created = self._submit(file, self._create, name)
         number = len(file.parts) + 1
-        if number > _MOST_PARTS:
-            raise IOFailure(
-                f"is larger than an upload of {_MOST_PARTS} parts takes",
-                path=self._url(name),
-                hint="write a DST with more, smaller files (a larger --world-size)",
-            )
+        self._fits(name, number)
         future = self._submit(file, self._send_part, name, file, number, file.sent, length)
         file.parts.append((number, future))
         file.sent += length

@@ -1298,3 +1298,150 @@ def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
     assert not [k for k in reads.whole if k.endswith(".safetensors")]
     assert reads.stand_ins == dict.fromkeys(sizes, 0)
     no_leftovers(s3, bucket)
+
+
+# ------------------------------------- a file every rank filled: one upload, parts from every rank
+
+PART = 16 << 20  # uploads.PART_BYTES: the parts a file larger than it is uploaded in
+
+
+@pytest.fixture(scope="module")
+def two_tensors(tmp_path_factory) -> tuple[Path, dict]:
+    """A 40 MiB DCP on the local disk, two tensors of 20 MiB: any full output of it is three parts or more."""
+    sd = {
+        "model": {
+            "a": torch.arange(5 * 2**20, dtype=torch.float32),
+            "b": -torch.arange(5 * 2**20, dtype=torch.float32),
+        }
+    }
+    local = tmp_path_factory.mktemp("two") / "ckpt"
+    dcp.save(sd, checkpoint_id=local, no_dist=True)
+    return local, sd
+
+
+def convert_sending_parts(src: Path, dst: str, to: dict, damaged: int | None = None) -> list[dict]:
+    """Convert ``src`` to ``dst`` on two gloo ranks; return the parts each sent and the uploads each completed."""
+    import ranks
+    from harness import run_ranks
+
+    env = {
+        k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    }
+    env["TMPDIR"] = tempfile.gettempdir()
+    fn = ranks.convert_sending_parts
+    return run_ranks(fn, 2, str(src), dst, "full", to, env, damaged)
+
+
+def parts_of(size: int) -> int:
+    """Return how many parts of 16 MiB a file of ``size`` bytes is uploaded in (fewer than 1,000)."""
+    return -(-size // PART)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out", ["model.safetensors", "model.pt", "hf"])
+def test_a_file_every_rank_filled_is_one_upload_of_both_ranks_parts_completed_once(
+    s3,  # noqa: F811
+    two_tensors,
+    out,
+):
+    local, sd = two_tensors
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/export/{out}"
+    to = {"only": "model"}
+    if out == "hf":  # two shards of 20 MiB: data objects, each completed by the rank that opened it
+        to |= {"format": "hf", "max_shard_size": 24 << 20}
+    got = convert_sending_parts(local, dst, to)
+    assert [g["error"] for g in got] == [None, None]
+    large = {name: size for name, size in sizes_of(s3, dst[5:], ("",)).items() if size > PART}
+    assert len(large) == (2 if out == "hf" else 1)
+    # Every part of every large file went once, from one rank or the other, both ranks
+    # sent parts of each file, and about as many bytes (within one part).
+    every = [(name, n) for name in sorted(large) for n in range(1, parts_of(large[name]) + 1)]
+    sent = [[(name or out, n) for name, n in g["sent"]] for g in got]  # "": DST itself
+    assert sorted(sent[0] + sent[1]) == every
+    for name in large:
+        assert {r for r in (0, 1) for sent_name, _ in sent[r] if sent_name == name} == {0, 1}
+    nbytes = [sum(min(PART, large[name] - (n - 1) * PART) for name, n in mine) for mine in sent]
+    assert abs(nbytes[0] - nbytes[1]) <= PART
+    # Each upload completed once, with every part: the single file by rank 0 (its commit),
+    # hf's shards each by the rank that opened it.
+    done = [(r, name or out, n) for r in (0, 1) for name, n in got[r]["completed"]]
+    if out == "hf":
+        shards = sorted(large)
+        assert sorted(done) == [(0, shards[0], 2), (1, shards[1], 2)]
+    else:
+        assert done == [(0, out, parts_of(large[out]))]
+    if out == "model.safetensors":
+        assert_equal(load_safetensors(s3.fs.cat_file(dst[5:])), sd["model"])
+    elif out == "model.pt":
+        with s3.fs.open(dst[5:]) as f:
+            assert_equal(torch.load(f, weights_only=True), sd["model"])
+    else:
+        index = json.loads(s3.fs.cat_file(f"{dst[5:]}/model.safetensors.index.json"))
+        assert sorted(set(index["weight_map"].values())) == sorted(large)
+        read = {}
+        for shard in large:
+            read |= load_safetensors(s3.fs.cat_file(f"{dst[5:]}/{shard}"))
+        assert_equal(read, sd["model"])
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_a_part_one_rank_fails_aborts_the_upload_and_the_rerun_succeeds(s3, two_tensors, capsys):  # noqa: F811
+    local, sd = two_tensors
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/export/model.safetensors"
+    # Rank 1 sends part 2 (from 16 MiB): its bytes change after their CRC-32 was taken, so
+    # the store refuses it, and botocore does not send it again itself.
+    to = {"only": "model", "storage_options": ("config_kwargs.retries.max_attempts=1",)}
+    got = convert_sending_parts(local, dst, to, damaged=PART)
+    line = (
+        f"'{dst}': writing failed after 2 tries (400 BadDigest): check the endpoint "
+        "(AWS_ENDPOINT_URL) and the network, and run again"
+    )
+    assert got[1]["error"] == ("IOFailure", 4, line)
+    assert got[0]["error"] == ("RemoteRankError", 4, f"rank 1 failed: {line}")
+    assert [g["completed"] for g in got] == [[], []]
+    assert s3.keys(f"{bucket}/export") == [f"{bucket}/export/.model.safetensors.shardckpt-partial"]
+    assert s3.open_uploads(bucket) == []  # aborted by the failed run itself
+    code, err = cli(capsys, "convert", local, dst, "--to", "full", "--only", "model", "-q")
+    assert code == 0, err
+    assert (
+        f"shardckpt: note: removed what a run that did not finish left at '{dst}' "
+        "(uncommitted objects and 0 open uploads)"
+    ) in err
+    s3.fs.invalidate_cache()
+    assert_equal(load_safetensors(s3.fs.cat_file(dst[5:])), sd["model"])
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_upload_leaves_no_object_and_the_rerun_succeeds(
+    s3,  # noqa: F811
+    two_tensors,
+    tmp_path,
+    capsys,
+):
+    local, sd = two_tensors
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/export/model.pt"
+    # Each rank's parts wait 3 s before they go: rank 1 is killed while it holds part 2.
+    program = Path(__file__).parents[1] / "slow_parts_cli.py"
+    cmd = ["--standalone", "--nproc-per-node=2", str(program), "convert", local, dst]
+    cmd += ["--to", "full", "--only", "model", "-q"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_PARTS_DIR=str(tmp_path))
+    proc = warm_cli.start_torchrun(cmd, env=dict(env, SLOW_PARTS_DELAY="3"))
+    uploading(proc, lambda: (tmp_path / "parts-1").exists() and (tmp_path / "parts-0").exists())
+    assert (tmp_path / "parts-1").read_text() == " 2\n"  # "": DST itself, part 2 of 3
+    assert s3.open_uploads(bucket) == ["export/model.pt"]  # one upload, both ranks' parts
+    os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
+    _, err = proc.communicate(120)
+    assert proc.returncode != 0, err
+    s3.fs.invalidate_cache()
+    assert not s3.fs.exists(dst[5:])  # never completed
+    code, err = cli(capsys, "convert", local, dst, "--to", "full", "--only", "model", "-q")
+    assert code == 0, err
+    s3.fs.invalidate_cache()
+    with s3.fs.open(dst[5:]) as f:
+        assert_equal(torch.load(f, weights_only=True), sd["model"])
+    no_leftovers(s3, bucket)
