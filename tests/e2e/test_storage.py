@@ -1327,6 +1327,11 @@ def test_s3_verl_model_files_are_read_in_place_and_its_other_files_fetched(
         f"{part}_world_size_2_rank_{r}.pt" for part in ("extra_state", "optim") for r in (0, 1)
     ]
     assert reads.stand_ins == dict.fromkeys(models, 0)
+    if kind == "fsdp2":  # all of it: model files in place, optimizer files fetched, one tree
+        out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
+        assert cli(capsys, "convert", url, out, "--to", "full", "-q")[0] == 0
+        assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
+        assert out.read_bytes() == mine.read_bytes()
     no_leftovers(s3, bucket)
 
 
