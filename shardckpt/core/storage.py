@@ -281,8 +281,13 @@ RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pt
 """A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
 ``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
 ``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
-(``torch_save.in_place``). veRL's ``*_world_size_N_rank_R.pt`` are not among them (its
-flat optimizer state is loaded whole): fetched whole."""
+(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` only the model files
+(``VERL_MODEL_FILE``: read by those same readers) are among them; its optimizer files (FSDP1's
+flat optimizer state is loaded whole) and ``extra_state`` files (carried: copied as they
+are) are fetched whole."""
+
+VERL_MODEL_FILE = re.compile(r"model_world_size_\d+_rank_\d+\.pt")
+"""A veRL model file, read as ``fsdp2-ranks`` or ``fsdp1-sharded`` read their rank files."""
 
 DEEPSPEED_FILE = re.compile(
     r"(?:[^/]+/)?(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt"
@@ -316,7 +321,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
     them, and no object under it is a trainer's data: ``TRAINER_DATA``); a directory's
-    per-rank ``torch.save`` files (``RANK_FILE``), DeepSpeed's states files
+    per-rank ``torch.save`` files (``RANK_FILE``, veRL's model files), DeepSpeed's states files
     (``DEEPSPEED_FILE``) and torch_checkpointing's ``*.safetensors`` items. Every other
     object is fetched whole.
     """
@@ -330,6 +335,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         if name.endswith(READ_WHERE_THEY_LIE)
         or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
+        or VERL_MODEL_FILE.fullmatch(name)
         or DEEPSPEED_FILE.fullmatch(name)
     ]
 

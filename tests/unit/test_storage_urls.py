@@ -260,10 +260,10 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
 
 
 def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
-    # The readers of per-rank files (fsdp2-ranks, fsdp1-*) and of DeepSpeed's states files
-    # read them by ranges; every other trainer's torch.save (veRL's, a universal
-    # checkpoint's, a subdirectory's rank files) and the small objects beside them are
-    # fetched whole.
+    # The readers of per-rank files (fsdp2-ranks, fsdp1-*, veRL's model files) and of
+    # DeepSpeed's states files read them by ranges; every other trainer's torch.save
+    # (veRL's optimizer and extra_state files, a universal checkpoint's, a subdirectory's
+    # rank files) and the small objects beside them are fetched whole.
     store = storage.Store("s3://b/run", None, "b/run")
     objects = dict.fromkeys(
         [
@@ -272,6 +272,8 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
             "model_rank2.pt",
             "rank3-of-4.pt",
             "model_world_size_2_rank_0.pt",
+            "optim_world_size_2_rank_0.pt",
+            "extra_state_world_size_2_rank_0.pt",
             "sub/rank0.pt",
             "mp_rank_00_model_states.pt",
             "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
@@ -290,6 +292,7 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
         "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt",
         "model_rank2.pt",
+        "model_world_size_2_rank_0.pt",
         "mp_rank_00_model_states.pt",
         "rank0.pt",
         "rank3-of-4.pt",
