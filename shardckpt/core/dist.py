@@ -145,6 +145,10 @@ class Runtime:
                 raise error  # alone: no launcher stops this process for another's failure
             return
         mine = None if error is None else (self.rank, _one_line(error), _exit_code(error))
+        if error is not None:
+            # This rank fails whatever the others say: a SIGTERM from the agent during the
+            # gather (another rank returned from it first and exited) must not cut its line.
+            ending()
         everyone: list[tuple[int, str, int] | None] = [None] * self.world_size
         with self.collective():
             dist.all_gather_object(everyone, mine)
