@@ -21,6 +21,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -99,16 +100,10 @@ def s3() -> Iterator[S3]:
             proc.wait()
             pytest.skip(f"moto_server did not start on {endpoint}")
         time.sleep(0.2)
-    saved = {k: os.environ.get(k) for k in (*ENV, "AWS_ENDPOINT_URL")}
-    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
     try:
-        yield S3(endpoint)
+        with mock.patch.dict(os.environ, ENV, AWS_ENDPOINT_URL=endpoint):
+            yield S3(endpoint)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         proc.terminate()
         try:
             proc.wait(10)

@@ -93,18 +93,14 @@ def _on_store(env: dict) -> Iterator[None]:
     """
     import os
     import tempfile
+    from unittest import mock
 
-    before, tempdir = {k: os.environ.get(k) for k in env}, tempfile.tempdir
-    os.environ.update(env)
+    tempdir = tempfile.tempdir
     tempfile.tempdir = None
     try:
-        yield
+        with mock.patch.dict(os.environ, env):
+            yield
     finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         tempfile.tempdir = tempdir
 
 
