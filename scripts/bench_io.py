@@ -8,11 +8,11 @@ AdamW), each round runs, one after the other so that each pair sees the same mac
 ``cp -r SRC COPY && sync``; ``shardckpt convert SRC out.safetensors --to full`` (and
 ``sync``); the same to a full ``torch.save`` file (``out.pt``); the safetensors export
 with ``--verify``; ``cmp`` of every file of SRC with COPY's; ``shardckpt diff SRC COPY``;
-and the import of torch and DCP that every diff starts with (``diff``'s floor: no read
-can start before it). The table gives each command's median wall time and CPU time
+and the import of torch and DCP that every conversion starts with (and ``diff`` where two
+tensors' bytes differ; a ``diff`` of equal checkpoints of these formats imports no torch). The table gives each command's median wall time and CPU time
 (user + system, the command's processes) over the rounds, and the ratios the issue's
 targets are stated in: the exports against ``cp -r && sync``, ``--verify`` against the
-export without it, ``diff`` (and its floor) against ``cmp``. The source is in the page cache (it was just read), as
+export without it, ``diff`` (and the import) against ``cmp``. The source is in the page cache (it was just read), as
 in ``bench.py``. ``--diff-only`` times only ``cmp``, ``diff`` and the import (COPY made
 once, untimed); ``--against CHECKOUT`` adds that checkout's ``diff`` to each round
 (before and after a change, on the same machine at the same moment).
@@ -34,7 +34,7 @@ from pathlib import Path
 import bench
 
 IMPORTS = "import torch.distributed.checkpoint"
-"""What every ``diff`` of a DCP source imports before its first read."""
+"""What every conversion of a DCP source imports before its first read (``diff`` did too)."""
 
 
 def timed(argv: list[str], shell: bool = False, root: Path = bench.ROOT) -> tuple[float, float]:
@@ -119,7 +119,7 @@ def table(medians: dict[str, tuple[float, float]], src_bytes: int, rounds: int) 
         "export .pt": ("cp -r && sync", ""),
         "export --verify": ("export", "≤ 2× export"),
         "diff": ("cmp", "≤ 2× cmp"),
-        "import torch + dcp": ("cmp", "diff's floor"),
+        "import torch + dcp": ("cmp", "convert's floor"),
     }
     for name, (wall, cpu) in medians.items():
         base, target = ratios.get(name, ("cmp" if name.startswith("diff") else None, ""))

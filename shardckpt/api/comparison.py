@@ -8,10 +8,11 @@ from pathlib import Path
 
 from shardckpt.api.requests import DiffRequest
 from shardckpt.api.storage import named, on_storage
+from shardckpt.core import lazy_torch
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, source_option
 from shardckpt.core.progress import Progress
-from shardckpt.engine.compare import DiffResult, compare
+from shardckpt.engine.compare import DiffResult, TorchNeeded, compare
 from shardckpt.engine.read_checks import check_reads
 from shardckpt.formats import format_named, open_reader
 from shardckpt.formats.dcp.reader import as_stored
@@ -46,10 +47,20 @@ def diff(
     """
     runtime = runtime or Runtime()
     with on_storage(request, runtime, srcs=("a", "b")) as run, checking():
-        return named(_diff(run.request, runtime, progress), run)
+        try:
+            return named(_diff(run.request, runtime, progress), run)
+        except TorchNeeded as bytes_differ:
+            # Both sides again, read with torch: the pairs found equal are not read twice.
+            lazy_torch.load()
+            return named(_diff(run.request, runtime, progress, bytes_differ.settled), run)
 
 
-def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> DiffReport:
+def _diff(
+    request: DiffRequest,
+    runtime: Runtime,
+    progress: Progress | None,
+    settled: frozenset = frozenset(),
+) -> DiffReport:
     request.check()
     a, b = request.a, request.b
 
@@ -95,6 +106,7 @@ def _diff(request: DiffRequest, runtime: Runtime, progress: Progress | None) -> 
                 cast=request.cast,
                 progress=progress,
                 buffer_bytes=request.buffer_bytes,
+                settled=settled,
             )
         finally:
             progress.close()

@@ -115,7 +115,7 @@ def diff(
     version: Version = False,
 ) -> int:
     """Compare two checkpoints leaf by leaf; exit 0 when equal, 1 when they differ."""
-    library.load()
+    library.load(tensors=False)
     from shardckpt import api
     from shardckpt.api import applies
     from shardckpt.cli import render

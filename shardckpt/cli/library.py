@@ -16,7 +16,7 @@ def load(tensors: bool = True) -> None:
     """Import the modules the commands call; a SIGINT, SIGTERM or SIGHUP meanwhile is raised after.
 
     ``tensors=False``: a command that reads metadata and bytes only (``inspect``,
-    ``verify``) imports its modules as it uses them, and torch only where a source needs
+    ``verify``, ``diff`` until two tensors' bytes differ) imports its modules as it uses them, and torch only where a source needs
     it (``core/lazy_torch.py``, whose import holds signals the same way).
     """
     if not tensors:

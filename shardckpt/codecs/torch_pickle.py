@@ -278,11 +278,19 @@ def plain_torch_file(path: Path) -> PlainFile:
         os.close(fd)
     prefix = f"{archive}/data/"
     storages = {r.name[len(prefix) :]: r for r in records if r.name.startswith(prefix)}
+    return PlainFile(plain_pickle(pickled, storages), storages)
+
+
+def plain_pickle(pickled: bytes, storages: dict[str, ZipRecord]) -> object:
+    """Return what a ``torch.save`` zip's ``data.pkl`` (``pickled``) holds, with ``PlainTensor`` leaves.
+
+    ``storages``: the zip's storage records by key (``<archive>/data/KEY``). Raises
+    ``NotPlain`` where the pickle needs more than the stand-ins (torch's loader reads it).
+    """
     unpickler = _Unpickler(pickled, storages)
     try:
-        obj = unpickler.load()
+        return unpickler.load()
     except NotPlain:
         raise
     except Exception as exc:  # noqa: BLE001 - torch's loader reads it again and words the error
         raise NotPlain(str(exc)) from None
-    return PlainFile(obj, storages)

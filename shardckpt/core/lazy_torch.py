@@ -1,4 +1,4 @@
-"""torch, imported where first used: ``inspect`` and ``verify`` of metadata never load it.
+"""torch, imported where first used: ``inspect``, ``verify`` and ``diff`` of equal bytes never load it.
 
 Importing torch takes a second or more (8 s on a CUDA build), most of what reading a
 checkpoint's metadata would cost. A module on those commands' paths that also makes or
@@ -39,6 +39,11 @@ class LazyModule:
 
 torch: Any = LazyModule("torch")
 """torch, imported when one of its names is first read."""
+
+
+def load() -> None:
+    """Import torch now (signals held meanwhile, as on a first use)."""
+    torch.Tensor  # noqa: B018 - the attribute's read imports it
 
 
 def loaded() -> bool:

@@ -12,10 +12,11 @@ from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field
 
-import torch
-
+from shardckpt.core import lazy_torch
+from shardckpt.core.lazy_torch import torch
 from shardckpt.engine.exchange import SharedReader
 from shardckpt.engine.side_by_side import pieces, side_by_side
+from shardckpt.engine.stored_compare import same_stored
 from shardckpt.formats.base import Reader
 from shardckpt.plan.plan import SKIP, batches, rows_to_read
 from shardckpt.state.choices import DEFAULT_BUFFER_BYTES
@@ -39,6 +40,19 @@ class Cast:
     dtype_a: torch.dtype
     dtype_b: torch.dtype
     wider: torch.dtype
+
+
+class TorchNeeded(Exception):
+    """Raised by a comparison in a process without torch where some pairs must be compared by value.
+
+    Their readers read metadata into stand-ins (``state.dtypes``), which torch's path
+    cannot read tensors with: the caller imports torch, opens both sides again and compares
+    with ``settled``, the pairs already found to hold the same bytes, left out.
+    """
+
+    def __init__(self, settled: frozenset):
+        super().__init__("some tensors differ in their bytes: compared by value, with torch")
+        self.settled = settled
 
 
 @dataclass
@@ -68,6 +82,7 @@ def compare(
     cast: bool = False,
     progress=lambda n: None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    settled: frozenset = frozenset(),
 ) -> DiffResult:
     """Return how ``tree_a`` (read through ``a``) differs from ``tree_b`` (through ``b``).
 
@@ -76,6 +91,11 @@ def compare(
     pair of dtypes in ``DiffResult.casts``, not reported per tensor. Every tensor present
     on both sides is read and compared (its checksums checked as it is read): a digest a
     file carries vouches for no byte that was not checked against it. The two sides' batches together hold at most ``buffer_bytes`` of tensor data.
+
+    In one process, a pair whose bytes lie in both sides' files as they are is compared
+    as bytes (``stored_compare``); only the others become tensors. Without torch
+    imported, those raise ``TorchNeeded``; ``settled``: the paths of pairs a pass before
+    found to hold the same bytes, not read again.
     """
     leaves_a, leaves_b = dict(walk(tree_a)), dict(walk(tree_b))
     result = DiffResult(compared=len(set(leaves_a) | set(leaves_b)))
@@ -109,8 +129,18 @@ def compare(
     rules = _Rules(atol, rtol, wider_of, buffer_bytes)
     # A reader whose reads are collectives needs every rank in the same rounds.
     collective = isinstance(a, SharedReader) or isinstance(b, SharedReader)
+    for path, ma, _ in pairs:
+        if path in settled:
+            progress(ma.nbytes)
+    pairs = [pair for pair in pairs if pair[0] not in settled]
+    if not collective and runtime.world_size == 1:
+        left = _by_stored_bytes(a, b, pairs, wider_of, progress)
+        if left and not lazy_torch.loaded():
+            same = {path for path, _, _ in pairs} - {path for path, _, _ in left}
+            raise TorchNeeded(frozenset(same) | settled)
+        pairs = left
     read = _compare_in_rounds if collective else _compare_side_by_side
-    worst = read(a, b, pairs, runtime, rules, progress)
+    worst = read(a, b, pairs, runtime, rules, progress) if pairs else []
     for (path, _, _), (bad, diff) in zip(pairs, worst):
         if bad:
             result.differences.append(Difference(path, "values differ", diff))
@@ -119,6 +149,25 @@ def compare(
         order.setdefault(p, len(order))
     result.differences.sort(key=lambda d: order[d.path])
     return result
+
+
+def _by_stored_bytes(
+    a: Reader, b: Reader, pairs: list[Pair], wider_of: dict, progress
+) -> list[Pair]:
+    """Return the pairs whose stored bytes differ or could not be compared as bytes (one process).
+
+    The rest hold the same bytes on both sides, so they are equal (``stored_compare``):
+    read and checked, but never made tensors. A pair compared in a wider dtype is left
+    to torch (its bytes differ by definition).
+    """
+    left = []
+    for pair in pairs:
+        path, ma, mb = pair
+        if path not in wider_of and same_stored(a, ma, b, mb):
+            progress(ma.nbytes)
+        else:
+            left.append(pair)
+    return left
 
 
 def _wider(x: object, y: object) -> torch.dtype | None:

@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from shardckpt.codecs.tensor_bytes import contiguous_bytes
+from shardckpt.core.lazy_torch import torch
 from shardckpt.core.sight import Sight
 from shardckpt.formats.base import Index, Reader, Rows, read_grouped, rows_shape
 from shardckpt.state.regions import row_elements

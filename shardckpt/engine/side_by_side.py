@@ -20,8 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 
-import torch
-
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import Reader, Rows, rows_shape
 from shardckpt.state.regions import row_elements
 from shardckpt.state.tree import TensorMeta

@@ -16,9 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from shardckpt.core.errors import UsageError
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.state.tree import (
     FLAT_STATE,
@@ -29,7 +28,8 @@ from shardckpt.state.tree import (
     walk,
 )
 
-DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"keep": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Our names for the dtypes ``--dtype`` casts to, and torch's."""
 # torch's own names are accepted too: bfloat16, float16/half, float32/float, also as torch.X.
 _TORCH_NAMES = {
     "bfloat16": "bf16",
@@ -55,7 +55,8 @@ def dtype_name(name: str) -> str:
 
 def target_dtype(name: str) -> torch.dtype | None:
     """Return the dtype ``--dtype name`` casts to (None for ``keep``)."""
-    return DTYPES[dtype_name(name)]
+    torch_name = DTYPES[dtype_name(name)]
+    return None if torch_name is None else getattr(torch, torch_name)
 
 
 def cast_tree(

@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import torch
-
 from shardckpt.core.errors import UsageError
+from shardckpt.core.lazy_torch import torch
 from shardckpt.core.words import a_or_an, counted
 from shardckpt.formats import format_named
 from shardckpt.formats.base import Index, Rows

@@ -30,3 +30,14 @@ class PlainTensor:
     def numel(self) -> int:
         """Return the number of elements, as torch's ``numel()`` does."""
         return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        """Return whether its elements lie in order, one after another, as torch's ``is_contiguous()`` says."""
+        if not all(self.shape):
+            return True
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True

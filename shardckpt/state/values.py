@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
+import sys
 
-import numpy as np
-import torch
-
-_libc = ctypes.CDLL(None)
-_memcmp = _libc.memcmp
-_memcmp.restype = ctypes.c_int
-_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+from shardckpt.core.lazy_torch import is_tensor, torch
+from shardckpt.core.libc import same_memory
 
 
 def values_equal(x: object, y: object) -> bool:
@@ -24,18 +19,25 @@ def values_equal(x: object, y: object) -> bool:
         return len(x) == len(y) and all(values_equal(i, j) for i, j in zip(x, y))
     if isinstance(x, dict):
         return list(x) == list(y) and all(values_equal(x[k], y[k]) for k in x)
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False
         return tensors_differ(x, y, 0.0, 0.0)[0] is False
-    if isinstance(x, (np.ndarray, np.generic)):
+    if _is_array(x):
         # ``==`` on arrays is elementwise, and its truth value raises (an RNG state
         # that a trusted pickle holds, numpy's ('MT19937', uint32 array, ...) tuple).
-        return _arrays_equal(np.asarray(x), np.asarray(y))
+        numpy = sys.modules["numpy"]
+        return _arrays_equal(numpy.asarray(x), numpy.asarray(y))
     return x == y
 
 
-def _arrays_equal(x: np.ndarray, y: np.ndarray) -> bool:
+def _is_array(x: object) -> bool:
+    """Return whether ``x`` is a numpy array or scalar, without importing numpy (none exists before it is)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(x, (numpy.ndarray, numpy.generic))
+
+
+def _arrays_equal(x, y) -> bool:
     """Return whether two numpy arrays have one dtype and shape and the same values, bit for bit."""
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
@@ -74,13 +76,12 @@ def tensors_differ(
 def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Return whether two tensors of one shape and dtype hold the same bytes.
 
-    Contiguous CPU tensors go through libc's ``memcmp`` (ctypes lets go of the GIL
-    meanwhile, so reading threads run on): 7x ``torch.equal``'s pace on bytes, which
-    compares element by element.
+    Contiguous CPU tensors go through libc's ``memcmp`` (``core.libc.same_memory``);
+    ``torch.equal`` compares element by element.
     """
     if x.device.type == y.device.type == "cpu" and x.is_contiguous() and y.is_contiguous():
         n = x.numel() * x.element_size()
-        return n == y.numel() * y.element_size() and _memcmp(x.data_ptr(), y.data_ptr(), n) == 0
+        return n == y.numel() * y.element_size() and same_memory(x.data_ptr(), y.data_ptr(), n)
     return torch.equal(_bits(x), _bits(y))
 
 

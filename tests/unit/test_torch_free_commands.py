@@ -477,3 +477,101 @@ def test_a_dcp_of_torch_2_15_converts_under_this_torch_to_what_it_saved(tmp_path
     assert got["step"] == want["step"]
     for name, value in want["model"].items():
         assert torch.equal(got["model"][name], value), name
+
+
+def changed_dcp(root, change) -> str:
+    """Return a DCP save of ``tree()`` with ``change`` applied to its model state first."""
+    state = tree()
+    change(state["model"])
+    dcp.save(state, checkpoint_id=root, no_dist=True)
+    return str(root)
+
+
+@pytest.mark.launches
+def test_diff_of_equal_sources_imports_no_torch_and_prints_what_it_printed_with_it(sources):
+    # Equal tensors are compared by the bytes they are stored as; the sides are written by
+    # different libraries (DCP in both serializations, safetensors, a transformers-like hf
+    # directory), so the bytes compared lie in different places of different files.
+    s = sources
+    argv_list = [
+        ["diff", s["dcp"], s["dcp-safetensors"]],
+        ["diff", s["dcp"], s["dcp-safetensors"], "--json"],
+        ["diff", s["dcp"], s["hf"], "--only", "model"],
+        ["diff", s["model.safetensors"], s["hf"], "--nest-a", "model"],
+        ["diff", s["dcp"], s["model.safetensors"], "--only", "model", "--atol", "0.1"],
+    ]
+    alone, after_torch = run(argv_list, "nothing"), run(argv_list, "torch")
+    for argv, mine, before in zip(argv_list, alone, after_torch):
+        assert mine[:3] == before[:3], argv
+        assert mine[3] is False, f"{argv} imported torch"
+    # --only model keeps the DCP's plain values at its root, which hf lacks.
+    assert [m[0] for m in alone] == [0, 0, 1, 0, 0]
+    assert alone[0][1] == "equal: 11 leaves compared\n"
+    assert json.loads(alone[1][1])["equal"] is True
+    assert alone[2][1] == "2 of 6 leaves differ:\n  epoch: only in A\n  name: only in A\n"
+    assert alone[3][1] == alone[4][1] == "equal: 4 leaves compared\n"
+
+
+@pytest.mark.launches
+def test_diff_of_tensors_whose_bytes_differ_compares_them_with_torch_as_before(sources, tmp_path):
+    # Bytes that differ are told apart by value, through torch: -0.0 against 0.0, a value
+    # within --atol, a changed one; a transposed view (not one run in its record) too.
+    def negative_zero(model):
+        model["ids"] = model["ids"] * 0
+        model["embed.weight"][0, 0] = -0.0
+
+    def nudged(model):
+        model["embed.weight"][2, 1] += 1e-3
+
+    zeros = changed_dcp(tmp_path / "zeros", lambda m: m["embed.weight"].__setitem__((0, 0), 0.0))
+    negative = changed_dcp(tmp_path / "negative", negative_zero)
+    near = changed_dcp(tmp_path / "near", nudged)
+    torch_copy = tmp_path / "copy.pt"
+    torch_copy.write_bytes(open(sources["model.pt"], "rb").read())
+    argv_list = [
+        ["diff", zeros, negative],
+        ["diff", sources["dcp"], near],
+        ["diff", sources["dcp"], near, "--atol", "0.01", "--json"],
+        ["diff", sources["dcp"], near, "--quiet"],
+        ["diff", sources["model.pt"], str(torch_copy)],
+    ]
+    alone = [run([argv], "nothing")[0] for argv in argv_list]
+    after_torch = run(argv_list, "torch")
+    assert [m[:3] for m in alone] == [b[:3] for b in after_torch]
+    assert [m[0] for m in alone] == [1, 1, 0, 1, 0]
+    assert alone[0][1] == (
+        "2 of 11 leaves differ:\n"
+        "  model.embed.weight: values differ, max abs diff 0\n"
+        "  model.ids: values differ, max abs diff 4\n"
+    )
+    assert alone[1][1] == (
+        "1 of 11 leaves differs:\n  model.embed.weight: values differ, max abs diff 0.00100005\n"
+    )
+    assert [m[3] for m in alone] == [True] * 5
+
+
+@pytest.mark.launches
+def test_diff_checks_the_bytes_it_compares_without_torch(sources, tmp_path):
+    # A byte flipped alike on both sides compares equal as bytes: its record's CRC-32
+    # finds it (exit 3, the file named), as verify would, and torch is never needed.
+    # Flipped on one side only, the bytes differ and torch compares them; exit 3 still.
+    sides = [tmp_path / "a", tmp_path / "b"]
+    for side in sides:
+        subprocess.run(["cp", "-r", sources["dcp"], side], check=True)
+        data = side / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        at = raw.find(tree()["model"]["embed.weight"].numpy().tobytes())
+        raw[at + 5] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    argv_list = [
+        ["diff", str(sides[0]), str(sides[1])],
+        ["diff", sources["dcp"], str(sides[1])],
+    ]
+    alone = [run([argv], "nothing")[0] for argv in argv_list]
+    after_torch = run(argv_list, "torch")
+    assert [m[:3] for m in alone] == [b[:3] for b in after_torch]
+    assert [m[0] for m in alone] == [3, 3]
+    assert alone[0][2].startswith(f"shardckpt: error: '{sides[0] / '__0_0.distcp'}': ")
+    assert alone[1][2].startswith(f"shardckpt: error: '{sides[1] / '__0_0.distcp'}': ")
+    assert "do not match the checksum" in alone[0][2]
+    assert [m[3] for m in alone] == [False, True]

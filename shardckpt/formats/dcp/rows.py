@@ -35,8 +35,10 @@ from isal import isal_zlib
 
 from shardckpt.codecs.pickle_bounds import check_torch_zip
 from shardckpt.codecs.pickle_scan import first_line
+from shardckpt.codecs.torch_pickle import NotPlain, plain_pickle
 from shardckpt.codecs.zip_layout import ZipLayout, ZipLayouts, chunk_own
 from shardckpt.codecs.zip_records import HELD, FileSlice, ZipRecord, records_of, storage_key
+from shardckpt.core import lazy_torch
 from shardckpt.core.errors import BadInputError, ShardckptError
 from shardckpt.core.files import (
     OutOfDescriptors,
@@ -50,6 +52,7 @@ from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import StoredRun
 from shardckpt.formats.dcp.plain_metadata import MetadataIndex
 from shardckpt.state.checksums import Written, active
+from shardckpt.state.plain_tensor import PlainTensor
 
 _RECOPY = "the file is damaged or does not match .metadata; re-copy it from where the checkpoint was written"
 _READ = 4 << 20
@@ -334,10 +337,12 @@ def _locate(
         said = loaded.get(seen) if seen is not None else None
         held = _named(records, said)
         if held is None:
-            zip_file.seek(0)
-            chunk = io.BufferedReader(zip_file)
-            stored = torch.load(chunk, map_location="meta", weights_only=True)
-            said = _said(stored, records)
+            stored = said = _said_plainly(seen, records) if not lazy_torch.loaded() else None
+            if said is None:
+                zip_file.seek(0)
+                chunk = io.BufferedReader(zip_file)
+                stored = torch.load(chunk, map_location="meta", weights_only=True)
+                said = _said(stored, records)
             if said is not None and seen is not None:
                 loaded[seen] = said
             held = _named(records, said)
@@ -353,10 +358,12 @@ def _locate(
             path=path,
             hint=_RECOPY,
         ) from None
-    if said is None or said.shape != tuple(sizes) or said.dtype != dtype:
+    # By name: the chunk's dtype may be torch's and .metadata's a stand-in (``state.dtypes``),
+    # where torch was imported for a chunk the stand-ins do not read.
+    if said is None or said.shape != tuple(sizes) or str(said.dtype) != str(dtype):
         what = (
             f"a {tuple(stored.shape)} {stored.dtype} tensor"
-            if isinstance(stored, (torch.Tensor, _Loaded))
+            if isinstance(stored, _Loaded) or lazy_torch.is_tensor(stored)
             else type(stored).__name__
         )
         raise BadInputError(
@@ -397,6 +404,33 @@ def _said(stored: object, records: list[ZipRecord]) -> _Loaded | None:
         stored.element_size(),
         stored.numel(),
         name,
+    )
+
+
+def _said_plainly(seen: tuple | None, records: list[ZipRecord]) -> _Loaded | None:
+    """Return what torch's loader would say of a chunk, read without torch (``codecs.torch_pickle``).
+
+    ``seen``: the chunk's pickle, byte order and version; ``records``: its storage
+    records. None where the stand-ins do not read that pickle as one whole tensor: torch's
+    loader is asked then.
+    """
+    if seen is None or seen[1:] != (sys.byteorder, b"3\n"):
+        return None
+    by_key = {key: r for r in records if (key := storage_key(r.name)) is not None}
+    try:
+        tensor = plain_pickle(seen[0], by_key)
+    except NotPlain:
+        return None
+    if not isinstance(tensor, PlainTensor):
+        return None
+    return _Loaded(
+        tensor.shape,
+        tensor.dtype,
+        tensor.is_contiguous(),
+        tensor.storage_offset,
+        tensor.dtype.itemsize,
+        tensor.numel(),
+        by_key[tensor.storage].name,
     )
 
 

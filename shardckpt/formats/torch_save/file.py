@@ -14,6 +14,7 @@ import io
 import os
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardckpt.codecs.pickle_bounds import check_torch_file
@@ -49,7 +50,7 @@ from shardckpt.formats.torch_save.mapped import (
     stored_records,
 )
 from shardckpt.formats.trainers.deepspeed.lone_file import pointer_hint, refuse_placeholders
-from shardckpt.state.checksums import active, checked, raw_bytes
+from shardckpt.state.checksums import Written, active, checked, raw_bytes
 from shardckpt.state.dtypes import dtype_named
 from shardckpt.state.plain_tensor import PlainTensor
 from shardckpt.state.regions import Region, spread
@@ -223,10 +224,13 @@ class TorchReader(Reader):
         refuse_placeholders(self.src, plain.obj)
         metas: list[TensorMeta] = []
 
+        plain_tensors: dict[str, PlainTensor] = {}
+
         def describe(_path, leaf):
             if not isinstance(leaf, PlainTensor):
                 return leaf
             metas.append(TensorMeta(str(len(metas)), leaf.shape, dtype_named(leaf.dtype.name)))
+            plain_tensors[metas[-1].key] = leaf
             return metas[-1]
 
         try:
@@ -239,10 +243,12 @@ class TorchReader(Reader):
         for path_, leaf in walk(plain.obj):
             if isinstance(leaf, PlainTensor) and leaf.storage_bytes:
                 names.setdefault(leaf.storage, []).append(dotted(path_))
+        written = {key: record_written(self.src, plain.records[key]) for key in names}
         if (ledger := active()) is not None:
             for key, held in names.items():
-                ledger.expect(record_written(self.src, plain.records[key]), held)
+                ledger.expect(written[key], held)
         self._tree, self._stored, self._records = tree, False, {}
+        self._plain = _PlainRecords(plain_tensors, written, names)
         return True
 
     def _torch_loaded(self) -> dict[str, torch.Tensor]:
@@ -329,6 +335,8 @@ class TorchReader(Reader):
         order: copied as they lie (``engine.stored_copy``), not through the mapping. None
         for a tensor that is not one run there (a transposed view) or not placed.
         """
+        if self._tensors is None:
+            return self._plain.runs(self.src, meta, start, stop)
         t = self._torch_loaded()[meta.key]
         record = self._records.get(self._key(t))  # type: ignore[arg-type]
         if (
@@ -340,6 +348,28 @@ class TorchReader(Reader):
         size = t.element_size()
         offset = record.written.start + (t.storage_offset() + start) * size
         return [StoredRun(self.src, offset, (stop - start) * size, record.written, record.names)]
+
+
+@dataclass(frozen=True)
+class _PlainRecords:
+    """A file read without torch (``_read_plain``): its tensors by key, and their storages' records."""
+
+    tensors: dict[str, PlainTensor]
+    written: dict[str, Written]
+    """Each storage's record, by the storage's key."""
+    names: dict[str, list[str]]
+    """The tensors each storage holds, as errors name them."""
+
+    def runs(self, src: Path, meta: TensorMeta, start: int, stop: int) -> list[StoredRun] | None:
+        """``Reader.stored_runs``, as ``stored_runs`` answers with torch: None for a view that is not one run."""
+        t = self.tensors[meta.key]
+        if not t.storage_bytes or not t.is_contiguous():
+            return None
+        size = t.dtype.itemsize
+        written = self.written[t.storage]
+        offset = written.start + (t.storage_offset + start) * size
+        names = tuple(self.names[t.storage])
+        return [StoredRun(src, offset, (stop - start) * size, written, names)]
 
 
 def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
