@@ -1536,6 +1536,20 @@ def accelerate_state(tmp_path_factory) -> Path:
     return trainer_saves.save("accelerate", tmp_path_factory.mktemp("accelerate") / "state")
 
 
+def uploaded(s3: S3, local: Path) -> str:  # noqa: F811
+    """Return the URL of the directory ``local`` uploaded to a new bucket (``run/<its name>``)."""
+    url = f"s3://{s3.bucket()}/run/{local.name}"
+    s3.put_dir(local, url[5:])
+    return url
+
+
+def flipped_on_s3(s3: S3, src: Path, tmp_path: Path, file: str, tensor: str):  # noqa: F811
+    """Return the URL of a copy of directory ``src`` uploaded with a byte flipped in ``tensor`` of ``file``, and the flip."""
+    local = damage.copy(src, tmp_path / src.name)
+    flipped = damage.flip_in_torch_file(local / file, tensor)
+    return uploaded(s3, local), flipped
+
+
 def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimizer(
     s3,  # noqa: F811
     trainer_checkpoint,
@@ -1546,9 +1560,8 @@ def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimize
     from safetensors.torch import load_file
 
     local = trainer_checkpoint
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/run/checkpoint-2"
-    s3.put_dir(local, url[5:])
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
     sizes = sizes_of(s3, url[5:], ("model.safetensors", "optimizer.pt"))
     # Adam's state is twice the model; each spans several ranged GETs.
     assert sizes["optimizer.pt"] > 2 * sizes["model.safetensors"] > 4 * remote_files.PART
@@ -1591,11 +1604,9 @@ def test_a_flipped_byte_in_a_trainers_optimizer_on_s3_is_exit_3_for_verify_namin
     capsys,
     monkeypatch,
 ):
-    local = damage.copy(trainer_checkpoint, tmp_path / "checkpoint-2")
-    flipped = damage.flip_in_torch_file(local / "optimizer.pt", "state.1.exp_avg")
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/run/checkpoint-2"
-    s3.put_dir(local, url[5:])
+    url, flipped = flipped_on_s3(
+        s3, trainer_checkpoint, tmp_path, "optimizer.pt", "state.1.exp_avg"
+    )
     reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
     code, err = cli(capsys, "verify", url)
     # The hf reader carries it unread: its records are checked, no tensor named.
@@ -1603,7 +1614,7 @@ def test_a_flipped_byte_in_a_trainers_optimizer_on_s3_is_exit_3_for_verify_namin
     assert (code, err) == (3, [f"shardckpt: error: '{url}/optimizer.pt': {said}: {damage.RECOPY}"])
     assert not [k for k in reads.whole if k.endswith("optimizer.pt")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
-    no_leftovers(s3, bucket)
+    no_leftovers(s3, url[5:].split("/")[0])
 
 
 def test_s3_trainer_checkpoint_read_as_accelerate_copies_its_optimizer_from_the_store(
@@ -1615,9 +1626,8 @@ def test_s3_trainer_checkpoint_read_as_accelerate_copies_its_optimizer_from_the_
     # --from accelerate carries optimizer.pt and copies it into DST: from the store,
     # through its stand-in, byte for byte.
     local = trainer_checkpoint
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/run/checkpoint-2"
-    s3.put_dir(local, url[5:])
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
     out = tmp_path / "out"
     argv = ["convert", url, out, "--from", "accelerate", "--to", "sharded", "--world-size", 2]
     code, err = cli(capsys, *argv, "--format", "accelerate", "-q")
@@ -1640,9 +1650,8 @@ def test_s3_accelerate_state_reads_its_model_and_optimizer_in_place(
     from safetensors.torch import load_file
 
     local = accelerate_state
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/run/state"
-    s3.put_dir(local, url[5:])
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
     sizes = sizes_of(s3, url[5:], ACCELERATE_DATA)
     assert sizes["optimizer.bin"] > 2 * sizes["model.safetensors"] > 2 * remote_files.PART
 
@@ -1674,11 +1683,7 @@ def test_a_flipped_byte_in_an_accelerate_optimizer_on_s3_is_exit_3_naming_it(
     capsys,
     monkeypatch,
 ):
-    local = damage.copy(accelerate_state, tmp_path / "state")
-    flipped = damage.flip_in_torch_file(local / "optimizer.bin", "state.2.exp_avg")
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/run/state"
-    s3.put_dir(local, url[5:])
+    url, flipped = flipped_on_s3(s3, accelerate_state, tmp_path, "optimizer.bin", "state.2.exp_avg")
     argvs = (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"])
     for argv in argvs:
         reads = Reads(monkeypatch, ACCELERATE_DATA)
@@ -1689,4 +1694,4 @@ def test_a_flipped_byte_in_an_accelerate_optimizer_on_s3_is_exit_3_naming_it(
         assert all(e.startswith("shardckpt: note:") for e in err[:-1])
         assert not [k for k in reads.whole if k.endswith(ACCELERATE_DATA)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
-    no_leftovers(s3, bucket)
+    no_leftovers(s3, url[5:].split("/")[0])
