@@ -1586,6 +1586,16 @@ def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimize
     model_size = sizes["model.safetensors"]
     assert model_size <= reads.by_object["model.safetensors"] <= model_size + 8 * (256 << 10)
 
+    # inspect: the header's block of the weights, nothing of the optimizer.
+    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    code = run(["inspect", url])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert (
+        "  optimizer.pt: carried unread, a transformers Trainer's state, not model weights" in out
+    )
+    assert reads.by_object == {"model.safetensors": 256 << 10}
+
     # verify reads every byte, the optimizer's too (its records' CRC-32s), by ranges; the
     # walk of a zip's local headers before the data costs a 256 KiB block per header (the
     # optimizer's 63 records: 7.6 MB beyond its 17.9 MB when measured, 29 blocks).
