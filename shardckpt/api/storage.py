@@ -2,8 +2,9 @@
 
 A URL SRC is laid out in a private temporary directory, once per node (by its lowest
 rank; removed when the command ends): its data objects (``storage.read_in_place``: DCP's,
-a safetensors or torch.save SRC, an hf directory's shards, FSDP rank files, DeepSpeed's
-states files, torch_checkpointing's safetensors items) as stand-ins that every rank
+a safetensors or torch.save SRC, an hf directory's shards and a Trainer's optimizer,
+accelerate's model and optimizer files, FSDP rank files, DeepSpeed's states files,
+torch_checkpointing's safetensors items) as stand-ins that every rank
 reads from the store by ranges (``core.remote_files``), its other objects fetched. A URL
 DST is written under a staging directory on this node, named for the URL (so every rank
 of a ``torchrun`` on one node writes the same one), and uploaded: each rank the data

@@ -17,11 +17,12 @@ import os
 from pathlib import Path
 
 from shardckpt.core.files import (
-    open_source,
     os_error,
     source_entry,
     source_file,
+    source_stream,
     source_tree,
+    will_read,
     writing,
 )
 
@@ -31,11 +32,15 @@ _CHUNK = 1 << 20
 def copy_file(src: Path, dst: Path, within: Path) -> None:
     """Copy the regular file ``src`` of ``within`` to the new file ``dst``, flushed to disk.
 
-    A failed read names ``src``; a failed write (a full disk) names ``dst``.
+    A failed read names ``src``; a failed write (a full disk) names ``dst``. Read through
+    ``core.files`` (``source_stream``): the stand-in of a URL SRC's object copies the
+    store's bytes, asked for ahead in large ranged requests, never the stand-in's zeros.
     """
     source_file(src, within)
-    with os.fdopen(open_source(src), "rb") as fin, writing(dst):
-        mode = os.fstat(fin.fileno()).st_mode & 0o777
+    with source_stream(src) as fin, writing(dst):
+        st = os.fstat(fin.fileno())
+        will_read(src, [(0, st.st_size)] if st.st_size else [])
+        mode = st.st_mode & 0o777
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as fout:
             while chunk := _read(fin, src):

@@ -305,6 +305,34 @@ its top (an item saved with ``SafetensorsSerialization``) are read where they li
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
 
+HF_TRAINER_STATE = re.compile(
+    r"optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|training_args\.bin"
+)
+"""What a transformers Trainer saves beside the model at the top of its ``checkpoint-N/``
+(the names ``formats/hf/sharded.py`` carries unread): not trainer data, so its
+``*.safetensors`` are read in place as an hf directory's are."""
+
+HF_TRAINER_MARK = "trainer_state.json"
+"""The object that makes an hf directory a Trainer's ``checkpoint-N/``."""
+
+HF_TRAINER_OPTIMIZER = "optimizer.pt"
+"""A Trainer's optimizer state (Adam's: twice the model), which the hf reader carries
+unread: a stand-in, so none of its bytes is fetched. Any other reader of it reads it
+through ``core.files`` (``--from accelerate`` carries it too, and copies it with
+``core.copies``, which reads a stand-in from the store)."""
+
+ACCELERATE_RNG = re.compile(r"random_states_\d+\.pkl")
+"""What every ``Accelerator.save_state`` writes (one per rank): the mark of its directory."""
+
+ACCELERATE_DATA = re.compile(
+    r"(?:(?:pytorch_model_fsdp|pytorch_model|model)(?:_\d+)?\.(?:bin|safetensors))"
+    r"|optimizer(?:_\d+)?\.bin"
+)
+"""An accelerate directory's model and optimizer files (``formats/trainers/accelerate_names.py``),
+read where they lie: its reader reads them with the safetensors and torch.save readers
+(``SafetensorsReader``, ``TorchReader``), which read a stand-in through ``core.files``.
+Its ``scheduler.bin``, ``dl_state_dict.bin``, ``scaler.pt`` and carried files are fetched."""
+
 
 def listing(store: Store) -> dict[str, int]:
     """Return the objects of SRC (a prefix) by name under it, with their sizes; ``{"": size}`` when SRC is one object."""
@@ -320,20 +348,28 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
 
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
-    them, and no object under it is a trainer's data: ``TRAINER_DATA``); a directory's
+    them, and no object under it is a trainer's data, ``TRAINER_DATA``, but a Trainer's
+    state beside them: ``HF_TRAINER_STATE``), and a Trainer's ``optimizer.pt``, never read;
+    an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
     per-rank ``torch.save`` files (``RANK_FILE``, veRL's model files), DeepSpeed's states files
     (``DEEPSPEED_FILE``) and torch_checkpointing's ``*.safetensors`` items. Every other
     object is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
-    hf = not any(name.endswith(TRAINER_DATA) for name in objects)
+    hf = not any(
+        name.endswith(TRAINER_DATA) and not HF_TRAINER_STATE.fullmatch(name) for name in objects
+    )
+    hf_trainer = hf and HF_TRAINER_MARK in objects
     torch_checkpointing = TORCH_CHECKPOINTING_METADATA in objects
+    accelerate = any(ACCELERATE_RNG.fullmatch(name) for name in objects)
     return [
         name
         for name in objects
         if name.endswith(READ_WHERE_THEY_LIE)
         or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or (hf_trainer and name == HF_TRAINER_OPTIMIZER)
+        or (accelerate and ACCELERATE_DATA.fullmatch(name))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
         or VERL_MODEL_FILE.fullmatch(name)
         or DEEPSPEED_FILE.fullmatch(name)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from reference import write_hf_like_transformers
 from safetensors.torch import load as load_safetensors
 
 from shardckpt.cli.app import run
+from shardckpt.core import remote_files
 
 pytestmark = [pytest.mark.launches, pytest.mark.usefixtures("own_tmpdir")]
 
@@ -588,9 +590,18 @@ class Reads:
 
         self.whole: list[str] = []
         self.stand_ins: dict[str, int] = {}  # a data object's stand-in: the bytes it took on disk
+        self.by_object: dict[str, int] = {}  # bytes of ranged GETs, by the object's name
         self.requests = remote_files.requests
         self.requests.count = self.requests.bytes = 0
         get_file, forget = s3fs.S3FileSystem._get_file, remote_files.forget
+        fetch, lock = remote_files._fetch, threading.Lock()
+
+        def tallied(obj, start, end):  # called by several fetching threads
+            data = fetch(obj, start, end)
+            name = obj.url.rsplit("/", 1)[1]
+            with lock:
+                self.by_object[name] = self.by_object.get(name, 0) + len(data)
+            return data
 
         async def counted(fs, rpath, lpath, **kwargs):
             self.whole.append(rpath)
@@ -604,6 +615,7 @@ class Reads:
 
         monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", counted)
         monkeypatch.setattr(remote_files, "forget", measured)
+        monkeypatch.setattr(remote_files, "_fetch", tallied)
 
 
 def data_sizes(s3: S3, url: str) -> dict[str, int]:  # noqa: F811
@@ -1506,3 +1518,190 @@ def test_a_flipped_byte_in_a_verl_model_file_on_s3_is_exit_3_naming_it(
         assert not [k for k in reads.whole if k.endswith(name)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2"]
     no_leftovers(s3, bucket)
+
+
+@pytest.fixture(scope="module")
+def trainer_checkpoint(tmp_path_factory) -> Path:
+    """A transformers Trainer's own ``checkpoint-2/`` (``tests/trainer_saves.py``)."""
+    import trainer_saves
+
+    return trainer_saves.save("trainer", tmp_path_factory.mktemp("trainer") / "checkpoint-2")
+
+
+@pytest.fixture(scope="module")
+def accelerate_state(tmp_path_factory) -> Path:
+    """A directory ``Accelerator.save_state`` wrote (``tests/trainer_saves.py``)."""
+    import trainer_saves
+
+    return trainer_saves.save("accelerate", tmp_path_factory.mktemp("accelerate") / "state")
+
+
+def uploaded(s3: S3, local: Path) -> str:  # noqa: F811
+    """Return the URL of the directory ``local`` uploaded to a new bucket (``run/<its name>``)."""
+    url = f"s3://{s3.bucket()}/run/{local.name}"
+    s3.put_dir(local, url[5:])
+    return url
+
+
+def flipped_on_s3(s3: S3, src: Path, tmp_path: Path, file: str, tensor: str):  # noqa: F811
+    """Return the URL of a copy of directory ``src`` uploaded with a byte flipped in ``tensor`` of ``file``, and the flip."""
+    local = damage.copy(src, tmp_path / src.name)
+    flipped = damage.flip_in_torch_file(local / file, tensor)
+    return uploaded(s3, local), flipped
+
+
+def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimizer(
+    s3,  # noqa: F811
+    trainer_checkpoint,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from safetensors.torch import load_file
+
+    local = trainer_checkpoint
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
+    sizes = sizes_of(s3, url[5:], ("model.safetensors", "optimizer.pt"))
+    # Adam's state is twice the model; each spans several ranged GETs.
+    assert sizes["optimizer.pt"] > 2 * sizes["model.safetensors"] > 4 * remote_files.PART
+
+    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    model = model_as_local_converts(capsys, url, local, tmp_path)
+    assert_equal(model, load_file(local / "model.safetensors"))
+    # The weights by ranges (each byte about once), the optimizer state (the hf reader
+    # carries it unread) not at all, nothing on the disk; the Trainer's small files fetched.
+    assert sorted(k.rsplit("/", 1)[1] for k in reads.whole) == [
+        "config.json",
+        "generation_config.json",
+        "rng_state.pth",
+        "scheduler.pt",
+        "trainer_state.json",
+        "training_args.bin",
+    ]
+    assert reads.stand_ins == {"model.safetensors": 0, "optimizer.pt": 0}
+    assert list(reads.by_object) == ["model.safetensors"]
+    # Beyond the weights: the header's block, and one 256 KiB block for each small tensor
+    # read on its own (the 5 norms).
+    model_size = sizes["model.safetensors"]
+    assert model_size <= reads.by_object["model.safetensors"] <= model_size + 8 * (256 << 10)
+
+    # inspect: the header's block of the weights, nothing of the optimizer.
+    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    code = run(["inspect", url])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert (
+        "  optimizer.pt: carried unread, a transformers Trainer's state, not model weights" in out
+    )
+    assert reads.by_object == {"model.safetensors": 256 << 10}
+
+    # verify reads every byte, the optimizer's too (its records' CRC-32s), by ranges; the
+    # walk of a zip's local headers before the data costs a 256 KiB block per header (the
+    # optimizer's 63 records: 7.6 MB beyond its 17.9 MB when measured, 29 blocks).
+    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    assert cli(capsys, "verify", url) == (0, [])
+    assert not [k for k in reads.whole if k.endswith(("model.safetensors", "optimizer.pt"))]
+    for name, size in sizes.items():
+        assert size <= reads.by_object[name] <= size * 3 // 2
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_a_trainers_optimizer_on_s3_is_exit_3_for_verify_naming_it(
+    s3,  # noqa: F811
+    trainer_checkpoint,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    url, flipped = flipped_on_s3(
+        s3, trainer_checkpoint, tmp_path, "optimizer.pt", "state.1.exp_avg"
+    )
+    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    code, err = cli(capsys, "verify", url)
+    # The hf reader carries it unread: its records are checked, no tensor named.
+    said = f"the bytes do not match the checksum written with them ({flipped.where})"
+    assert (code, err) == (3, [f"shardckpt: error: '{url}/optimizer.pt': {said}: {damage.RECOPY}"])
+    assert not [k for k in reads.whole if k.endswith("optimizer.pt")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    no_leftovers(s3, url[5:].split("/")[0])
+
+
+def test_s3_trainer_checkpoint_read_as_accelerate_copies_its_optimizer_from_the_store(
+    s3,  # noqa: F811
+    trainer_checkpoint,
+    tmp_path,
+    capsys,
+):
+    # --from accelerate carries optimizer.pt and copies it into DST: from the store,
+    # through its stand-in, byte for byte.
+    local = trainer_checkpoint
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
+    out = tmp_path / "out"
+    argv = ["convert", url, out, "--from", "accelerate", "--to", "sharded", "--world-size", 2]
+    code, err = cli(capsys, *argv, "--format", "accelerate", "-q")
+    assert code == 0, err
+    for name in ("optimizer.pt", "rng_state.pth", "trainer_state.json"):
+        assert (out / name).read_bytes() == (local / name).read_bytes()
+    no_leftovers(s3, bucket)
+
+
+ACCELERATE_DATA = ("model.safetensors", "optimizer.bin")
+
+
+def test_s3_accelerate_state_reads_its_model_and_optimizer_in_place(
+    s3,  # noqa: F811
+    accelerate_state,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from safetensors.torch import load_file
+
+    local = accelerate_state
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
+    sizes = sizes_of(s3, url[5:], ACCELERATE_DATA)
+    assert sizes["optimizer.bin"] > 2 * sizes["model.safetensors"] > 2 * remote_files.PART
+
+    reads = Reads(monkeypatch, ACCELERATE_DATA)
+    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
+    assert cli(capsys, "convert", url, out, "--to", "full", "-q")[0] == 0
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
+    assert out.read_bytes() == mine.read_bytes()
+    got = torch.load(out, weights_only=True)
+    assert_equal(got["model"], load_file(local / "model.safetensors"))
+    assert_equal(got["optimizer"], torch.load(local / "optimizer.bin", weights_only=True))
+    assert_equal(got["scheduler"], torch.load(local / "scheduler.bin", weights_only=True))
+    assert sorted(k.rsplit("/", 1)[1] for k in reads.whole) == [
+        "random_states_0.pkl",
+        "scheduler.bin",
+    ]
+    assert reads.stand_ins == dict.fromkeys(ACCELERATE_DATA, 0)
+    # Each byte about once, beyond it the header's blocks and one 256 KiB block for each
+    # small tensor read on its own (steps, biases).
+    for name, size in sizes.items():
+        assert size <= reads.by_object[name] <= size + 8 * (256 << 10)
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_an_accelerate_optimizer_on_s3_is_exit_3_naming_it(
+    s3,  # noqa: F811
+    accelerate_state,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    url, flipped = flipped_on_s3(s3, accelerate_state, tmp_path, "optimizer.bin", "state.2.exp_avg")
+    argvs = (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"])
+    for argv in argvs:
+        reads = Reads(monkeypatch, ACCELERATE_DATA)
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        line = f"shardckpt: error: '{url}/optimizer.bin': {flipped.message()}: {damage.RECOPY}"
+        assert err[-1] == line
+        assert all(e.startswith("shardckpt: note:") for e in err[:-1])
+        assert not [k for k in reads.whole if k.endswith(ACCELERATE_DATA)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+    no_leftovers(s3, url[5:].split("/")[0])

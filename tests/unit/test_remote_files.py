@@ -96,3 +96,14 @@ def test_consecutive_small_runs_said_ahead_are_one_request_per_part(store):
     total = 60 * size
     assert remote_files.requests.bytes == total
     assert len(fs.asked) == -(-total // PART)
+
+
+def test_a_stand_in_carried_unread_is_copied_with_the_stores_bytes(store, tmp_path):
+    # A trainer's reader copies the files it carries (core.copies): a stand-in copies
+    # what the store holds, in PART-sized requests asked ahead, never its own zeros.
+    from shardckpt.core.copies import copy_file
+
+    fs, objs = store
+    copy_file(tmp_path / "b", tmp_path / "b-copy", tmp_path)
+    assert (tmp_path / "b-copy").read_bytes() == fs.objects["b"]
+    assert sorted(fs.asked) == [("b", n * PART, (n + 1) * PART) for n in range(3)]

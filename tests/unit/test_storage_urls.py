@@ -309,3 +309,50 @@ def test_torch_checkpointings_safetensors_items_are_read_in_place_its_pt_items_f
     # Without its metadata.pkl, a directory of safetensors beside a .pt is a trainer's: fetched.
     del objects["metadata.pkl"]
     assert storage.read_in_place(store, objects) == []
+
+
+TRAINER_STATE = ["scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"]
+
+
+def test_a_trainer_checkpoints_weights_are_read_in_place_its_optimizer_never_fetched():
+    # hf reads a Trainer's checkpoint-N: its shards by ranges; its optimizer.pt it carries
+    # unread (a stand-in: nothing fetched); its small state (scheduler, RNG, args) fetched.
+    store = storage.Store("s3://b/checkpoint-4", None, "b/checkpoint-4")
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    names = [*shards, "model.safetensors.index.json", "config.json", "optimizer.pt"]
+    objects = dict.fromkeys([*names, *TRAINER_STATE, "rng_state_1.pth", "scaler.pt"], 1)
+    assert sorted(storage.read_in_place(store, objects)) == [*shards, "optimizer.pt"]
+    # Without trainer_state.json it is no Trainer's: an optimizer.pt there is fetched.
+    del objects["trainer_state.json"]
+    assert sorted(storage.read_in_place(store, objects)) == shards
+    # With DeepSpeed's run beside it, the Trainer's model.safetensors is carried by the
+    # DeepSpeed reader: fetched, as a trainer's directory's are.
+    objects = dict.fromkeys(
+        [
+            "model.safetensors",
+            *TRAINER_STATE,
+            "latest",
+            "global_step3/mp_rank_00_model_states.pt",
+            "global_step3/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ],
+        1,
+    )
+    assert sorted(storage.read_in_place(store, objects)) == [
+        "global_step3/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "global_step3/mp_rank_00_model_states.pt",
+    ]
+
+
+def test_an_accelerate_directorys_model_and_optimizer_files_are_read_in_place():
+    # accelerate's reader reads them with the safetensors and torch.save readers, by
+    # ranges; its scheduler, scaler, sampler and RNG files are fetched.
+    store = storage.Store("s3://b/acc", None, "b/acc")
+    data = ["model.safetensors", "model_1.safetensors", "pytorch_model_fsdp.bin"]
+    data += ["pytorch_model_2.bin", "optimizer.bin", "optimizer_1.bin"]
+    small = ["scheduler.bin", "scaler.pt", "sampler.bin", "dl_state_dict.bin"]
+    small += ["random_states_0.pkl", "random_states_1.pkl", "custom_checkpoint_0.pkl"]
+    objects = dict.fromkeys([*data, *small, "sub/optimizer.bin"], 1)
+    assert sorted(storage.read_in_place(store, objects)) == sorted(data)
+    # Without a random_states file it is no save_state's: its .bin files are fetched.
+    objects = {k: v for k, v in objects.items() if not k.startswith("random_states")}
+    assert storage.read_in_place(store, objects) == []
