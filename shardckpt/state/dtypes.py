@@ -98,6 +98,15 @@ def dtype_named(name: str):
     return known if known is not None else getattr(torch, name)
 
 
+def of_process(dtype):
+    """Return ``dtype`` as this process names dtypes: torch's where torch is loaded, else as it is.
+
+    A reader that read metadata into stand-ins (DCP's ``.metadata``, without importing
+    DCP's classes) hands torch's dtypes to a process that has torch, as every writer expects.
+    """
+    return dtype.to_torch() if isinstance(dtype, Dtype) and loaded() else dtype
+
+
 def as_torch(dtype):
     """Return ``dtype`` as a ``torch.dtype`` (a ``Dtype`` is looked up in torch)."""
     return dtype.to_torch() if isinstance(dtype, Dtype) else dtype

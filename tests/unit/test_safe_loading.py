@@ -20,6 +20,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 
 from shardckpt.cli.app import run
 from shardckpt.formats import detect
+from shardckpt.formats.dcp import plain_metadata
 from shardckpt.formats.dcp.reader import _VOCABULARY, _MetadataUnpickler, read_metadata
 from shardckpt.formats.fsdp1.sharded_tensor_record import ShardedTensorRecord
 from shardckpt.formats.ranks.sharded_tensor_load import (
@@ -61,13 +62,35 @@ def test_metadata_of_real_dcp_saves_reads_without_trust(tmp_path):
         "values": {"epoch": 3, "name": "run-1", "betas": (0.9, 0.95), "none": None, "lr": 0.5},
     }
     save_dcp(state, tmp_path / "ckpt")
-    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
-        trusted = pickle.load(f)
-    safe = read_metadata(tmp_path / "ckpt", trust_pickle=False)
+    raw = (tmp_path / "ckpt" / ".metadata").read_bytes()
+    trusted = pickle.loads(raw)
+    # torch's own classes, where the stand-ins do not read a pickle:
+    safe = _MetadataUnpickler(io.BytesIO(raw), base=_VOCABULARY).load()
     assert safe.state_dict_metadata == trusted.state_dict_metadata
     assert safe.planner_data == trusted.planner_data
     assert safe.storage_data == trusted.storage_data
     assert str(safe.storage_meta.checkpoint_id) == str(tmp_path / "ckpt")
+    # What read_metadata gives, torch loaded or not: the plain stand-ins, holding the same.
+    plain = read_metadata(tmp_path / "ckpt", trust_pickle=False)
+    assert isinstance(plain, plain_metadata.Metadata)
+    assert plain.planner_data == trusted.planner_data
+    assert list(plain.state_dict_metadata) == list(trusted.state_dict_metadata)
+    for key, entry in trusted.state_dict_metadata.items():
+        mine = plain.state_dict_metadata[key]
+        assert type(mine).__name__ == type(entry).__name__, key
+        if hasattr(entry, "size"):
+            assert tuple(mine.size) == tuple(entry.size)
+            assert str(mine.properties.dtype) == str(entry.properties.dtype)
+            assert [(tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks] == [
+                (tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks
+            ]
+    assert {
+        (i.fqn, tuple(i.offset or ()), i.index): (s.relative_path, s.offset, s.length)
+        for i, s in plain.storage_data.items()
+    } == {
+        (i.fqn, tuple(i.offset or ()), i.index): (s.relative_path, s.offset, s.length)
+        for i, s in trusted.storage_data.items()
+    }
     assert run(["inspect", str(tmp_path / "ckpt")]) == 0
 
 

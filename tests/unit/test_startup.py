@@ -87,3 +87,31 @@ def test_resharding_a_dcp_loads_no_compiler(tmp_path):
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.launches
+def test_a_full_export_of_a_dcp_imports_neither_dcp_nor_dtensor(tmp_path):
+    # .metadata read into plain stand-ins, its plain values from their zips and the saved
+    # world size by Shard(0)'s rule computed here: DTensor's import alone is 0.9 CPU-s.
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    state = {
+        "model": {"w": torch.randn(9, 3), "b": torch.arange(5).to(torch.bfloat16)},
+        "step": 7,
+        "name": "run-1",
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "src", no_dist=True)
+    out = tmp_path / "out.safetensors"
+    ask = ASK.replace(
+        '["--version"], ', f'["convert", "{tmp_path / "src"}", "{out}", "--to", "full", "-q"], '
+    ).replace(
+        'm == "torch" or m.startswith("torch.")',
+        'm.startswith(("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy"))',
+    )
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[0, 0, 0, 0, 0] [] True"
+    written = load_file(out)
+    assert torch.equal(written["model.w"], state["model"]["w"])
+    assert torch.equal(written["model.b"], state["model"]["b"])

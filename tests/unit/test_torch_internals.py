@@ -30,6 +30,7 @@ from shardckpt.core.torch_internals import (
     missing_safe_globals,
     strided_shard,
 )
+from shardckpt.formats.dcp import plain_metadata
 from shardckpt.formats.dcp import reader as dcp_format
 from shardckpt.formats.dcp.reader import DcpReader, read_metadata
 from shardckpt.formats.dcp.rows import StoredRows
@@ -293,6 +294,13 @@ def test_dcp_metadata_naming_a_class_torch_lacks_fails_in_one_line_naming_the_re
     src = _dcp_source(tmp_path)
     monkeypatch.delattr(filesystem, "_StorageInfo")
     monkeypatch.setattr(dcp_format, "_VOCABULARY", dcp_format._metadata_vocabulary())
+    # Read into plain stand-ins, which need no class of torch's ...
+    assert isinstance(read_metadata(src, trust_pickle=False), plain_metadata.Metadata)
+    # ... and where torch's classes must read it (a name the stand-ins lack: a release's
+    # private class), the line names the release.
+    storage_info = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+    stand_ins = {k: v for k, v in plain_metadata.VOCABULARY.items() if k != storage_info}
+    monkeypatch.setattr(plain_metadata, "VOCABULARY", stand_ins)
     with pytest.raises(UnsupportedTorchError) as raised:
         read_metadata(src, trust_pickle=False)
     assert raised.value.line() == (

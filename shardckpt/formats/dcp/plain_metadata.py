@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -51,17 +51,15 @@ class TensorProperties:
     strides: Any = None
     """The saved tensor's strides (torch 2.15 and later pickle six fields, earlier five)."""
 
+    def __getstate__(self) -> tuple:
+        # As __setstate__ reads it: a reader's metadata goes to the other ranks pickled.
+        return tuple(getattr(self, f.name) for f in fields(self))
+
     def __setstate__(self, state: tuple) -> None:
         if len(state) == 5:
             state = (*state, None)
-        (
-            self.dtype,
-            self.layout,
-            self.requires_grad,
-            self.memory_format,
-            self.pin_memory,
-            self.strides,
-        ) = state
+        for f, value in zip(fields(self), state, strict=True):
+            setattr(self, f.name, value)
 
 
 @dataclass
@@ -102,6 +100,9 @@ class MetadataIndex:
         self.fqn = fqn
         self.offset = None if offset is None else Size(offset)
         self.index = index
+
+    def __getstate__(self) -> dict:
+        return {"fqn": self.fqn, "offset": self.offset, "index": self.index}
 
     def __setstate__(self, state: dict) -> None:
         # torch's is a frozen dataclass: the pickle holds its __dict__.

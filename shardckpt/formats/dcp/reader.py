@@ -41,7 +41,7 @@ from shardckpt.formats.dcp.plain_metadata import MetadataIndex, is_a
 from shardckpt.formats.dcp.rows import StoredRows
 from shardckpt.formats.dcp.values import REFUSED, NotPlain, plain_value, stored_bytes
 from shardckpt.formats.ranks.dim0_split import WorldSizes, describe_chunks, infer_world_sizes
-from shardckpt.state.dtypes import as_torch
+from shardckpt.state.dtypes import as_torch, of_process
 from shardckpt.state.tree import Chunk, TensorMeta, build
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -218,9 +218,9 @@ def _unpickle(stream: io.BytesIO, trust_pickle: bool, extra: Mapping | None) -> 
     """Return ``.metadata`` unpickled: as plain stand-ins where torch is not loaded and they name all it holds."""
     if trust_pickle:
         return pickle.load(stream)
-    if not loaded() and not extra:
+    if not extra:
         try:
-            return _MetadataUnpickler(stream).load()
+            return _MetadataUnpickler(stream, base=plain_metadata.VOCABULARY).load()
         except Exception:  # noqa: BLE001 - read again with torch's classes, which words it
             # A name only torch's vocabulary has (a release's private class), or a pickle
             # that does not build: torch's classes read it, or fail as they always did.
@@ -348,7 +348,12 @@ class DcpReader(Reader):
             elif key in tensors:
                 shape, chunks = tensors[key]
                 layout = describe_chunks(shape, chunks, world or named)
-                items.append((path, TensorMeta(key, shape, entry.properties.dtype, layout, chunks)))
+                items.append(
+                    (
+                        path,
+                        TensorMeta(key, shape, of_process(entry.properties.dtype), layout, chunks),
+                    )
+                )
             else:
                 items.append((path, values[key]))
         return Index(self.format, str(self.src), world_size, build(items))
@@ -418,9 +423,6 @@ class DcpReader(Reader):
         values: dict[str, object] = {}
         rest = []
         for key in keys:
-            if loaded():
-                rest.append(key)  # torch is here: its loader reads as fast
-                continue
             info = self.metadata.storage_data[MetadataIndex(key)]
             try:
                 stored = stored_bytes(self.src, info)

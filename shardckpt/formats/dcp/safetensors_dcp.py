@@ -101,7 +101,8 @@ def _chunk_entry(md: Metadata, index: MetadataIndex, header: dict[str, Entry], p
             hint=_DAMAGED,
         )
     said = (tuple(chunk.sizes), tensor.properties.dtype)
-    if entry.offsets != offsets or (entry.shape, entry.dtype) != said:
+    # Dtypes by name: .metadata's may be a stand-in (``state.dtypes``) and the header's torch's.
+    if entry.offsets != offsets or (entry.shape, str(entry.dtype)) != (said[0], str(said[1])):
         raise BadInputError(
             f"holds {fqn!r} at {list(entry.offsets)} as {list(entry.shape)} {entry.dtype}, "
             f"where .metadata says {list(offsets)} as {list(said[0])} {said[1]} (torch's "

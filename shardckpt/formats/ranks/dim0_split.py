@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shardckpt.core.words import counted
-from shardckpt.state.regions import dim0_rows as rank_rows
+from shardckpt.state.regions import chunk_rows
 from shardckpt.state.tree import Chunk
 
 
@@ -52,8 +52,13 @@ def dim0_rows(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> list[tuple[int
 
 
 def torch_split(n: int, world_size: int) -> list[tuple[int, int]]:
-    """Return the non-empty ``(offset, rows)`` that ``Shard(0)`` gives ``n`` rows over ``world_size``."""
-    spans = (rank_rows((n,), world_size, r) for r in range(world_size))
+    """Return the non-empty ``(offset, rows)`` that ``Shard(0)`` gives ``n`` rows over ``world_size``.
+
+    By ``chunk_rows``, torch's rule computed without it (a test holds the two equal): the
+    world size a source was saved at is read from its metadata alike with torch loaded or
+    not, and a conversion that only reads (a full export) need not import DTensor for it.
+    """
+    spans = (chunk_rows(n, world_size, r) for r in range(world_size))
     return sorted((start, stop - start) for start, stop in spans if stop > start)
 
 
