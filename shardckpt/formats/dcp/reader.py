@@ -6,10 +6,10 @@ Tensor rows are read from the bytes of the stored chunks that overlap them
 cannot be read that way, go through DCP's own loader: a target of some rows is
 declared to it as one chunk at its row offset. Writing is ``shardckpt.formats.dcp.writer``. Two safety
 changes to torch's defaults: ``.metadata`` is unpickled with an allow-list of DCP's
-metadata classes, and non-tensor values are loaded with ``weights_only=True``. Without
-torch loaded, ``.metadata`` is read into plain stand-ins (``plain_metadata``), plain values
-from their zips (``values``), and torch is imported only for what DCP's loader must read
-(``loader``).
+metadata classes, and non-tensor values are loaded with ``weights_only=True``. Torch
+loaded or not, ``.metadata`` is read into plain stand-ins (``plain_metadata``) and plain
+values from their zips (``values``): DCP's package (and DTensor with it) is imported only
+for what DCP's loader must read (``loader``), and torch only where a command needs it.
 """
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ def read_metadata(
 ) -> object:
     """Return the checkpoint's ``Metadata``, refusing unexpected globals unless trusted.
 
-    torch's classes where torch is loaded, else ``plain_metadata``'s stand-ins (``inspect``
-    and ``verify`` import no torch); ``plain_metadata.is_a`` tells either kind.
+    ``plain_metadata``'s stand-ins, torch loaded or not (no DCP import); torch's classes
+    for a pickle they do not read, for ``extra`` and with ``trust_pickle``.
+    ``plain_metadata.is_a`` tells either kind.
 
     ``extra``: ``(module, name)`` pairs admitted beside DCP's own (``_MetadataUnpickler``).
     Inside ``read_once.metadata_read_once``, a file read before (the same inode, size and
@@ -215,7 +216,7 @@ def _read_metadata(
 
 
 def _unpickle(stream: io.BytesIO, trust_pickle: bool, extra: Mapping | None) -> object:
-    """Return ``.metadata`` unpickled: as plain stand-ins where torch is not loaded and they name all it holds."""
+    """Return ``.metadata`` unpickled: as plain stand-ins where they name all it holds."""
     if trust_pickle:
         return pickle.load(stream)
     if not extra:
