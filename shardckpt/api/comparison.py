@@ -63,6 +63,7 @@ def _diff(
 ) -> DiffReport:
     request.check()
     a, b = request.a, request.b
+    torch_before = lazy_torch.loaded()
 
     def open_both():
         with source_option("--from-a"):
@@ -89,6 +90,10 @@ def _diff(
 
     with source_option(lambda exc: _side_option(exc, a, b)):
         tree_a, tree_b = runtime.agreed(selected)
+        if not torch_before and lazy_torch.loaded():
+            # One side needed torch to open (a legacy torch file, a pickle the stand-ins
+            # do not read) after the other named its dtypes by stand-ins: both again, with it.
+            raise TorchNeeded(settled)
         notes: tuple[str, ...] = ()
         if request.only == "model" and not _rerooted(request):
             tree_a, tree_b, notes = _model_against_root(tree_a, tree_b)

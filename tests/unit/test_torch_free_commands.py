@@ -575,3 +575,29 @@ def test_diff_checks_the_bytes_it_compares_without_torch(sources, tmp_path):
     assert alone[1][2].startswith(f"shardckpt: error: '{sides[1] / '__0_0.distcp'}': ")
     assert "do not match the checksum" in alone[0][2]
     assert [m[3] for m in alone] == [False, True]
+
+
+@pytest.mark.launches
+def test_diff_of_a_side_only_torch_reads_against_one_read_without_it(sources, tmp_path):
+    # A legacy (not zip) torch file is read by torch's loader, which imports torch after
+    # the other side named its dtypes by stand-ins: both sides are read again with torch,
+    # and equal tensors stay equal (not "dtype float32 vs float32").
+    model = {k: v.contiguous() for k, v in tree()["model"].items()}
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"model": model}, legacy, _use_new_zipfile_serialization=False)
+    plain = tmp_path / "plain.pt"
+    torch.save({"model": model}, plain)
+    argv_list = [
+        ["diff", str(plain), str(legacy)],
+        ["diff", str(legacy), str(plain)],
+        ["diff", sources["hf"], str(legacy)],
+        ["diff", sources["dcp"], str(legacy), "--only", "model"],
+    ]
+    alone = [run([argv], "nothing")[0] for argv in argv_list]
+    after_torch = run(argv_list, "torch")
+    assert [m[:3] for m in alone] == [b[:3] for b in after_torch]
+    assert [m[0] for m in alone] == [0, 0, 0, 1]
+    assert alone[0][1] == alone[1][1] == alone[2][1] == "equal: 4 leaves compared\n"
+    # The DCP's plain values are at its root, which the file lacks; its tensors are equal.
+    assert alone[3][1] == "2 of 6 leaves differ:\n  epoch: only in A\n  name: only in A\n"
+    assert [m[3] for m in alone] == [True] * 4
