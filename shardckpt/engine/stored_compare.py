@@ -14,13 +14,12 @@ told apart there as before. So ``diff`` of two equal checkpoints never imports t
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 
 from shardckpt.core.files import open_source, read_exactly
 from shardckpt.core.libc import address_of, same_memory
-from shardckpt.engine.stored_copy import SLICE, fetch_ahead
+from shardckpt.engine.stored_copy import SLICE, data_of, fetch_ahead, run_names, slice_buffer
 from shardckpt.formats.base import Reader, StoredRun
 from shardckpt.state.checksums import active
 from shardckpt.state.tree import TensorMeta
@@ -48,10 +47,9 @@ def same_stored(a: Reader, ma: TensorMeta, b: Reader, mb: TensorMeta) -> bool | 
         return None
     fetch_ahead(runs_a)
     fetch_ahead(runs_b)
-    buffer_a, buffer_b = _buffers()
     with ExitStack() as files:
-        side_a = _Side(runs_a, ma.key, files, buffer_a)
-        side_b = _Side(runs_b, mb.key, files, buffer_b)
+        side_a = _Side(runs_a, ma.key, files, slice_buffer(SLICE, 0))
+        side_b = _Side(runs_b, mb.key, files, slice_buffer(SLICE, 1))
         for lo, hi in _slices(runs_a, runs_b):
             side_a.read(lo, hi)
             side_b.read(lo, hi)
@@ -81,21 +79,10 @@ def _slices(runs_a: Sequence[StoredRun], runs_b: Sequence[StoredRun]) -> Iterato
             yield start, min(hi, start + SLICE)
 
 
-_THREAD = threading.local()
-
-
-def _buffers() -> tuple[bytearray, bytearray]:
-    """Return this thread's two slice buffers: made once, not per tensor (each new one's pages are zeroed)."""
-    buffers = getattr(_THREAD, "buffers", None)
-    if buffers is None:
-        buffers = _THREAD.buffers = (bytearray(SLICE), bytearray(SLICE))
-    return buffers
-
-
 class _Side:
     """One side's runs, read by the tensor's byte ranges into one buffer and noted in the ledger."""
 
-    def __init__(self, runs: Sequence[StoredRun], key: str, files: ExitStack, buffer: bytearray):
+    def __init__(self, runs: Sequence[StoredRun], key: str, files: ExitStack, buffer: memoryview):
         self._runs = list(runs)
         self._starts = []
         at = 0
@@ -105,9 +92,9 @@ class _Side:
         self._key = key
         self._files = files
         self._fds: dict[os.PathLike, int] = {}
-        self.address = address_of(buffer)
+        self.address = address_of(buffer.obj)
         """Where ``read`` puts the bytes."""
-        self._buffer = memoryview(buffer)
+        self._buffer = buffer
         self._ledger = active()
         self._run = 0
         if self._ledger is not None:
@@ -122,13 +109,13 @@ class _Side:
         run = self._runs[self._run]
         at = run.offset + lo - self._starts[self._run]
         part = self._buffer[: hi - lo]
-        what = "the data of " + " and ".join(map(repr, self._names(run)))
+        what = data_of(self._names(run))
         read_exactly(self._fd(run.path), part, at, run.path, what)
         if self._ledger is not None and run.written is not None:
             self._ledger.note(*run.written.key, at - run.written.start, part)
 
     def _names(self, run: StoredRun) -> list[str]:
-        return [self._key] if run.names is None else list(run.names)
+        return run_names(run, self._key)
 
     def _fd(self, path: os.PathLike) -> int:
         fd = self._fds.get(path)

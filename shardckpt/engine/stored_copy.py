@@ -94,11 +94,11 @@ def copy_runs(
     active ledger against the source record they lie in (tensor ``key``'s).
     """
     ledger = active()
-    buffer = _buffer(size)
+    buffer = slice_buffer(size)
     crc = 0
     for run in runs:
-        names = [key] if run.names is None else list(run.names)
-        what = "the data of " + " and ".join(map(repr, names))
+        names = run_names(run, key)
+        what = data_of(names)
         src_fd = open_source(run.path)
         try:
             run_crc = 0
@@ -119,14 +119,30 @@ def copy_runs(
     return crc
 
 
+def run_names(run: StoredRun, key: str) -> list[str]:
+    """Return the tensors whose bytes ``run`` holds, as messages name them (tensor ``key``'s where it does not say)."""
+    return [key] if run.names is None else list(run.names)
+
+
+def data_of(names: Sequence[str]) -> str:
+    """Return how an error names the bytes of ``names``: ``the data of 'w' and 'b'``."""
+    return "the data of " + " and ".join(map(repr, names))
+
+
 _THREAD = threading.local()
 
 
-def _buffer(size: int) -> memoryview:
-    """Return this thread's slice buffer of ``size`` bytes: made once, not once per region (its pages faulted in once)."""
-    buffer = getattr(_THREAD, "buffer", None)
+def slice_buffer(size: int, slot: int = 0) -> memoryview:
+    """Return this thread's slice buffer ``slot`` of ``size`` bytes: made once, not once per region (its pages faulted in once).
+
+    ``diff`` compares two sides a slice at a time, one buffer (slot) for each.
+    """
+    buffers = getattr(_THREAD, "buffers", None)
+    if buffers is None:
+        buffers = _THREAD.buffers = {}
+    buffer = buffers.get(slot)
     if buffer is None or len(buffer) != size:
-        buffer = _THREAD.buffer = memoryview(bytearray(size))
+        buffer = buffers[slot] = memoryview(bytearray(size))
     return buffer
 
 

@@ -345,9 +345,15 @@ class TorchReader(Reader):
             or (t.dtype, tuple(t.shape)) != (meta.dtype, meta.shape)
         ):
             return None
-        size = t.element_size()
-        offset = record.written.start + (t.storage_offset() + start) * size
-        return [StoredRun(self.src, offset, (stop - start) * size, record.written, record.names)]
+        return _one_run(
+            self.src,
+            record.written,
+            record.names,
+            t.storage_offset(),
+            t.element_size(),
+            start,
+            stop,
+        )
 
 
 @dataclass(frozen=True)
@@ -365,11 +371,17 @@ class _PlainRecords:
         t = self.tensors[meta.key]
         if not t.storage_bytes or not t.is_contiguous():
             return None
-        size = t.dtype.itemsize
-        written = self.written[t.storage]
-        offset = written.start + (t.storage_offset + start) * size
         names = tuple(self.names[t.storage])
-        return [StoredRun(src, offset, (stop - start) * size, written, names)]
+        written = self.written[t.storage]
+        return _one_run(src, written, names, t.storage_offset, t.dtype.itemsize, start, stop)
+
+
+def _one_run(
+    src: Path, written: Written, names, storage_offset: int, size: int, start: int, stop: int
+) -> list[StoredRun]:
+    """Return elements [start, stop) of a contiguous view from element ``storage_offset`` of its record."""
+    offset = written.start + (storage_offset + start) * size
+    return [StoredRun(src, offset, (stop - start) * size, written, names)]
 
 
 def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
