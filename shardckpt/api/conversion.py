@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardckpt.api import applies
 from shardckpt.api.launch_notes import launch_notes
@@ -22,6 +23,7 @@ from shardckpt.api.mapping import mapped_source, without_edits
 from shardckpt.api.requests import ConvertRequest
 from shardckpt.api.storage import named, on_storage
 from shardckpt.api.verification import verify_output
+from shardckpt.core import lazy_torch
 from shardckpt.core.costs import Costs, combined
 from shardckpt.core.destination import Destination
 from shardckpt.core.dist import Runtime
@@ -49,7 +51,6 @@ from shardckpt.formats import (
     open_reader,
 )
 from shardckpt.formats.base import Reader, Writer
-from shardckpt.formats.fsdp1.flat_layout import FlatModel
 from shardckpt.formats.hf.config import (
     CONFIG_FILE,
     HfConfig,
@@ -69,6 +70,18 @@ from shardckpt.plan.world_limits import check_world_size as check_most_ranks
 from shardckpt.state.checksums import checking
 from shardckpt.state.choices import LAYOUTS
 from shardckpt.state.model import model_params
+
+if TYPE_CHECKING:
+    from shardckpt.formats.fsdp1.flat_layout import FlatModel
+
+
+def _flat_model(request: ConvertRequest) -> FlatModel | None:
+    """Return the FSDP1 flat layout of ``--model`` (torch's ``nn`` imported only then), or None."""
+    if not request.model:
+        return None
+    from shardckpt.formats.fsdp1.flat_layout import FlatModel
+
+    return FlatModel(request.model, tuple(request.wraps))
 
 
 @dataclass
@@ -114,6 +127,8 @@ def convert(
     """
     runtime = runtime or Runtime()
     form = output_format(request)
+    if needs_torch(request, form):
+        lazy_torch.load()
     commits = form.commit_last if form is not None else ()
     with on_storage(request, runtime, dst="dst", commits=commits) as run:
         with checking(), noting_metadata():
@@ -121,6 +136,36 @@ def convert(
         run.commits = format_named(result.format).commit_last  # a trainer's own layout too
         run.publish()
         return named(result, run)
+
+
+COPIED_AS_THEY_LIE = ("safetensors", "hf")
+"""The formats a full DST is written in from SRC's bytes alone: each tensor's bytes and a
+header that names its dtype, no torch object made (a ``torch.save`` or DCP DST's pickles
+and planners are torch's)."""
+
+
+def needs_torch(request: ConvertRequest, form: Format | None) -> bool:
+    """Return whether ``request`` makes tensors whatever SRC holds: torch is then imported before SRC is opened.
+
+    A full safetensors or hf export, with no cast, mapping (``--map``, ``--hf-config``) or
+    model, copies each tensor's
+    bytes as they lie in SRC (``engine.stored_copy``) and needs no torch, whose import is
+    most of a small export's time (8 s on a CUDA build). Anything else imports it first, so
+    that SRC's dtypes are named by torch throughout the run; an export that meets a tensor
+    SRC does not keep as it is to be written (a transposed view) imports it there, and reads
+    that tensor through torch as before.
+    """
+    return not (
+        form is not None
+        and form.name in COPIED_AS_THEY_LIE
+        and request.to == "full"
+        and request.dtype == "keep"
+        and not request.cast_optim
+        and request.model is None
+        and request.map is None
+        # An hf DST with --hf-config is mapped by a shipped mapping whose rules name SRC.
+        and request.hf_config is None
+    )
 
 
 def _convert(request: ConvertRequest, runtime: Runtime, progress: Progress | None) -> ConvertResult:
@@ -241,7 +286,7 @@ def prepare(
     progress = progress or Progress()
     progress.status("reading SRC's metadata")
     form, choice = valid.form, valid.choice
-    flat_model = FlatModel(request.model, tuple(request.wraps)) if request.model else None
+    flat_model = _flat_model(request)
     sight = _source_sight(request, runtime)
     reader = open_reader(request.src, request.src_format, request.trust_pickle, flat_model, sight)
     if isinstance(reader, HfReader):

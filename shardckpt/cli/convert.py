@@ -214,7 +214,8 @@ def convert(
     version: Version = False,
 ) -> int:
     """Convert a checkpoint into another layout or format, exactly (bit-identical values)."""
-    library.load()
+    # torch is imported where the conversion needs it (``api.conversion.needs_torch``).
+    library.load(tensors=False)
     from shardckpt import api
     from shardckpt.cli import render
     from shardckpt.core.costs import command_seconds

@@ -29,13 +29,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-import torch
 from isal.isal_zlib import crc32_combine
 
 from shardckpt.codecs.tensor_bytes import cast_bytes
 from shardckpt.codecs.zip_skeleton import patch_crc, pwrite_all
+from shardckpt.core import lazy_torch
 from shardckpt.core.costs import Costs
 from shardckpt.core.files import writing
+from shardckpt.core.lazy_torch import torch
 from shardckpt.engine.dst_files import DstFiles
 from shardckpt.engine.jobs import JobQueue, blobs_of, regions_of
 from shardckpt.engine.rows import read_regions
@@ -133,6 +134,8 @@ def run(
 
 def _any_rank(runtime, flag: bool) -> bool:
     """Return whether ``flag`` holds on any rank: every rank runs a step while one has work."""
+    if runtime.world_size == 1:
+        return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int64)
     runtime.max_over_ranks(t)
     return bool(t.item())
@@ -251,14 +254,18 @@ def _fill(
 
 
 def _located(reader: Reader, regions: list[Region], metas) -> dict[Region, list[StoredRun]]:
-    """Return those of ``regions`` whose bytes lie in SRC as they are to be written (``worth_copying``), with their runs."""
+    """Return those of ``regions`` whose bytes lie in SRC as they are to be written (``worth_copying``), with their runs.
+
+    In a process without torch every such region is copied, however short its runs:
+    a short run's open and copy cost microseconds, torch's import seconds.
+    """
     return {
         region: runs
         for region in regions
         if region.cast is None
         and region.stop > region.start
         and (runs := reader.stored_runs(metas[region.key], region.start, region.stop)) is not None
-        and worth_copying(runs)
+        and (worth_copying(runs) or not lazy_torch.loaded())
     }
 
 

@@ -249,7 +249,7 @@ def test_a_peer_that_died_unseen_gives_the_survivor_one_ascii_line_of_ours(tmp_p
 
 
 STARTING = ("convert", "nothing-here", "nothing.pt", "--to", "full")
-"""A command that imports torch at its start and then stops at once (SRC is missing)."""
+"""A command that imports torch at its start (a torch DST: ``api.conversion.needs_torch``) and then stops at once (SRC is missing)."""
 
 MISSING = (
     "shardckpt: error: 'nothing-here': no such file or directory: check the path of the checkpoint"
@@ -269,7 +269,8 @@ def start_up() -> float:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("part", [0.25, 0.5, 0.75])
 def test_ctrl_c_while_starting_up_exits_130_with_one_line(start_up, part):
-    # convert imports torch at its start (inspect and verify of most sources import none).
+    # convert to a torch file imports torch at its start (inspect and verify of most sources,
+    # and a plain safetensors export, import none).
     # The signal lands at a part of the start-up measured on this machine: a fixed delay
     # (it was 1.5 s) comes after the exit on a quiet machine, where the start takes 1.3 s.
     # A start that happens to be quicker than the measured one has exited by then (exit 3),

@@ -150,6 +150,17 @@ def test_inspect_and_verify_import_no_torch_and_print_what_they_printed_with_it(
     assert '"intact": true, "files": 1, ' in checked and f'"checked": {records}, ' in checked
 
 
+def flip_embed(dcp_dir: Path) -> Path:
+    """Flip a byte of ``embed.weight``'s data in the DCP save of ``tree()`` at ``dcp_dir``; return its file."""
+    data = dcp_dir / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    at = raw.find(tree()["model"]["embed.weight"].numpy().tobytes())
+    assert at > 0
+    raw[at + 5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return data
+
+
 @pytest.mark.launches
 def test_a_damaged_dcp_is_refused_alike_without_torch(sources, tmp_path):
     # The same one line and exit code whether torch was imported or not: a byte of a
@@ -159,12 +170,7 @@ def test_a_damaged_dcp_is_refused_alike_without_torch(sources, tmp_path):
     for copy in (flipped, cut, hostile):
         subprocess.run(["cp", "-r", sources["dcp"], copy], check=True)
     (hostile / ".metadata").write_bytes(pickle.dumps(os.system))
-    data = flipped / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    at = raw.find(tree()["model"]["embed.weight"].numpy().tobytes())
-    assert at > 0
-    raw[at + 5] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    data = flip_embed(flipped)
     meta = cut / ".metadata"
     meta.write_bytes(meta.read_bytes()[:-40])
     argv_list = [
@@ -601,3 +607,93 @@ def test_diff_of_a_side_only_torch_reads_against_one_read_without_it(sources, tm
     # The DCP's plain values are at its root, which the file lacks; its tensors are equal.
     assert alone[3][1] == "2 of 6 leaves differ:\n  epoch: only in A\n  name: only in A\n"
     assert [m[3] for m in alone] == [True] * 4
+
+
+# Exports whose every region is copied as it lies in SRC, and the ones torch is needed for.
+EXPORTS = {
+    "dcp.safetensors": ("dcp", ["--to", "full"], False),
+    "dcp-st.safetensors": ("dcp-safetensors", ["--to", "full"], False),
+    "dcp-model.safetensors": ("dcp", ["--to", "full", "--only", "model", "--verify"], False),
+    "dcp-hf": ("dcp", ["--to", "full", "--format", "hf", "--max-shard-size", "100B"], False),
+    "dcp-optim.safetensors": (
+        "dcp",
+        ["--to", "full", "--only", "optim", "--optim-keys", "id"],
+        False,
+    ),
+    "dcp-edits.safetensors": (
+        "dcp",
+        ["--to", "full", "--rename", "embed=emb", "--drop", "ids$", "--filter", "model.*"],
+        False,
+    ),
+    "st-nest.safetensors": ("model.safetensors", ["--to", "full", "--nest", "model"], False),
+    "st-hf": ("model.safetensors", ["--to", "full", "--format", "hf"], False),
+    "hf.safetensors": ("hf", ["--to", "full"], False),
+    # A transposed view is not one run of its storage; a cast and a torch.save DST make tensors.
+    "pt.safetensors": ("model.pt", ["--to", "full"], True),
+    "dcp-bf16.safetensors": ("dcp", ["--to", "full", "--dtype", "bfloat16"], True),
+    "dcp.pt": ("dcp", ["--to", "full"], True),
+    "sized.safetensors": ("sized", ["--to", "full"], True),
+}
+
+
+@pytest.mark.launches
+def test_an_export_copied_as_it_lies_imports_no_torch_and_writes_what_it_wrote_with_it(
+    sources, tmp_path
+):
+    def argv_list(mode: str) -> list[list[str]]:
+        return [
+            ["convert", sources[src], str(tmp_path / mode / name), *options, "-q"]
+            for name, (src, options, _) in EXPORTS.items()
+        ]
+
+    for mode in ("nothing", "torch"):
+        (tmp_path / mode).mkdir()
+    # A value DCP's own loader reads (it names a global): torch is imported as SRC is read.
+    state = {"model": tree()["model"], "shape": torch.Size([2, 3])}
+    dcp.save(state, checkpoint_id=tmp_path / "sized", no_dist=True)
+    sources = {**sources, "sized": str(tmp_path / "sized")}
+    alone, after_torch = run(argv_list("nothing"), "nothing"), run(argv_list("torch"), "torch")
+    for name, mine, before in zip(EXPORTS, alone, after_torch):
+        assert mine[:3] == before[:3] and mine[:2] == [0, ""], (name, mine, before)
+        assert mine[3] is EXPORTS[name][2], f"{name}: torch imported: {mine[3]}"
+        written = sorted(
+            p.relative_to(tmp_path / "nothing") for p in (tmp_path / "nothing").glob(f"{name}/**/*")
+        )
+        for one, other in (
+            (tmp_path / "nothing" / name, tmp_path / "torch" / name),
+            *[(tmp_path / "nothing" / w, tmp_path / "torch" / w) for w in written],
+        ):
+            if one.is_file():
+                assert one.read_bytes() == other.read_bytes(), one
+    # What was written is what the sources hold, as the libraries read them back.
+    from safetensors.torch import load_file
+
+    model = tree()["model"]
+    out = load_file(tmp_path / "nothing" / "dcp.safetensors")
+    assert set(out) >= {f"model.{k}" for k in model} | {"optim.state.embed.weight.exp_avg"}
+    for key, value in model.items():
+        assert torch.equal(out[f"model.{key}"], value), key
+    assert load_file(tmp_path / "nothing" / "dcp-st.safetensors").keys() == out.keys()
+    shards = sorted((tmp_path / "nothing" / "dcp-hf").glob("*.safetensors"))
+    assert len(shards) > 1
+    merged = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert set(merged) == set(model) and all(torch.equal(merged[k], model[k]) for k in model)
+    hf = load_file(tmp_path / "nothing" / "hf.safetensors")
+    # An hf directory is read as the model it holds.
+    assert set(hf) == {f"model.{k}" for k in model}
+    assert all(torch.equal(hf[f"model.{k}"], model[k]) for k in model)
+
+
+@pytest.mark.launches
+def test_an_export_without_torch_checks_the_bytes_it_copies(sources, tmp_path):
+    # A byte changed under its record's CRC-32 is found as the region is copied: the same
+    # one line and exit code as with torch, and no DST.
+    flipped = tmp_path / "flipped"
+    subprocess.run(["cp", "-r", sources["dcp"], flipped], check=True)
+    data = flip_embed(flipped)
+    argv = ["convert", str(flipped), str(tmp_path / "out.safetensors"), "--to", "full", "-q"]
+    (alone,), (before,) = run([argv], "nothing"), run([argv], "torch")
+    assert alone[:3] == before[:3], (alone, before)
+    assert alone[0] == 3 and alone[2].startswith(f"shardckpt: error: '{data}': "), alone
+    assert alone[3] is False
+    assert not (tmp_path / "out.safetensors").exists()

@@ -13,8 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 
-import torch
-
+from shardckpt.core.lazy_torch import torch
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.plan.mapping.layout import Mapped, Run
 from shardckpt.state.tree import TensorMeta

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-
 from shardckpt.core.errors import BadInputError
+from shardckpt.core.lazy_torch import torch
 
 _NEEDED = (
     "num_layers",
