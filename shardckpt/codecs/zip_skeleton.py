@@ -22,6 +22,7 @@ import pickle
 import struct
 import tempfile
 import zipfile
+from collections.abc import Set
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -55,11 +56,12 @@ Storages = list[tuple["torch.UntypedStorage", bool]]
 placeholder's."""
 
 
-def storages_in_order(obj) -> Storages:
+def storages_in_order(obj, placeholders: Set[int] = frozenset()) -> Storages:
     """Return the storages ``torch.save(obj)`` records, in the order of its record numbers.
 
-    Each comes with whether it is a placeholder's (a fake tensor's), as ``torch.save``
-    itself tells them apart.
+    Each comes with whether it is a placeholder's: one of ``placeholders`` where the
+    caller names them (``storage_key``s: ``unbacked`` or fake tensors, whose bytes no one
+    reads), else a fake tensor's, as ``torch.save`` itself tells them apart.
     """
     seen: dict[int, tuple[torch.UntypedStorage, bool]] = {}
 
@@ -71,7 +73,9 @@ def storages_in_order(obj) -> Storages:
                 storage = value
             else:
                 return None
-            seen.setdefault(storage_key(storage), (storage, is_placeholder(value)))
+            key = storage_key(storage)
+            fake = key in placeholders if placeholders else is_placeholder(value)
+            seen.setdefault(key, (storage, fake))
             return ("storage", len(seen))
 
     with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -189,7 +193,13 @@ def pickle_record(fd: int, start: int, end: int, file: str) -> Record:
 
 
 def write_skeleton(
-    fd: int, offset: int, obj, file: str, storages: Storages | None = None, pickle_module=None
+    fd: int,
+    offset: int,
+    obj,
+    file: str,
+    storages: Storages | None = None,
+    pickle_module=None,
+    placeholders: Set[int] = frozenset(),
 ) -> tuple[dict[int, Record], list[Record], list[Piece]]:
     """Write ``torch.save(obj)`` at ``offset`` of ``fd`` with no storage bytes; return its layout.
 
@@ -197,10 +207,11 @@ def write_skeleton(
     the storage's ``storage_key``), every data record, and the ``Piece``s of the real
     storages written here. ``storages``: ``storages_in_order(obj)``, where the caller has it.
     ``pickle_module``: ``torch.save``'s, for an object naming another library's classes
-    (``codecs.foreign_pickle``).
+    (``codecs.foreign_pickle``). ``placeholders``: the ``storage_key``s of real storages
+    that are placeholders too (``unbacked``), left unwritten as fake ones are.
     """
     if storages is None:
-        storages = storages_in_order(obj)
+        storages = storages_in_order(obj, placeholders)
     with os.fdopen(os.dup(fd), "r+b") as stream:
         stream.seek(offset)
         _skeleton_save(obj, stream, pickle_module)

@@ -69,6 +69,31 @@ def test_every_command_imports_the_library_through_library_load():
 
 
 @pytest.mark.launches
+def test_a_full_torch_export_loads_no_compiler(tmp_path):
+    # Its placeholders are unbacked tensors too (up to UNBACKED_MOST of them), not fakes.
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "model": {"w": torch.randn(8, 3), "b": torch.arange(5).to(torch.bfloat16)},
+        "e": torch.empty(0, 2),
+        "s": torch.tensor(2.5),
+        "step": 7,
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "src", no_dist=True)
+    out = tmp_path / "out.pt"
+    ask = ASK.replace(
+        '["--version"], ', f'["convert", "{tmp_path / "src"}", "{out}", "--to", "full", "-q"], '
+    ).replace('m == "torch" or m.startswith("torch.")', 'm.startswith(("torch._dynamo", "triton"))')
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[0, 0, 0, 0, 0] [] True"
+    back = torch.load(out, weights_only=True)
+    assert back["step"] == 7 and back["e"].shape == (0, 2) and torch.equal(back["s"], state["s"])
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+    assert back["model"]["b"].dtype == torch.bfloat16
+
+
+@pytest.mark.launches
 def test_resharding_a_dcp_loads_no_compiler(tmp_path):
     # A DCP item's blob is laid out with an unbacked tensor, not a FakeTensorMode, whose
     # first use imports torch._dynamo and triton (a second or more, 100 MiB of memory).

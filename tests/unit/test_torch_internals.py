@@ -353,7 +353,11 @@ def test_dcp_without_the_pre_2_4_traversal_is_the_same_unless_it_holds_an_empty_
 def test_torch_files_are_not_written_without_fake_tensors(src, tmp_path, monkeypatch, capsys):
     from torch._subclasses import fake_tensor
 
+    from shardckpt.formats.torch_save import file as torch_file
+
     monkeypatch.delattr(fake_tensor, "FakeTensorMode")
+    # More than UNBACKED_MOST tensors are laid out with fake ones.
+    monkeypatch.setattr(torch_file, "UNBACKED_MOST", 0)
     dst = tmp_path / "out.pt"
     assert error_of(capsys, ["convert", src, dst, "--to", "full"]) == (
         2,
@@ -368,7 +372,9 @@ def test_torch_files_are_not_written_where_torch_save_no_longer_marks_placeholde
     src, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.delattr(torch.storage._StorageBase, "_fake_device")
-    assert error_of(capsys, ["convert", src, tmp_path / "out.pt", "--to", "full"]) == (
+    # Per-rank files are laid out with fake DTensors, told from real storages by that mark.
+    argv = ["convert", src, tmp_path / "ranks", "--to", "local", "--world-size", "2"]
+    assert error_of(capsys, argv) == (
         2,
         unsupported_line(
             "torch.storage._StorageBase._fake_device", "writing torch.save files needs"

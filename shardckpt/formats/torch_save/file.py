@@ -26,7 +26,7 @@ from shardckpt.codecs.pickle_scan import (
     quiet_protocol_warning,
 )
 from shardckpt.codecs.torch_pickle import NotPlain, plain_torch_file, stand_ins
-from shardckpt.codecs.zip_skeleton import fake_mode, write_skeleton
+from shardckpt.codecs.zip_skeleton import fake_mode, unbacked, write_skeleton
 from shardckpt.core.errors import SRC_FORMAT, BadInputError, UnsafePickleError
 from shardckpt.core.files import (
     SourceStream,
@@ -384,16 +384,32 @@ def _one_run(
     return [StoredRun(src, offset, (stop - start) * size, written, names)]
 
 
+UNBACKED_MOST = 8192
+"""The most placeholders made as ``unbacked`` tensors, one shared map each: the kernel
+allows a process 65,530 maps (``vm.max_map_count``), so more are fake tensors."""
+
+
 def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Return ``tree`` with each ``TensorMeta`` a fake tensor of its shape and dtype, and those by key."""
+    """Return ``tree`` with each ``TensorMeta`` a placeholder of its shape and dtype, and those by key.
+
+    A placeholder's bytes are never read (``write_skeleton`` is told which storages are
+    placeholders: those the fills name). Up to ``UNBACKED_MOST`` they are ``unbacked``
+    tensors, which need nothing but a sparse file; beyond, fake tensors, whose mode
+    imports torch's compiler stack (1.7 s here).
+    """
     fakes: dict[str, torch.Tensor] = {}
+    many = sum(1 for _ in tensor_leaves(tree)) > UNBACKED_MOST
 
     def fake(_path, leaf):
         if not isinstance(leaf, TensorMeta):
             return leaf
-        fakes[leaf.key] = torch.empty(leaf.shape, dtype=leaf.dtype)
-        return fakes[leaf.key]
+        shape = tuple(leaf.shape)
+        made = torch.empty(shape, dtype=leaf.dtype) if many else unbacked(shape, leaf.dtype)
+        fakes[leaf.key] = made
+        return made
 
+    if not many:
+        return map_leaves(tree, fake), fakes
     with fake_mode():
         return map_leaves(tree, fake), fakes
 
@@ -412,7 +428,7 @@ def skeleton_regions(
     entries: elements [start, stop) of source tensor ``key`` at that byte of the storage.
     """
     placeholders, records, pieces = write_skeleton(
-        fd, offset, obj, file, pickle_module=pickle_module
+        fd, offset, obj, file, pickle_module=pickle_module, placeholders=set(fills)
     )
     regions = [
         Region(key, start, stop, file, placeholders[cdata].start + at, placeholders[cdata])
