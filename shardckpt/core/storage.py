@@ -297,6 +297,13 @@ DEEPSPEED_FILE = re.compile(
 DeepSpeed reader loads it on the meta device and reads its flat partitions by ranges
 (``torch_save.in_place``)."""
 
+UNIVERSAL_FILE = re.compile(r"(?P<tag>(?:[^/]+/)?)zero/(?:[^/]+/[^/]+|optimizer_state)\.pt")
+"""A DeepSpeed universal checkpoint's per-parameter file (``zero/<param>/fp32.pt``,
+``exp_avg.pt``, ...) or its ``zero/optimizer_state.pt``, in SRC or in its tag directory,
+read where it lies when ``zero/optimizer_state.pt`` lies beside (in that directory): the
+``deepspeed-universal`` reader loads each on the meta device and reads the rows a rank
+copies by ranges (``torch_save.in_place``)."""
+
 TORCH_CHECKPOINTING_METADATA = "metadata.pkl"
 """The file that makes a directory torch_checkpointing's: the ``.safetensors`` files at
 its top (an item saved with ``SafetensorsSerialization``) are read where they lie, by
@@ -352,8 +359,8 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     state beside them: ``HF_TRAINER_STATE``), and a Trainer's ``optimizer.pt``, never read;
     an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
     per-rank ``torch.save`` files (``RANK_FILE``, veRL's model files), DeepSpeed's states files
-    (``DEEPSPEED_FILE``) and torch_checkpointing's ``*.safetensors`` items. Every other
-    object is fetched whole.
+    (``DEEPSPEED_FILE``), a universal checkpoint's files (``UNIVERSAL_FILE``) and
+    torch_checkpointing's ``*.safetensors`` items. Every other object is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
@@ -373,7 +380,14 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
         or VERL_MODEL_FILE.fullmatch(name)
         or DEEPSPEED_FILE.fullmatch(name)
+        or _universal(name, objects)
     ]
+
+
+def _universal(name: str, objects: dict[str, int]) -> bool:
+    """Return whether ``name`` is a file of a universal checkpoint among ``objects`` (``UNIVERSAL_FILE``)."""
+    found = UNIVERSAL_FILE.fullmatch(name)
+    return found is not None and f"{found['tag']}zero/optimizer_state.pt" in objects
 
 
 def lay_out(store: Store, into: Path, objects: dict[str, int]) -> Path:

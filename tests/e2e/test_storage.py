@@ -1285,6 +1285,60 @@ def test_a_flipped_byte_in_a_deepspeed_partition_on_s3_is_exit_3_naming_it(
     no_leftovers(s3, bucket)
 
 
+@pytest.mark.parametrize("case", ["z2-bf16", "z3-fp32"])
+def test_s3_deepspeed_universal_checkpoint_to_local_full_reads_its_files_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    case,
+):
+    from deepspeed_goldens import universal_dir
+
+    local = universal_dir(case)  # ds_to_universal's own output (tests/goldens/deepspeed/make.py)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/{case}-universal"
+    s3.put_dir(local, url[5:])
+    s3.fs.invalidate_cache()
+    sizes = {k: v["size"] for k, v in s3.fs.find(url[5:], detail=True).items() if k.endswith(".pt")}
+    assert len(sizes) > 20  # fp32.pt, exp_avg.pt, ... of every parameter, and the states files
+    reads = Reads(monkeypatch, (".pt",))
+    out, mine = tmp_path / "full.pt", tmp_path / "local.pt"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
+    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
+    # Only latest_universal fetched whole; every .pt by ranges, none on the disk.
+    assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest_universal"]
+    assert set(reads.stand_ins.values()) == {0}
+    assert sum(reads.by_object.values()) == reads.requests.bytes <= sum(sizes.values())
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_a_universal_parameter_file_on_s3_is_exit_3_naming_it(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from deepspeed_goldens import universal_dir
+
+    src = damage.copy(universal_dir("z2-bf16"), tmp_path / "universal")
+    name = "global_step3/zero/fc1.weight/exp_avg.pt"
+    flipped = damage.flip_in_torch_file(src / name, "param")
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/universal"
+    s3.put_dir(src, url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
+        reads = Reads(monkeypatch, (".pt",))
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}/{name}': {flipped.message()}: {damage.RECOPY}"]
+        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest_universal"]
+    assert not (tmp_path / "out.pt").exists()
+    no_leftovers(s3, bucket)
+
+
 @pytest.mark.trainers
 def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
     s3,  # noqa: F811
