@@ -307,7 +307,11 @@ copies by ranges (``torch_save.in_place``)."""
 TORCH_CHECKPOINTING_METADATA = "metadata.pkl"
 """The file that makes a directory torch_checkpointing's: the ``.safetensors`` files at
 its top (an item saved with ``SafetensorsSerialization``) are read where they lie, by
-``pread`` (``safetensors_file.read_rows``); its ``.pt`` items are fetched whole."""
+``pread`` (``safetensors_file.read_rows``), and so are its ``.pt`` items
+(``TORCH_CHECKPOINTING_ITEM``), loaded on the meta device (``torch_save.in_place``)."""
+
+TORCH_CHECKPOINTING_ITEM = re.compile(r"[^/]+_\d+\.pt")
+"""A torch_checkpointing item's ``torch.save`` file, ``<item>_<rank>.pt``."""
 
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
@@ -360,7 +364,8 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
     per-rank ``torch.save`` files (``RANK_FILE``, veRL's model files), DeepSpeed's states files
     (``DEEPSPEED_FILE``), a universal checkpoint's files (``UNIVERSAL_FILE``) and
-    torch_checkpointing's ``*.safetensors`` items. Every other object is fetched whole.
+    torch_checkpointing's items (``*.safetensors``, ``<item>_<rank>.pt``). Every other object
+    is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
@@ -375,6 +380,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         for name in objects
         if name.endswith(READ_WHERE_THEY_LIE)
         or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or (torch_checkpointing and TORCH_CHECKPOINTING_ITEM.fullmatch(name))
         or (hf_trainer and name == HF_TRAINER_OPTIMIZER)
         or (accelerate and ACCELERATE_DATA.fullmatch(name))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)

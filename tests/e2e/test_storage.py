@@ -1340,7 +1340,48 @@ def test_a_flipped_byte_in_a_universal_parameter_file_on_s3_is_exit_3_naming_it(
 
 
 @pytest.mark.trainers
-def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
+@pytest.mark.parametrize("safetensors_model", [True, False])
+def test_s3_torch_checkpointing_items_are_read_in_place(
+    s3,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+    safetensors_model,
+):
+    pytest.importorskip("torch_checkpointing")
+    import torch_checkpointing_jobs
+    from harness import run_ranks
+
+    # The library's own save at 2: the model as model_{rank}.safetensors (or .pt), the optimizer and step as .pt.
+    local = tmp_path / "step-2"
+    state, _ = run_ranks(torch_checkpointing_jobs.save, 2, str(local), safetensors_model)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/tcp/step-2"
+    s3.put_dir(local, url[5:])
+    sizes = sizes_of(s3, url[5:], (".safetensors", ".pt"))
+    model = "model_{}.safetensors" if safetensors_model else "model_{}.pt"
+    items = [model.format(r) for r in (0, 1)] + ["optim_0.pt", "optim_1.pt"]
+    assert set(items) <= set(sizes)
+    reads = Reads(monkeypatch, (".safetensors", ".pt"))
+    assert_equal(model_as_local_converts(capsys, url, local, tmp_path), state["model"])
+    # Every item by ranges, none on the disk; metadata.pkl alone fetched whole.
+    assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["metadata.pkl"]
+    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+
+    # All of it (the optimizer's moments too), as the local original converts, byte for byte.
+    reads = Reads(monkeypatch, (".safetensors", ".pt"))
+    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
+    assert out.read_bytes() == mine.read_bytes()
+    assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["metadata.pkl"]
+    assert reads.requests.bytes <= sum(sizes.values())
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.trainers
+def test_a_flipped_byte_in_a_torch_checkpointing_item_on_s3_is_exit_3_naming_it(
     s3,  # noqa: F811
     tmp_path,
     capsys,
@@ -1350,19 +1391,21 @@ def test_s3_torch_checkpointing_safetensors_items_are_read_in_place(
     import torch_checkpointing_jobs
     from harness import run_ranks
 
-    # The library's own save at 2: the model as model_{rank}.safetensors, the optimizer as .pt.
     local = tmp_path / "step-2"
-    state, _ = run_ranks(torch_checkpointing_jobs.save, 2, str(local))
+    run_ranks(torch_checkpointing_jobs.save, 2, str(local), False)
+    flipped = damage.flip_in_torch_file(local / "optim_1.pt", "state.fc.weight.exp_avg")
     bucket = s3.bucket()
     url = f"s3://{bucket}/tcp/step-2"
     s3.put_dir(local, url[5:])
-    sizes = sizes_of(s3, url[5:], (".safetensors",))
-    assert sorted(sizes) == ["model_0.safetensors", "model_1.safetensors"]
-    reads = Reads(monkeypatch, (".safetensors",))
-    assert_equal(model_as_local_converts(capsys, url, local, tmp_path), state["model"])
-    # The safetensors items by ranges, none on the disk; metadata.pkl and the .pt items fetched.
-    assert not [k for k in reads.whole if k.endswith(".safetensors")]
-    assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
+        reads = Reads(monkeypatch, (".pt",))
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [
+            f"shardckpt: error: '{url}/optim_1.pt': {flipped.message()}: {damage.RECOPY}"
+        ]
+        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["metadata.pkl"]
+    assert not (tmp_path / "out.pt").exists()
     no_leftovers(s3, bucket)
 
 
