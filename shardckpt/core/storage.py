@@ -281,13 +281,14 @@ RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pt
 """A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
 ``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
 ``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
-(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` only the model files
-(``VERL_MODEL_FILE``: read by those same readers) are among them; its optimizer files (FSDP1's
-flat optimizer state is loaded whole) and ``extra_state`` files (carried: copied as they
-are) are fetched whole."""
+(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` the model and optimizer
+files (``VERL_FILE``) are read in place too, its ``extra_state`` files (carried: copied as
+they are) fetched whole."""
 
-VERL_MODEL_FILE = re.compile(r"model_world_size_\d+_rank_\d+\.pt")
-"""A veRL model file, read as ``fsdp2-ranks`` or ``fsdp1-sharded`` read their rank files."""
+VERL_FILE = re.compile(r"(?:model|optim)_world_size_\d+_rank_\d+\.pt")
+"""A veRL model or optimizer file: read as ``fsdp2-ranks`` or ``fsdp1-sharded`` read their rank
+files, an FSDP1 save's optimizer files by ``flat_optim`` (loaded on the meta device too, each
+rank's slices read by ranges)."""
 
 DEEPSPEED_FILE = re.compile(
     r"(?:[^/]+/)?(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt"
@@ -362,7 +363,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     them, and no object under it is a trainer's data, ``TRAINER_DATA``, but a Trainer's
     state beside them: ``HF_TRAINER_STATE``), and a Trainer's ``optimizer.pt``, never read;
     an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
-    per-rank ``torch.save`` files (``RANK_FILE``, veRL's model files), DeepSpeed's states files
+    per-rank ``torch.save`` files (``RANK_FILE``, veRL's model and optimizer files), DeepSpeed's states files
     (``DEEPSPEED_FILE``), a universal checkpoint's files (``UNIVERSAL_FILE``) and
     torch_checkpointing's items (``*.safetensors``, ``<item>_<rank>.pt``). Every other object
     is fetched whole.
@@ -384,7 +385,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         or (hf_trainer and name == HF_TRAINER_OPTIMIZER)
         or (accelerate and ACCELERATE_DATA.fullmatch(name))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
-        or VERL_MODEL_FILE.fullmatch(name)
+        or VERL_FILE.fullmatch(name)
         or DEEPSPEED_FILE.fullmatch(name)
         or _universal(name, objects)
     ]

@@ -1563,7 +1563,7 @@ def test_s3_verl_model_files_are_read_in_place_and_its_other_files_fetched(
     monkeypatch,
     kind,
 ):
-    from verl_models import GOLDENS
+    from verl_models import GOLDENS, WRAP
 
     local = GOLDENS / kind / "global_step_2"  # veRL's own save at 2 (tests/goldens/verl/make.py)
     full = torch.load(GOLDENS / kind / "reference.pt", weights_only=True)
@@ -1573,39 +1573,55 @@ def test_s3_verl_model_files_are_read_in_place_and_its_other_files_fetched(
     models = sizes_of(s3, url[5:], (".pt",))
     models = {k: v for k, v in models.items() if k.startswith("model_")}
     assert sorted(models) == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
-    reads = Reads(monkeypatch, ("model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"))
+    optims = [f"optim_world_size_2_rank_{r}.pt" for r in (0, 1)]
+    reads = Reads(monkeypatch, (*models, *optims))
     model = model_as_local_converts(capsys, url, local, tmp_path)
     assert_equal(model, {k: v for k, v in full["model"].items() if k in model})
     assert sorted(model) == sorted(full["model"])
-    # The model files by ranges, none on the disk; the optimizer and extra_state files fetched.
+    # The model and optimizer files by ranges, none on the disk; the extra_state files fetched.
     assert sorted(k.rsplit("/", 1)[1] for k in reads.whole if k.endswith(".pt")) == [
-        f"{part}_world_size_2_rank_{r}.pt" for part in ("extra_state", "optim") for r in (0, 1)
+        f"extra_state_world_size_2_rank_{r}.pt" for r in (0, 1)
     ]
-    assert reads.stand_ins == dict.fromkeys(models, 0)
-    if kind == "fsdp2":  # all of it: model files in place, optimizer files fetched, one tree
-        out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
-        assert cli(capsys, "convert", url, out, "--to", "full", "-q")[0] == 0
-        assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
-        assert out.read_bytes() == mine.read_bytes()
+    assert reads.stand_ins == dict.fromkeys([*models, *optims], 0)
+    # All of it, the optimizer's state too, as the local original converts, byte for byte.
+    flat = ["--model", "verl_models:qwen2", "--wrap", WRAP] if kind == "fsdp1" else []
+    reads = Reads(monkeypatch, (*models, *optims))
+    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
+    assert cli(capsys, "convert", url, out, "--to", "full", "-q", *flat)[0] == 0
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q", *flat)[0] == 0
+    assert out.read_bytes() == mine.read_bytes()
+    assert not [k for k in reads.whole if k.endswith(tuple(optims))]
+    assert reads.stand_ins == dict.fromkeys([*models, *optims], 0)
     no_leftovers(s3, bucket)
 
 
-def test_a_flipped_byte_in_a_verl_model_file_on_s3_is_exit_3_naming_it(
+@pytest.mark.parametrize(
+    ("kind", "name", "tensor"),
+    [
+        ("fsdp2", "model_world_size_2_rank_1.pt", "mlp.up_proj.weight"),
+        ("fsdp2", "optim_world_size_2_rank_1.pt", "exp_avg"),
+        ("fsdp1", "optim_world_size_2_rank_1.pt", "exp_avg_sq"),
+    ],
+)
+def test_a_flipped_byte_in_a_verl_model_or_optimizer_file_on_s3_is_exit_3_naming_it(
     s3,  # noqa: F811
     tmp_path,
     capsys,
     monkeypatch,
+    kind,
+    name,
+    tensor,
 ):
-    from verl_models import GOLDENS
+    from verl_models import GOLDENS, WRAP
 
-    local = damage.copy(GOLDENS / "fsdp2" / "global_step_2", tmp_path / "global_step_2")
-    name = "model_world_size_2_rank_1.pt"
-    key = next(k for k in damage.storages(local / name) if k.endswith("mlp.up_proj.weight"))
+    local = damage.copy(GOLDENS / kind / "global_step_2", tmp_path / "global_step_2")
+    key = next(k for k in damage.storages(local / name) if k.endswith(tensor))
     flipped = damage.flip_in_torch_file(local / name, key)
     bucket = s3.bucket()
     url = f"s3://{bucket}/verl/global_step_2"
     s3.put_dir(local, url[5:])
-    argvs = (["verify", url], ["convert", url, tmp_path / "out.safetensors", "--to", "full"])
+    flat = ["--model", "verl_models:qwen2", "--wrap", WRAP] if kind == "fsdp1" else []
+    argvs = (["verify", url], ["convert", url, tmp_path / "out.safetensors", "--to", "full", *flat])
     for argv in argvs:
         reads = Reads(monkeypatch, (name,))
         code, err = cli(capsys, *argv)

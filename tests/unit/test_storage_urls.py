@@ -260,10 +260,11 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
 
 
 def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
-    # The readers of per-rank files (fsdp2-ranks, fsdp1-*, veRL's model files) and of
-    # DeepSpeed's states files read them by ranges; every other trainer's torch.save
-    # (veRL's optimizer and extra_state files, a universal checkpoint's, a subdirectory's
-    # rank files) and the small objects beside them are fetched whole.
+    # The readers of per-rank files (fsdp2-ranks, fsdp1-*, veRL's model and optimizer
+    # files) and of DeepSpeed's states files read them by ranges; every other trainer's
+    # torch.save (veRL's extra_state files, a universal checkpoint's without its
+    # zero/optimizer_state.pt, a subdirectory's rank files) and the small objects beside
+    # them are fetched whole.
     store = storage.Store("s3://b/run", None, "b/run")
     objects = dict.fromkeys(
         [
@@ -294,6 +295,7 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
         "model_rank2.pt",
         "model_world_size_2_rank_0.pt",
         "mp_rank_00_model_states.pt",
+        "optim_world_size_2_rank_0.pt",
         "rank0.pt",
         "rank3-of-4.pt",
         "rank_1.pth",
