@@ -1139,6 +1139,16 @@ def model_as_local_converts(capsys, url: str, local: Path, tmp_path: Path, *argv
     return load_safetensors(out.read_bytes())
 
 
+def all_as_local_converts(capsys, url: str, local: Path, tmp_path: Path, *argv) -> Path:
+    """Return the file ``convert URL --to full`` writes, asserting it is the local original's byte for byte."""
+    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
+    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q", *argv)
+    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    assert cli(capsys, "convert", local, mine, "--to", "full", "-q", *argv)[0] == 0
+    assert out.read_bytes() == mine.read_bytes()
+    return out
+
+
 def test_s3_fsdp2_rank_files_to_local_full_and_dcp_read_their_rows_in_place(
     s3,  # noqa: F811
     fsdp2_ranks,
@@ -1183,17 +1193,9 @@ def test_a_flipped_byte_in_an_fsdp2_rank_file_on_s3_is_exit_3_naming_it(
 ):
     local = damage.copy(fsdp2_ranks[0], tmp_path / "ranks")
     flipped = damage.flip_in_torch_file(local / "rank1.pt", "model.0.weight")
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/run/ranks"
-    s3.put_dir(local, url[5:])
-    for argv in (["verify", url], ["convert", url, tmp_path / "out.safetensors", "--to", "full"]):
-        reads = Reads(monkeypatch, (".pt",))
-        code, err = cli(capsys, *argv)
-        assert code == 3
-        assert err == [f"shardckpt: error: '{url}/rank1.pt': {flipped.message()}: {damage.RECOPY}"]
-        assert reads.whole == []  # the record's CRC-32 checked as its rows were read by range
+    # Nothing fetched: the record's CRC-32 checked as its rows were read by range.
+    flip_is_exit_3(s3, capsys, monkeypatch, tmp_path, local, "rank1.pt", flipped, [])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ranks"]
-    no_leftovers(s3, bucket)
 
 
 @pytest.mark.parametrize("kind", ["sharded", "local"])
@@ -1241,17 +1243,27 @@ def test_s3_deepspeed_run_to_local_full_is_zero_to_fp32s_output_read_in_place(
     s3.put_dir(local, url[5:])
     sizes = sizes_of(s3, url[5:], ("_states.pt",))
     reads = Reads(monkeypatch, ("_states.pt",))
-    out = tmp_path / "full.pt"
-    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
-    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
+    out = all_as_local_converts(capsys, url, local, tmp_path)  # as the local original converts
     model = torch.load(out, weights_only=True)["model"]
     assert_equal(model, {k: v for k, v in zero_to_fp32(case).items() if k in model})
-    mine = tmp_path / "local.pt"
-    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
-    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
     # Only `latest` fetched whole; every states file by ranges, none on the disk.
     assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
     assert reads.stand_ins == dict.fromkeys(sizes, 0)
+    no_leftovers(s3, bucket)
+
+
+def flip_is_exit_3(s3, capsys, monkeypatch, tmp_path, src: Path, name: str, flipped, fetched):  # noqa: F811
+    """Upload ``src`` (``name`` in it with a byte ``flipped``): verify and convert are exit 3 naming it, fetching only ``fetched`` whole."""
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/runs/{src.name}"
+    s3.put_dir(src, url[5:])
+    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
+        reads = Reads(monkeypatch, (".pt",))
+        code, err = cli(capsys, *argv)
+        assert code == 3
+        assert err == [f"shardckpt: error: '{url}/{name}': {flipped.message()}: {damage.RECOPY}"]
+        assert [k.rsplit("/", 1)[1] for k in reads.whole] == fetched
+    assert not (tmp_path / "out.pt").exists()
     no_leftovers(s3, bucket)
 
 
@@ -1272,17 +1284,7 @@ def test_a_flipped_byte_in_a_deepspeed_partition_on_s3_is_exit_3_naming_it(
             "optimizer_state_dict.single_partition_of_fp32_groups.0",
             weights_only=False,
         )
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/runs/z2"
-    s3.put_dir(src, url[5:])
-    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
-        reads = Reads(monkeypatch, ("_states.pt",))
-        code, err = cli(capsys, *argv)
-        assert code == 3
-        assert err == [f"shardckpt: error: '{url}/{name}': {flipped.message()}: {damage.RECOPY}"]
-        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest"]
-    assert not (tmp_path / "out.pt").exists()
-    no_leftovers(s3, bucket)
+    flip_is_exit_3(s3, capsys, monkeypatch, tmp_path, src, name, flipped, ["latest"])
 
 
 @pytest.mark.parametrize("case", ["z2-bf16", "z3-fp32"])
@@ -1303,11 +1305,7 @@ def test_s3_deepspeed_universal_checkpoint_to_local_full_reads_its_files_in_plac
     sizes = {k: v["size"] for k, v in s3.fs.find(url[5:], detail=True).items() if k.endswith(".pt")}
     assert len(sizes) > 20  # fp32.pt, exp_avg.pt, ... of every parameter, and the states files
     reads = Reads(monkeypatch, (".pt",))
-    out, mine = tmp_path / "full.pt", tmp_path / "local.pt"
-    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
-    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
-    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
-    assert out.read_bytes() == mine.read_bytes()  # as the local original converts
+    all_as_local_converts(capsys, url, local, tmp_path)
     # Only latest_universal fetched whole; every .pt by ranges, none on the disk.
     assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest_universal"]
     assert set(reads.stand_ins.values()) == {0}
@@ -1326,17 +1324,7 @@ def test_a_flipped_byte_in_a_universal_parameter_file_on_s3_is_exit_3_naming_it(
     src = damage.copy(universal_dir("z2-bf16"), tmp_path / "universal")
     name = "global_step3/zero/fc1.weight/exp_avg.pt"
     flipped = damage.flip_in_torch_file(src / name, "param")
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/runs/universal"
-    s3.put_dir(src, url[5:])
-    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
-        reads = Reads(monkeypatch, (".pt",))
-        code, err = cli(capsys, *argv)
-        assert code == 3
-        assert err == [f"shardckpt: error: '{url}/{name}': {flipped.message()}: {damage.RECOPY}"]
-        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["latest_universal"]
-    assert not (tmp_path / "out.pt").exists()
-    no_leftovers(s3, bucket)
+    flip_is_exit_3(s3, capsys, monkeypatch, tmp_path, src, name, flipped, ["latest_universal"])
 
 
 @pytest.mark.trainers
@@ -1370,11 +1358,7 @@ def test_s3_torch_checkpointing_items_are_read_in_place(
 
     # All of it (the optimizer's moments too), as the local original converts, byte for byte.
     reads = Reads(monkeypatch, (".safetensors", ".pt"))
-    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
-    code, err = cli(capsys, "convert", url, out, "--to", "full", "-q")
-    assert code == 0 and all(line.startswith("shardckpt: note:") for line in err)
-    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
-    assert out.read_bytes() == mine.read_bytes()
+    all_as_local_converts(capsys, url, local, tmp_path)
     assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["metadata.pkl"]
     assert reads.requests.bytes <= sum(sizes.values())
     no_leftovers(s3, bucket)
@@ -1394,19 +1378,9 @@ def test_a_flipped_byte_in_a_torch_checkpointing_item_on_s3_is_exit_3_naming_it(
     local = tmp_path / "step-2"
     run_ranks(torch_checkpointing_jobs.save, 2, str(local), False)
     flipped = damage.flip_in_torch_file(local / "optim_1.pt", "state.fc.weight.exp_avg")
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/tcp/step-2"
-    s3.put_dir(local, url[5:])
-    for argv in (["verify", url], ["convert", url, tmp_path / "out.pt", "--to", "full"]):
-        reads = Reads(monkeypatch, (".pt",))
-        code, err = cli(capsys, *argv)
-        assert code == 3
-        assert err == [
-            f"shardckpt: error: '{url}/optim_1.pt': {flipped.message()}: {damage.RECOPY}"
-        ]
-        assert [k.rsplit("/", 1)[1] for k in reads.whole] == ["metadata.pkl"]
-    assert not (tmp_path / "out.pt").exists()
-    no_leftovers(s3, bucket)
+    flip_is_exit_3(
+        s3, capsys, monkeypatch, tmp_path, local, "optim_1.pt", flipped, ["metadata.pkl"]
+    )
 
 
 # ------------------------------------- a file every rank filled: one upload, parts from every rank
@@ -1586,10 +1560,7 @@ def test_s3_verl_model_files_are_read_in_place_and_its_other_files_fetched(
     # All of it, the optimizer's state too, as the local original converts, byte for byte.
     flat = ["--model", "verl_models:qwen2", "--wrap", WRAP] if kind == "fsdp1" else []
     reads = Reads(monkeypatch, (*models, *optims))
-    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
-    assert cli(capsys, "convert", url, out, "--to", "full", "-q", *flat)[0] == 0
-    assert cli(capsys, "convert", local, mine, "--to", "full", "-q", *flat)[0] == 0
-    assert out.read_bytes() == mine.read_bytes()
+    all_as_local_converts(capsys, url, local, tmp_path, *flat)
     assert not [k for k in reads.whole if k.endswith(tuple(optims))]
     assert reads.stand_ins == dict.fromkeys([*models, *optims], 0)
     no_leftovers(s3, bucket)
@@ -1780,10 +1751,7 @@ def test_s3_accelerate_state_reads_its_model_and_optimizer_in_place(
     assert sizes["optimizer.bin"] > 2 * sizes["model.safetensors"] > 2 * remote_files.PART
 
     reads = Reads(monkeypatch, ACCELERATE_DATA)
-    out, mine = tmp_path / "all.pt", tmp_path / "all-local.pt"
-    assert cli(capsys, "convert", url, out, "--to", "full", "-q")[0] == 0
-    assert cli(capsys, "convert", local, mine, "--to", "full", "-q")[0] == 0
-    assert out.read_bytes() == mine.read_bytes()
+    out = all_as_local_converts(capsys, url, local, tmp_path)
     got = torch.load(out, weights_only=True)
     assert_equal(got["model"], load_file(local / "model.safetensors"))
     assert_equal(got["optimizer"], torch.load(local / "optimizer.bin", weights_only=True))
