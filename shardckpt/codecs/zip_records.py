@@ -10,18 +10,23 @@ writes a zip itself (``zip_skeleton``).
 
 from __future__ import annotations
 
+import bisect
 import io
 import struct
 import zipfile
 from dataclasses import dataclass
 
 from shardckpt.codecs.pickle_scan import DamagedZip
-from shardckpt.core.files import pread
+from shardckpt.core.files import pread, pread_each
 
 _LOCAL_HEADER = 30
 _CENTRAL_HEADER = 46
 DATA_DESCRIPTOR = 0x08  # general-purpose flag bit 3
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+_DESCRIPTOR = 24
+"""The most bytes a data descriptor takes (signed, with ZIP64 sizes): it ends where the next record's header begins."""
+_NEAR = 4 << 10
+"""Header windows closer than this are read as one range."""
 
 
 class FileSlice(io.RawIOBase):
@@ -36,6 +41,7 @@ class FileSlice(io.RawIOBase):
     def __init__(self, fd: int, start: int, end: int, held: int = 0):
         self._fd, self._start, self._end, self._pos = fd, start, end, 0
         self._held: list[tuple[int, bytes]] = []  # (where in the slice, the bytes there)
+        self._windows: list[tuple[int, bytes]] = []  # ``hold``'s, by where they start
         size = end - start
         self._whole = held > 0 and 0 < size <= 2 * held
         if held > 0 and size > 0:
@@ -56,6 +62,35 @@ class FileSlice(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def hold(self, ranges: list[tuple[int, int]]) -> None:
+        """Read ranges (start, length) of the slice now, those near each other as one, and serve reads inside them from memory.
+
+        A zip's local headers lie one per record across the whole zip: asked for at once,
+        each is a request of its own few bytes, where one at a time each would cost a
+        block of the store's object around it (``remote_files.SMALL``).
+        """
+        size = self._end - self._start
+        spans: list[list[int]] = []  # [start, end) of the slice
+        for start, end in sorted((max(0, at), min(size, at + n)) for at, n in ranges):
+            if end <= start or any(f <= start and end <= f + len(d) for f, d in self._held):
+                continue
+            if spans and start <= spans[-1][1] + _NEAR:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
+        if not spans:
+            return
+        found = pread_each(self._fd, [(self._start + a, b - a) for a, b in spans])
+        self._windows = sorted([*self._windows, *((a, data) for (a, _), data in zip(spans, found))])
+
+    def _in_window(self, n: int, at: int) -> bytes | None:
+        i = bisect.bisect_right(self._windows, at, key=lambda w: w[0]) - 1
+        if i >= 0:
+            first, data = self._windows[i]
+            if at + n <= first + len(data):
+                return data[at - first : at - first + n]
+        return None
+
     def whole(self) -> bytes | None:
         """Return every byte of the slice when it was read whole (``held``), else None; fewer where its file ends early."""
         return self._held[0][1] if self._whole else None
@@ -66,6 +101,8 @@ class FileSlice(io.RawIOBase):
         for first, data in self._held:
             if first <= at and at + n <= first + len(data):
                 return data[at - first : at - first + n]
+        if self._windows and (held := self._in_window(n, at)) is not None:
+            return held
         return pread(self._fd, n, self._start + at)
 
     def readinto(self, buffer) -> int:
@@ -122,6 +159,11 @@ def zip_records(fd: int, start: int, end: int, central: bool = True) -> list[Zip
 def records_of(zip_file: FileSlice, zf: zipfile.ZipFile, central: bool = True) -> list[ZipRecord]:
     """Return every record of ``zf``, the zip ``zip_file`` holds, as ``zip_records`` does."""
     infos = zf.infolist()
+    # Each record's local header, and the data descriptor of the record before it.
+    zip_file.hold(
+        [(i.header_offset - _DESCRIPTOR, _DESCRIPTOR + _LOCAL_HEADER) for i in infos]
+        + [(zf.start_dir - _DESCRIPTOR, _DESCRIPTOR)]
+    )
     if not central:
         return [record(zip_file, info) for info in infos]
     out = []

@@ -198,6 +198,19 @@ def pread(fd: int, n: int, at: int) -> bytes:
     return bytes(data[: remote_files.read_into(obj, memoryview(data), at)])
 
 
+def pread_each(fd: int, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """Return the bytes of each range (start, length) of the source file open as ``fd`` (fewer where it ends).
+
+    For a stand-in, each range is one ranged request of its own size, several in flight
+    (``remote_files.read_each``): scattered small reads (a zip's local headers) ask for
+    their bytes alone, not a block around each.
+    """
+    obj = remote_files.of_fd(fd)
+    if obj is None:
+        return [os.pread(fd, n, at) for at, n in ranges]
+    return remote_files.read_each(obj, ranges)
+
+
 def is_remote(fd: int) -> bool:
     """Return whether ``fd`` stands for an object of a URL SRC: its bytes are not in the file (no kernel copy)."""
     return remote_files.of_fd(fd) is not None

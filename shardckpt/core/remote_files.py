@@ -15,8 +15,9 @@ span) has those ranges fetched ahead in order (consecutive ones as one span), in
 ``PART``s, ``IN_FLIGHT`` requests at once, and takes its bytes from there, a part kept
 until all of it is taken (by any thread); a small read (a chunk's zip headers) is served
 from a ``SMALL`` block on a grid of the object, the last ``HELD`` kept, so the headers
-and rows of neighbouring small chunks are one request; any other read is fetched as
-asked. Memory: ``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each
+and rows of neighbouring small chunks are one request; scattered small reads said at
+once (a zip's local headers: ``read_each``) are a request of their own size each; any
+other read is fetched as asked. Memory: ``2 * IN_FLIGHT * PART + HELD * SMALL`` bytes per process (40 MiB). Each
 request is retried as any request to the store is (``storage.retried``), then one line
 names the object.
 """
@@ -323,6 +324,12 @@ def read_into(obj: RemoteObject, view: memoryview, at: int) -> int:
             if done < n:
                 break
     return done
+
+
+def read_each(obj: RemoteObject, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """Return the bytes of each range (start, length) of ``obj``: one ranged GET each, ``IN_FLIGHT`` at once."""
+    futures = [_submit(obj, at, min(at + n, obj.size)) if n > 0 else None for at, n in ranges]
+    return [f.result() if f is not None else b"" for f in futures]
 
 
 def _read_unplanned(obj: RemoteObject, view: memoryview, at: int) -> int:

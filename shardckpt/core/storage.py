@@ -281,13 +281,14 @@ RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pt
 """A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
 ``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
 ``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
-(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` only the model files
-(``VERL_MODEL_FILE``: read by those same readers) are among them; its optimizer files (FSDP1's
-flat optimizer state is loaded whole) and ``extra_state`` files (carried: copied as they
-are) are fetched whole."""
+(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` the model and optimizer
+files (``VERL_FILE``) are read in place too, its ``extra_state`` files (carried: copied as
+they are) fetched whole."""
 
-VERL_MODEL_FILE = re.compile(r"model_world_size_\d+_rank_\d+\.pt")
-"""A veRL model file, read as ``fsdp2-ranks`` or ``fsdp1-sharded`` read their rank files."""
+VERL_FILE = re.compile(r"(?:model|optim)_world_size_\d+_rank_\d+\.pt")
+"""A veRL model or optimizer file: read as ``fsdp2-ranks`` or ``fsdp1-sharded`` read their rank
+files, an FSDP1 save's optimizer files by ``flat_optim`` (loaded on the meta device too, each
+rank's slices read by ranges)."""
 
 DEEPSPEED_FILE = re.compile(
     r"(?:[^/]+/)?(?:bf16_|fp16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt"
@@ -297,10 +298,21 @@ DEEPSPEED_FILE = re.compile(
 DeepSpeed reader loads it on the meta device and reads its flat partitions by ranges
 (``torch_save.in_place``)."""
 
+UNIVERSAL_FILE = re.compile(r"(?P<tag>(?:[^/]+/)?)zero/(?:[^/]+/[^/]+|optimizer_state)\.pt")
+"""A DeepSpeed universal checkpoint's per-parameter file (``zero/<param>/fp32.pt``,
+``exp_avg.pt``, ...) or its ``zero/optimizer_state.pt``, in SRC or in its tag directory,
+read where it lies when ``zero/optimizer_state.pt`` lies beside (in that directory): the
+``deepspeed-universal`` reader loads each on the meta device and reads the rows a rank
+copies by ranges (``torch_save.in_place``)."""
+
 TORCH_CHECKPOINTING_METADATA = "metadata.pkl"
 """The file that makes a directory torch_checkpointing's: the ``.safetensors`` files at
 its top (an item saved with ``SafetensorsSerialization``) are read where they lie, by
-``pread`` (``safetensors_file.read_rows``); its ``.pt`` items are fetched whole."""
+``pread`` (``safetensors_file.read_rows``), and so are its ``.pt`` items
+(``TORCH_CHECKPOINTING_ITEM``), loaded on the meta device (``torch_save.in_place``)."""
+
+TORCH_CHECKPOINTING_ITEM = re.compile(r"[^/]+_\d+\.pt")
+"""A torch_checkpointing item's ``torch.save`` file, ``<item>_<rank>.pt``."""
 
 TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
@@ -351,9 +363,10 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     them, and no object under it is a trainer's data, ``TRAINER_DATA``, but a Trainer's
     state beside them: ``HF_TRAINER_STATE``), and a Trainer's ``optimizer.pt``, never read;
     an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
-    per-rank ``torch.save`` files (``RANK_FILE``, veRL's model files), DeepSpeed's states files
-    (``DEEPSPEED_FILE``) and torch_checkpointing's ``*.safetensors`` items. Every other
-    object is fetched whole.
+    per-rank ``torch.save`` files (``RANK_FILE``, veRL's model and optimizer files), DeepSpeed's states files
+    (``DEEPSPEED_FILE``), a universal checkpoint's files (``UNIVERSAL_FILE``) and
+    torch_checkpointing's items (``*.safetensors``, ``<item>_<rank>.pt``). Every other object
+    is fetched whole.
     """
     if set(objects) == {""}:
         return [""] if store.name.endswith(ONE_FILE_READ_IN_PLACE) else []
@@ -368,12 +381,20 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         for name in objects
         if name.endswith(READ_WHERE_THEY_LIE)
         or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
+        or (torch_checkpointing and TORCH_CHECKPOINTING_ITEM.fullmatch(name))
         or (hf_trainer and name == HF_TRAINER_OPTIMIZER)
         or (accelerate and ACCELERATE_DATA.fullmatch(name))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
-        or VERL_MODEL_FILE.fullmatch(name)
+        or VERL_FILE.fullmatch(name)
         or DEEPSPEED_FILE.fullmatch(name)
+        or _universal(name, objects)
     ]
+
+
+def _universal(name: str, objects: dict[str, int]) -> bool:
+    """Return whether ``name`` is a file of a universal checkpoint among ``objects`` (``UNIVERSAL_FILE``)."""
+    found = UNIVERSAL_FILE.fullmatch(name)
+    return found is not None and f"{found['tag']}zero/optimizer_state.pt" in objects
 
 
 def lay_out(store: Store, into: Path, objects: dict[str, int]) -> Path:

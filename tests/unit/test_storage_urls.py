@@ -260,10 +260,11 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
 
 
 def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
-    # The readers of per-rank files (fsdp2-ranks, fsdp1-*, veRL's model files) and of
-    # DeepSpeed's states files read them by ranges; every other trainer's torch.save
-    # (veRL's optimizer and extra_state files, a universal checkpoint's, a subdirectory's
-    # rank files) and the small objects beside them are fetched whole.
+    # The readers of per-rank files (fsdp2-ranks, fsdp1-*, veRL's model and optimizer
+    # files) and of DeepSpeed's states files read them by ranges; every other trainer's
+    # torch.save (veRL's extra_state files, a universal checkpoint's without its
+    # zero/optimizer_state.pt, a subdirectory's rank files) and the small objects beside
+    # them are fetched whole.
     store = storage.Store("s3://b/run", None, "b/run")
     objects = dict.fromkeys(
         [
@@ -294,21 +295,36 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
         "model_rank2.pt",
         "model_world_size_2_rank_0.pt",
         "mp_rank_00_model_states.pt",
+        "optim_world_size_2_rank_0.pt",
         "rank0.pt",
         "rank3-of-4.pt",
         "rank_1.pth",
     ]
 
 
-def test_torch_checkpointings_safetensors_items_are_read_in_place_its_pt_items_fetched():
+def test_torch_checkpointings_items_are_read_in_place():
     store = storage.Store("s3://b/tcp", None, "b/tcp")
     objects = dict.fromkeys(
-        ["metadata.pkl", "model_0.safetensors", "optim_0.pt", "x/y.safetensors"], 1
+        ["metadata.pkl", "model_0.safetensors", "optim_0.pt", "x/y.safetensors", "x/z_0.pt"], 1
     )
-    assert storage.read_in_place(store, objects) == ["model_0.safetensors"]
+    assert storage.read_in_place(store, objects) == ["model_0.safetensors", "optim_0.pt"]
     # Without its metadata.pkl, a directory of safetensors beside a .pt is a trainer's: fetched.
     del objects["metadata.pkl"]
     assert storage.read_in_place(store, objects) == []
+
+
+def test_a_universal_checkpoints_files_are_read_in_place_beside_its_optimizer_state():
+    store = storage.Store("s3://b/u", None, "b/u")
+    files = ["zero/fc.weight/fp32.pt", "zero/fc.weight/exp_avg.pt", "zero/optimizer_state.pt"]
+    tagged = [f"global_step3/{f}" for f in files]
+    objects = dict.fromkeys([*tagged, "global_step3/mp_rank_00_model_states.pt"], 1)
+    objects |= dict.fromkeys(["latest_universal", "other/zero/fc.weight/fp32.pt"], 1)
+    assert sorted(storage.read_in_place(store, objects)) == sorted(
+        [*tagged, "global_step3/mp_rank_00_model_states.pt"]
+    )
+    # Without zero/optimizer_state.pt beside them, files under a zero/ are no universal checkpoint's.
+    del objects["global_step3/zero/optimizer_state.pt"]
+    assert storage.read_in_place(store, objects) == ["global_step3/mp_rank_00_model_states.pt"]
 
 
 TRAINER_STATE = ["scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"]

@@ -13,12 +13,13 @@ pickles of every file and only the rows it copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from shardckpt.core.files import is_remote_file
 from shardckpt.core.lazy_torch import torch
 from shardckpt.core.torch_internals import stored_offset
-from shardckpt.formats.torch_save.file import is_torch_zip, load_dict
+from shardckpt.formats.torch_save.file import is_torch_zip, load, load_dict
 from shardckpt.formats.torch_save.mapped import (
     MappedRecord,
     local_tensors,
@@ -44,9 +45,18 @@ def load_in_place(path: Path, trust_pickle: bool, **options) -> dict:
     not say where they lie) or a legacy (not zip) file is loaded whole into memory
     through a stream, as ``load`` does.
     """
+    return _in_place(load_dict, path, trust_pickle, options)
+
+
+def load_object_in_place(path: Path, trust_pickle: bool, **options) -> object:
+    """Return ``load(path, trust_pickle, **options)`` as ``load_in_place`` does: any top level (a bare tensor too)."""
+    return _in_place(load, path, trust_pickle, options)
+
+
+def _in_place(loader: Callable[..., object], path: Path, trust_pickle: bool, options: dict):
     if not (is_remote_file(path) and is_torch_zip(path)):
-        return load_dict(path, trust_pickle, **options)
-    obj = load_dict(path, trust_pickle, lazy=True, **options)
+        return loader(path, trust_pickle, **options)
+    obj = loader(path, trust_pickle, lazy=True, **options)
     records = stored_records(path, obj)
     storages = [
         t.untyped_storage()
@@ -55,7 +65,7 @@ def load_in_place(path: Path, trust_pickle: bool, **options) -> dict:
         if t.untyped_storage().nbytes()
     ]
     if not all(stored_offset(s) in records for s in storages):
-        return load_dict(path, trust_pickle, **options)
+        return loader(path, trust_pickle, **options)
     if (ledger := active()) is not None:
         for record in records.values():
             ledger.expect(record.written, record.names)

@@ -21,6 +21,7 @@ import torch
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import check_separate, has_file, source_entry, source_file, source_stat
 from shardckpt.formats.base import Index, Reader, Rows
+from shardckpt.formats.torch_save.in_place import values
 from shardckpt.formats.trainers.deepspeed import names
 from shardckpt.formats.trainers.deepspeed.agreement import check_model_states
 from shardckpt.formats.trainers.deepspeed.assemble import (
@@ -47,7 +48,11 @@ _RECOPY = "the universal checkpoint is incomplete; run ds_to_universal again"
 
 
 def _tensor_file(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
-    """Return the tensor of one per-parameter file, in ``shape``; refuse one of another size."""
+    """Return the tensor of one per-parameter file, in ``shape``; refuse one of another size.
+
+    A URL SRC's file is on the meta device (``load_file``): its bytes are read when a
+    rank reads its rows of it, so a view is kept; a tensor no view reshapes is read here.
+    """
     obj = load_file(path)
     t = obj.get("param") if isinstance(obj, dict) else obj
     if not isinstance(t, torch.Tensor) or t.numel() != math.prod(shape):
@@ -57,7 +62,10 @@ def _tensor_file(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
             path=path,
             hint=_RECOPY,
         )
-    return t.detach().reshape(shape)
+    t = t.detach()
+    if t.device.type == "meta" and not t.is_contiguous():
+        t = values(t)
+    return t.reshape(shape)
 
 
 def _world_size(path: Path, common: dict, files: names.TagFiles, model: ModelStates) -> int:

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from shardckpt.core.errors import UnsafePickleError
-from shardckpt.formats.torch_save.file import load
-from shardckpt.formats.torch_save.in_place import load_in_place
+from shardckpt.formats.torch_save.in_place import load_in_place, load_object_in_place
 
 LOSS_SCALERS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -97,10 +96,12 @@ def load_file(path: Path) -> object:
     """Return the object in one DeepSpeed ``torch.save`` file, memory-mapped, DeepSpeed's classes as stand-ins.
 
     Always weights-only: with the stand-ins nothing in a DeepSpeed checkpoint needs
-    ``--trust-pickle``, so a pickle they do not cover is refused whatever was passed.
+    ``--trust-pickle``, so a pickle they do not cover is refused whatever was passed. A
+    URL SRC's file is loaded on the meta device, its tensors read by ranges
+    (``torch_save.in_place.values``).
     """
     with _refusals_explained():
-        return load(path, False, safe_globals=stand_ins())
+        return load_object_in_place(path, False, safe_globals=stand_ins())
 
 
 def load_dict_file(path: Path) -> dict:

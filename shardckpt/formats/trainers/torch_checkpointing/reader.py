@@ -16,7 +16,8 @@ torch item's values are rank 0's. Items without a resharder are not in the metad
 their ``<item>_<rank>.pt`` files are found by name, and their value is rank 0's (one
 that differs between ranks cannot be carried to another world size, and is refused
 when selected). Any other file in the directory is named as unreadable, never skipped.
-Rows are read from memory-mapped ``.pt`` files, and from ``.safetensors`` files by ``pread``
+Rows are read from memory-mapped ``.pt`` files (a URL SRC's by ranges, loaded on the meta
+device: ``torch_save.in_place``), and from ``.safetensors`` files by ``pread``
 (``safetensors_file.read_rows``).
 """
 
@@ -36,7 +37,7 @@ from shardckpt.core.torch_internals import local_chunk, mesh_rank
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.fsdp2.reader import quiet_mesh_unpickling
 from shardckpt.formats.hf.safetensors_file import data_starts, opened, read_rows, tensor_meta
-from shardckpt.formats.torch_save.file import load
+from shardckpt.formats.torch_save.in_place import load_object_in_place, values
 from shardckpt.formats.trainers.torch_checkpointing.metadata import (
     METADATA_FILE,
     SAFETENSORS,
@@ -61,7 +62,7 @@ class _Source:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+    return values(t.detach()).reshape(-1).contiguous().view(torch.uint8)
 
 
 def _equal(a: object, b: object) -> bool:
@@ -169,11 +170,15 @@ class TorchCheckpointingReader(Reader):
         return path
 
     def _object(self, key: str, rank: int) -> object:
-        """Return rank ``rank``'s ``torch.save`` object of item ``key`` (memory-mapped, loaded once)."""
+        """Return rank ``rank``'s ``torch.save`` object of item ``key`` (loaded once).
+
+        Memory-mapped; a URL SRC's file on the meta device, its rows read by ranges
+        (``torch_save.in_place.values``).
+        """
         objs = self._objects.setdefault(key, {})
         if rank not in objs:
             with quiet_mesh_unpickling():
-                objs[rank] = load(self._path(key, rank), self.trust_pickle)
+                objs[rank] = load_object_in_place(self._path(key, rank), self.trust_pickle)
         return objs[rank]
 
     # ------------------------------------------------------------ index
@@ -404,7 +409,7 @@ class TorchCheckpointingReader(Reader):
             return read_rows(path, starts, [meta], [(lo, hi) if meta.shape else None], None)[0]
         t = self._at(source.item, rank, source.path)
         local = t.to_local() if isinstance(t, DTensor) else t.detach()
-        return local if local.dim() == 0 else local[lo:hi]
+        return values(local if local.dim() == 0 else local[lo:hi])
 
     def _read_one(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         source = self._sources[meta.key]

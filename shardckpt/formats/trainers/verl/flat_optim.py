@@ -24,7 +24,7 @@ from shardckpt.core.errors import BadInputError, UsageError
 from shardckpt.formats.base import Index, Reader, Rows
 from shardckpt.formats.fsdp1.flat_layout import FlatLayout, FlatModel, flat_layouts
 from shardckpt.formats.ranks.rank_set import check_one_save
-from shardckpt.formats.torch_save.file import load_dict
+from shardckpt.formats.torch_save.in_place import load_in_place, values
 from shardckpt.state.tree import TensorMeta, is_nested_optimizer, walk
 
 NEEDS_MODEL = (
@@ -63,7 +63,8 @@ class FlatOptimReader(Reader):
         self.files = [files[r] for r in sorted(files)]
         self.world_size = len(self.files)
         self.flat_model = flat_model
-        self.states = [load_dict(p, trust_pickle) for p in self.files]
+        # A URL SRC's files on the meta device: the slices a rank copies are read by ranges.
+        self.states = [load_in_place(p, trust_pickle) for p in self.files]
         self.shard = self._check()
         self._slices: dict[str, _Slice] = {}
         self._tree = self._by_fqn() if flat_model is not None else self._as_stored()
@@ -179,7 +180,7 @@ class FlatOptimReader(Reader):
     def _read_one(self, meta: TensorMeta, rows: Rows) -> torch.Tensor:
         s = self._slices[meta.key]
         if not s.shape:
-            return self.states[0]["state"][s.pid][s.name]
+            return values(self.states[0]["state"][s.pid][s.name])
         row = prod(s.shape[1:])
         a, b = rows if rows is not None else (0, s.shape[0])
         lo, hi = s.start + a * row, s.start + b * row
@@ -188,9 +189,11 @@ class FlatOptimReader(Reader):
             return torch.empty((0,) + s.shape[1:], dtype=meta.dtype)
         # The flat state is the ranks' slices one after another: take the part of each.
         pieces = [
-            self.states[rank]["state"][s.pid][s.name][
-                max(lo - rank * size, 0) : min(hi - rank * size, size)
-            ]
+            values(
+                self.states[rank]["state"][s.pid][s.name][
+                    max(lo - rank * size, 0) : min(hi - rank * size, size)
+                ]
+            )
             for rank in range(lo // size, (hi - 1) // size + 1)
         ]
         flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
