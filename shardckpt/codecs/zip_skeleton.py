@@ -59,9 +59,9 @@ placeholder's."""
 def storages_in_order(obj, placeholders: Set[int] = frozenset()) -> Storages:
     """Return the storages ``torch.save(obj)`` records, in the order of its record numbers.
 
-    Each comes with whether it is a placeholder's: one of ``placeholders`` where the
-    caller names them (``storage_key``s: ``unbacked`` or fake tensors, whose bytes no one
-    reads), else a fake tensor's, as ``torch.save`` itself tells them apart.
+    Each comes with whether it is a placeholder's: one of ``placeholders``
+    (``storage_key``s: ``unbacked`` tensors, whose bytes no one reads) or a fake tensor's,
+    as ``torch.save`` itself tells them apart.
     """
     seen: dict[int, tuple[torch.UntypedStorage, bool]] = {}
 
@@ -74,8 +74,7 @@ def storages_in_order(obj, placeholders: Set[int] = frozenset()) -> Storages:
             else:
                 return None
             key = storage_key(storage)
-            fake = key in placeholders if placeholders else is_placeholder(value)
-            seen.setdefault(key, (storage, fake))
+            seen.setdefault(key, (storage, key in placeholders or is_placeholder(value)))
             return ("storage", len(seen))
 
     with torch.serialization.skip_data(materialize_fake_tensors=True):

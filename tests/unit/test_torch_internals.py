@@ -450,11 +450,10 @@ def test_shardckpt_starts_and_converts_safetensors_without_torchs_private_module
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
+    # A torch file's skeleton is laid out with unbacked placeholders: no fake tensors.
     argv[-5:] = ["convert", str(src), str(tmp_path / "out.pt"), "--to", "full"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stderr.strip()) == (
-        2,
-        unsupported_line(
-            "torch._subclasses.fake_tensor.FakeTensorMode", "writing torch.save files needs"
-        ),
-    )
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert back.keys() == _state().keys()
+    assert all(torch.equal(back[k], v) for k, v in _state().items())
