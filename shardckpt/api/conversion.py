@@ -148,9 +148,8 @@ def needs_torch(request: ConvertRequest, form: Format | None) -> bool:
     """Return whether ``request`` makes tensors whatever SRC holds: torch is then imported before SRC is opened.
 
     A full safetensors or hf export, with no cast, mapping (``--map``, ``--hf-config``) or
-    model, copies each tensor's
-    bytes as they lie in SRC (``engine.stored_copy``) and needs no torch, whose import is
-    most of a small export's time (8 s on a CUDA build). Anything else imports it first, so
+    model, copies each tensor's bytes as they lie in SRC (``engine.stored_copy``) and needs
+    no torch, whose import is most of a small export's time (8 s on a CUDA build). Anything else imports it first, so
     that SRC's dtypes are named by torch throughout the run; an export that meets a tensor
     SRC does not keep as it is to be written (a transposed view) imports it there, and reads
     that tensor through torch as before.

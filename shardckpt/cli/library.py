@@ -1,8 +1,8 @@
 """The library (torch with it), imported once a command runs, with signals held meanwhile.
 
 The app imports no torch, so ``--help`` and ``--version`` answer at once, nor do
-``inspect``, ``verify``, ``diff`` and a plain export of most sources. A command's first act is ``load()``: torch's
-import takes seconds, and an exception raised inside it (a Ctrl-C turned into one, in a
+``inspect``, ``verify``, ``diff`` and a plain export of most sources. A command's first
+act is ``load()``: torch's import takes seconds, and an exception raised inside it (a Ctrl-C turned into one, in a
 callback from torch's C++ side) aborts the process instead of unwinding it, so a signal
 then is recorded and acted on after the import.
 """

@@ -457,3 +457,17 @@ def test_shardckpt_starts_and_converts_safetensors_without_torchs_private_module
     back = torch.load(tmp_path / "out.pt", weights_only=True)
     assert back.keys() == _state().keys()
     assert all(torch.equal(back[k], v) for k, v in _state().items())
+
+
+def test_a_torch_file_past_the_unbacked_limit_is_laid_out_with_fakes_and_loads_alike(
+    src, tmp_path, monkeypatch
+):
+    from shardckpt.formats.torch_save import file as torch_file
+
+    assert run(["convert", str(src), str(tmp_path / "unbacked.pt"), "--to", "full", "-q"]) == 0
+    monkeypatch.setattr(torch_file, "UNBACKED_MOST", 0)
+    assert run(["convert", str(src), str(tmp_path / "fake.pt"), "--to", "full", "-q"]) == 0
+    a = torch.load(tmp_path / "unbacked.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "fake.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() == _state().keys()
+    assert all(torch.equal(a[k], v) and torch.equal(b[k], v) for k, v in _state().items())

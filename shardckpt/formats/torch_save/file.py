@@ -10,6 +10,7 @@ checkpoint, and the result is an ordinary ``torch.save`` file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -408,9 +409,7 @@ def placeholders(tree: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         fakes[leaf.key] = made
         return made
 
-    if not many:
-        return map_leaves(tree, fake), fakes
-    with fake_mode():
+    with fake_mode() if many else contextlib.nullcontext():
         return map_leaves(tree, fake), fakes
 
 
