@@ -95,7 +95,7 @@ def copy_runs(
     active ledger against the source record they lie in (tensor ``key``'s).
     """
     ledger = active()
-    buffer = _read_buffer(size)
+    buffer = slice_buffer(size)
     crc = 0
     for run in runs:
         names = run_names(run, key)
@@ -133,7 +133,7 @@ def data_of(names: Sequence[str]) -> str:
 _THREAD = threading.local()
 
 
-def slice_buffer(size: int, slot: int = 0) -> memoryview:
+def slice_buffer(size: int, slot: int = 0) -> ReadBuffer:
     """Return this thread's slice buffer ``slot`` of ``size`` bytes: made once, not once per region (its pages faulted in once).
 
     ``diff`` compares two sides a slice at a time, one buffer (slot) for each.
@@ -142,16 +142,8 @@ def slice_buffer(size: int, slot: int = 0) -> memoryview:
     if buffers is None:
         buffers = _THREAD.buffers = {}
     buffer = buffers.get(slot)
-    if buffer is None or len(buffer) != size:
-        buffer = buffers[slot] = memoryview(bytearray(size))
-    return buffer
-
-
-def _read_buffer(size: int) -> ReadBuffer:
-    """Return this thread's buffer for slices of ``size`` bytes: made once, not once per region."""
-    buffer = getattr(_THREAD, "read_buffer", None)
     if buffer is None or buffer.size != size:
-        buffer = _THREAD.read_buffer = ReadBuffer(size)
+        buffer = buffers[slot] = ReadBuffer(size)
     return buffer
 
 

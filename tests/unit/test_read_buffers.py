@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardckpt.cli.app import run
 from shardckpt.core.read_buffers import PAGE, ReadBuffer
-from shardckpt.engine import scan, stored_copy
+from shardckpt.engine import scan, stored_compare, stored_copy
 
 pytestmark = pytest.mark.quick
 
@@ -62,6 +62,16 @@ def test_a_full_exports_copies_read_into_a_buffer_placed_as_the_file_is(src, tmp
     assert run(["convert", str(src), str(tmp_path / "out.safetensors"), "--to", "full", "-q"]) == 0
     assert seen and all(buffer == file for buffer, file in seen), seen
     assert any(file for _, file in seen)  # a read that does not start a page was placed too
+
+
+def test_diffs_reads_of_both_sides_land_in_buffers_placed_as_the_files_are(
+    src, tmp_path, monkeypatch
+):
+    other = tmp_path / "other.safetensors"
+    assert run(["convert", str(src), str(other), "--to", "full", "-q"]) == 0
+    seen = spy(monkeypatch, stored_compare, "read_exactly")
+    assert run(["diff", str(src), str(other), "-q"]) == 0
+    assert len(seen) > 2 and all(buffer == file for buffer, file in seen), seen
 
 
 def test_verify_reads_into_a_buffer_placed_as_the_file_is(src, monkeypatch):
