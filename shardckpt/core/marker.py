@@ -96,7 +96,7 @@ class Owner:
 
 
 def _owner(body: bytes) -> Owner | None:
-    """Return the run a marker's body names; None for a body that names none (shardckpt before 0.x: empty)."""
+    """Return the run a marker's body names; None for a body that names none (an older shardckpt put an empty one)."""
     try:
         fields = json.loads(body)
         return Owner(
@@ -106,10 +106,6 @@ def _owner(body: bytes) -> Owner | None:
         )
     except (ValueError, TypeError, KeyError):
         return None
-
-
-class _Refused(Exception):
-    """The store refused a conditional write (412 PreconditionFailed), or the object is gone (404)."""
 
 
 def _answer(exc: BaseException) -> tuple[int | None, str | None]:
@@ -136,22 +132,24 @@ class Lease:
         self._thread = threading.Thread(target=self._beat, name="shardckpt-marker", daemon=True)
         self._thread.start()
 
-    def refresh(self) -> None:
-        """Put the heartbeat again over this run's marker; raise ``_Refused`` if it is not this run's any more."""
+    def refresh(self) -> bool:
+        """Put the heartbeat again over this run's marker; return False (and stay lost) where it is not this run's any more."""
         with self._lock:
+            if self.lost:
+                return False
             owner = replace(self.owner, heartbeat=time.time())
             etag = _put(self.store, owner, IfMatch=self.etag)
             if etag is None:
                 self.lost = True
-                raise _Refused(path(self.store))
+                return False
             self.owner, self.etag = owner, etag
+            return True
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self.refresh()
-            except _Refused:
-                return
+                if not self.refresh():
+                    return
             except Exception:  # the store did not answer: the next beat tries again
                 continue
 
@@ -244,16 +242,13 @@ def lost(store: Store) -> bool:
 def confirm(store: Store) -> None:
     """Raise exit 4 unless DST's marker is still this run's (put again, over its ETag): before the commit."""
     lease = _held.get(path(store))
-    if lease is None:
-        return
-    try:
-        retried(lease.refresh, store.url, writing=True)
-    except _Refused:
+    if lease is not None and not retried(lease.refresh, store.url, writing=True):
         raise IOFailure(
-            f"another shardckpt run took it over: this run's heartbeat was not put for {STALE_S:.0f} s",
+            "another shardckpt run took its marker over (a run not heard from for "
+            f"{STALE_S:.0f} s is taken for dead), so this run did not commit",
             path=store.url,
-            hint="run again once that run is done, or write to another DST",
-        ) from None
+            hint="check what that run writes there; run again once it is done, or write to another DST",
+        )
 
 
 def put(store: Store) -> None:

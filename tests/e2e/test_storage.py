@@ -404,6 +404,29 @@ def test_the_marker_of_a_dead_run_is_taken_over_and_its_leftovers_removed(
     no_leftovers(s3, bucket)
 
 
+@pytest.mark.slow
+def test_a_run_whose_marker_another_run_took_over_does_not_commit(s3, many):  # noqa: F811
+    local, _ = many
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    argv += ["--buffer-size", "8MiB"]
+    proc = warm_cli.start(argv, setup=(_slow_fill_beating, 0.3, 0.2))
+    uploading(proc, lambda: s3.open_uploads(bucket))
+    # Another machine judged it dead and took its marker over (put over its ETag).
+    forge_marker(s3, bucket)
+    _, err = proc.communicate(120)
+    assert proc.returncode == 4, err
+    assert err.splitlines() == [
+        f"shardckpt: error: '{dst}': another shardckpt run took its marker over (a run not "
+        "heard from for 300 s is taken for dead), so this run did not commit: check what that "
+        "run writes there; run again once it is done, or write to another DST"
+    ]
+    assert ".metadata" not in [k.rsplit("/", 1)[1] for k in s3.keys(f"{bucket}/out")]
+    assert marker_of(s3, bucket)["host"] == "node-7"  # the other run's marker, left to it
+    assert s3.open_uploads(bucket) == []  # its own uploads aborted
+
+
 def test_a_whole_bucket_as_dst_is_refused(s3, src, capsys):  # noqa: F811
     bucket = s3.bucket()
     argv = ["convert", src, f"s3://{bucket}", "--to", "sharded", "--world-size", "1"]
