@@ -35,7 +35,7 @@ from typing import Any
 
 from shardckpt.core.destination import written_by_another
 from shardckpt.core.errors import IOFailure
-from shardckpt.core.storage import Store, retried
+from shardckpt.core.storage import Store, on_s3, retried
 
 HEARTBEAT_S = 30.0
 """How often the holder puts its marker's heartbeat again."""
@@ -52,9 +52,7 @@ def path(store: Store) -> str:
 
 def conditional(store: Store) -> bool:
     """Return whether DST's store takes conditional writes through its filesystem (S3, through s3fs)."""
-    protocol = getattr(store.fs, "protocol", ())
-    protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
-    return "s3" in protocols and hasattr(store.fs, "call_s3")
+    return on_s3(store)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from isal import isal_zlib
 
@@ -45,7 +45,7 @@ from shardckpt.core.parts import (
     parts_of,
 )
 from shardckpt.core.signals import committing, reopened
-from shardckpt.core.storage import Store, retried, store_error
+from shardckpt.core.storage import Store, on_s3, retried, store_error
 
 T = TypeVar("T")
 
@@ -371,11 +371,6 @@ def _put(local: Path, store: Store, names: Sequence[str]) -> None:
     retried(lambda: store.fs.put(sources, targets), url, writing=True)
 
 
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = getattr(fs, "protocol", ())
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
 # ------------------------------------------------------------------ DST: parts with their CRC-32
 
 PARTS_IN_FLIGHT = 4
@@ -396,7 +391,7 @@ def parts_in_flight(buffer_bytes: int) -> int:
 
 def checks_parts(store: Store) -> bool:
     """Return whether DST is uploaded by ``Uploads``: S3, whose parts carry a checksum the store checks."""
-    return "s3" in _protocols(store.fs) and hasattr(store.fs, "call_s3")
+    return on_s3(store)
 
 
 def checksum(data) -> str:
