@@ -326,6 +326,36 @@ def test_a_run_whose_local_lock_does_not_see_the_first_is_refused_by_its_marker(
     no_leftovers(s3, bucket)
 
 
+@pytest.mark.slow
+def test_two_runs_started_at_once_from_two_staging_directories_one_writes_dst(
+    s3,  # noqa: F811
+    many,
+    tmp_path,
+):
+    """As two machines would: neither local lock sees the other run; one takes the marker."""
+    local, sd = many
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        env = dict(os.environ, TMPDIR=str(tmp_path / name))
+        runs.append(warm_cli.start(argv, env=env, setup=(_slow_fill, 0.1)))
+    codes = [run.wait(120) for run in runs]
+    assert sorted(codes) == [0, 4], [run.communicate() for run in runs]
+    won, lost = runs if codes[0] == 0 else runs[::-1]
+    assert re.fullmatch(
+        rf"shardckpt: error: '{dst}': is being written by another shardckpt run \(pid {won.pid} "
+        rf"on {re.escape(socket.gethostname())}, since [-0-9: ]+ UTC, heartbeat \d+ s ago\): "
+        r"wait for that run to finish, or write to another DST\n",
+        lost.communicate()[1],
+    )
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+    assert not list(tmp_path.glob("*/shardckpt-staging/*/*"))
+
+
 @pytest.mark.parametrize("raced", [False, True], ids=["found", "created after it was read"])
 def test_a_fresh_marker_of_a_run_on_another_host_refuses_the_run(
     s3,  # noqa: F811
