@@ -140,3 +140,26 @@ def test_a_full_export_of_a_dcp_imports_neither_dcp_nor_dtensor(tmp_path):
     written = load_file(out)
     assert torch.equal(written["model.w"], state["model"]["w"])
     assert torch.equal(written["model.b"], state["model"]["b"])
+
+
+@pytest.mark.launches
+def test_the_rows_each_rank_fills_of_a_full_file_import_no_dtensor():
+    # Under torchrun torch is loaded, and asking DTensor's Shard(0) rule for the rows each
+    # rank fills imported DTensor and sympy: 1.7 s of a 2-rank full export's start.
+    ask = """
+import sys, torch, torch.distributed
+from shardckpt.state.regions import Region, spread
+from shardckpt.state.tree import TensorMeta
+metas = {"w": TensorMeta("w", (7, 3), torch.float32), "s": TensorMeta("s", (), torch.float32)}
+regions = [Region("w", 0, 21, "f", 0), Region("s", 0, 1, "f", 84)]
+parts = [[(r.key, r.start, r.stop) for r in spread(regions, metas, q, 3)] for q in range(3)]
+print("torch.distributed.tensor" in sys.modules, parts)
+"""
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from torch.distributed.tensor import Shard
+
+    rows = [Shard.local_shard_size_and_offset(7, 3, q) for q in range(3)]
+    want = [[("w", off * 3, (off + size) * 3)] for size, off in rows]
+    want[1].append(("s", 0, 1))  # the second region's 0-dim tensor: the second rank's
+    assert done.stdout.strip() == f"False {want}"
