@@ -1732,6 +1732,85 @@ def test_s3_trainer_checkpoint_read_as_accelerate_copies_its_optimizer_from_the_
     no_leftovers(s3, bucket)
 
 
+@pytest.fixture(scope="module")
+def fsdp_trainer_checkpoint(tmp_path_factory) -> Path:
+    """A transformers Trainer's own ``checkpoint-2/`` under FSDP2 with full state dicts (``tests/trainer_saves.py``)."""
+    import trainer_saves
+
+    dst = tmp_path_factory.mktemp("trainer-fsdp") / "checkpoint-2"
+    return trainer_saves.save("trainer-fsdp", dst)
+
+
+FSDP_TRAINER_DATA = ("model.safetensors", "optimizer.bin", "pytorch_model_fsdp.bin")
+
+
+def test_s3_fsdp_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimizer_bin(
+    s3,  # noqa: F811
+    fsdp_trainer_checkpoint,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from safetensors.torch import load_file
+
+    local = fsdp_trainer_checkpoint
+    url = uploaded(s3, local)
+    bucket = url[5:].split("/")[0]
+    sizes = sizes_of(s3, url[5:], FSDP_TRAINER_DATA)
+    # The Trainer's FSDP save beside the model: Adam's state (twice the model) as
+    # optimizer.bin, FSDP's full model as pytorch_model_fsdp.bin; no random_states_R.pkl.
+    assert sizes["optimizer.bin"] > 2 * sizes["model.safetensors"] > 4 * remote_files.PART
+    assert sizes["pytorch_model_fsdp.bin"] > 2 * remote_files.PART
+    assert not list(local.glob("random_states_*.pkl"))
+
+    reads = Reads(monkeypatch, FSDP_TRAINER_DATA)
+    model = model_as_local_converts(capsys, url, local, tmp_path)
+    assert_equal(model, load_file(local / "model.safetensors"))
+    # The weights by ranges (each byte about once); the optimizer and FSDP's copy of the
+    # model (the hf reader carries them unread) not at all, nothing on the disk; the
+    # Trainer's small files fetched.
+    assert sorted(k.rsplit("/", 1)[1] for k in reads.whole) == [
+        "config.json",
+        "generation_config.json",
+        "rng_state.pth",
+        "scheduler.pt",
+        "trainer_state.json",
+        "training_args.bin",
+    ]
+    assert reads.stand_ins == dict.fromkeys(FSDP_TRAINER_DATA, 0)
+    assert list(reads.by_object) == ["model.safetensors"]
+    model_size = sizes["model.safetensors"]
+    assert model_size <= reads.by_object["model.safetensors"] <= model_size + 8 * (256 << 10)
+
+    # verify reads every byte, the optimizer's and the FSDP model's too (their records'
+    # CRC-32s), by ranges, about once.
+    reads = Reads(monkeypatch, FSDP_TRAINER_DATA)
+    assert cli(capsys, "verify", url) == (0, [])
+    assert not [k for k in reads.whole if k.endswith(FSDP_TRAINER_DATA)]
+    for name, size in sizes.items():
+        assert size <= reads.by_object[name] <= size + 3 * (256 << 10)
+    no_leftovers(s3, bucket)
+
+
+def test_a_flipped_byte_in_an_fsdp_trainers_optimizer_bin_on_s3_is_exit_3_naming_it(
+    s3,  # noqa: F811
+    fsdp_trainer_checkpoint,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    tensor = "state.model.layers.0.self_attn.q_proj.weight.exp_avg"
+    url, flipped = flipped_on_s3(s3, fsdp_trainer_checkpoint, tmp_path, "optimizer.bin", tensor)
+    reads = Reads(monkeypatch, FSDP_TRAINER_DATA)
+    code, err = cli(capsys, "verify", url)
+    # The hf reader carries it unread: its records are checked, no tensor named.
+    said = f"the bytes do not match the checksum written with them ({flipped.where})"
+    assert (code, err) == (3, [f"shardckpt: error: '{url}/optimizer.bin': {said}: {damage.RECOPY}"])
+    assert not [k for k in reads.whole if k.endswith(FSDP_TRAINER_DATA)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    no_leftovers(s3, url[5:].split("/")[0])
+
+
 ACCELERATE_DATA = ("model.safetensors", "optimizer.bin")
 
 

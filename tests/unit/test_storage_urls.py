@@ -359,6 +359,22 @@ def test_a_trainer_checkpoints_weights_are_read_in_place_its_optimizer_never_fet
     ]
 
 
+def test_an_fsdp_trainer_checkpoints_weights_are_read_in_place_its_optimizer_bin_never_fetched():
+    # Under FSDP with full state dicts a Trainer saves optimizer.bin and FSDP's copy of
+    # the model, pytorch_model_fsdp.bin, beside model.safetensors (no random_states_R.pkl):
+    # hf reads the weights by ranges and carries both unread (stand-ins: nothing fetched).
+    store = storage.Store("s3://b/checkpoint-2", None, "b/checkpoint-2")
+    data = ["model.safetensors", "optimizer.bin", "pytorch_model_fsdp.bin"]
+    objects = dict.fromkeys([*data, *TRAINER_STATE, "config.json"], 1)
+    assert sorted(storage.read_in_place(store, objects)) == data
+    # Without trainer_state.json it is no Trainer's: those .bin files are fetched.
+    del objects["trainer_state.json"]
+    assert storage.read_in_place(store, objects) == ["model.safetensors"]
+    # With a random_states_R.pkl it is accelerate's save_state: its reader reads them all.
+    objects["random_states_0.pkl"] = 1
+    assert sorted(storage.read_in_place(store, objects)) == data
+
+
 def test_an_accelerate_directorys_model_and_optimizer_files_are_read_in_place():
     # accelerate's reader reads them with the safetensors and torch.save readers, by
     # ranges; its scheduler, scaler, sampler and RNG files are fetched.
