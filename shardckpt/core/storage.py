@@ -277,11 +277,13 @@ torch.save readers read a stand-in through ``core.files`` (``opened``'s ``Routed
 HF_READ_IN_PLACE = ".safetensors"
 """The weights of a Hugging Face directory SRC (``save_pretrained``'s shards), read where they lie."""
 
-RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pth)")
-"""A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
-``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
-``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
-(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` the model and optimizer
+RANK_FILE = re.compile(r"(?:[^/]*?rank[_-]?\d+(?:[_-]of[_-]\d+)?|__\d+_0)\.(?:pt|pth|bin)")
+"""A per-rank ``torch.save`` file at the top of a directory SRC, by every name the readers
+of per-rank files take (``formats/ranks/rank_names.py``: ``rank_3.pt``, ``model_rank3.pt``,
+``rank3-of-4.pt``, ``__3_0.pt``, ``.pth``, ``.bin``), read where it lies: those readers
+(``fsdp2-ranks``, ``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read
+rows by ranges (``torch_save.in_place``). accelerate's per-rank ``*_rank3.bin`` are such
+names too: its reader refuses them by name, reading none. Of veRL's ``*_world_size_N_rank_R.pt`` the model and optimizer
 files (``VERL_FILE``) are read in place too, its ``extra_state`` files (carried: copied as
 they are) fetched whole."""
 

@@ -1198,6 +1198,34 @@ def test_a_flipped_byte_in_an_fsdp2_rank_file_on_s3_is_exit_3_naming_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ranks"]
 
 
+@pytest.mark.parametrize("name", ["rank_{}.bin", "__{}_0.pt"])
+def test_s3_rank_files_by_their_other_names_are_read_in_place_and_checked(
+    s3,  # noqa: F811
+    fsdp2_ranks,
+    tmp_path,
+    capsys,
+    monkeypatch,
+    name,
+):
+    # The same FSDP2 job's files, named as the per-rank readers also read them
+    # (formats/ranks/rank_names.py): read by ranges, as the local files convert.
+    local = tmp_path / "ranks"
+    local.mkdir()
+    for rank in (0, 1):
+        damage.copy(fsdp2_ranks[0] / f"rank{rank}.pt", local / name.format(rank))
+    url = uploaded(s3, local)
+    names = (name.format(0), name.format(1))
+    reads = Reads(monkeypatch, names)
+    out = torch.load(all_as_local_converts(capsys, url, local, tmp_path), weights_only=True)
+    assert_equal(out["model"], fsdp2_ranks[1]["model"])
+    assert reads.whole == []
+    assert reads.stand_ins == dict.fromkeys(names, 0)
+    read_rows_in_place(reads, local, sum(sizes_of(s3, url[5:], names).values()))
+
+    flipped = damage.flip_in_torch_file(local / names[1], "model.0.weight")
+    flip_is_exit_3(s3, capsys, monkeypatch, tmp_path, local, names[1], flipped, [])
+
+
 @pytest.mark.parametrize("kind", ["sharded", "local"])
 def test_s3_fsdp1_rank_files_to_local_full_are_fsdp1s_own_full_state_read_in_place(
     s3,  # noqa: F811
