@@ -28,7 +28,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shardckpt.core import remote_files, storage, uploads
+from shardckpt.core import marker, remote_files, storage, uploads
 from shardckpt.core.destination import written_by_another
 from shardckpt.core.dist import Runtime
 from shardckpt.core.errors import ShardckptError, UsageError
@@ -136,6 +136,8 @@ class OnStorage:
         self.url_lock: FileLock | None = None
         self.uploads: uploads.Uploads | None = None
         """This process's uploads to DST (S3): file jobs' parts sent during the fill."""
+        self.sent = False
+        """Whether this process began uploading DST: what it leaves there is the next run's to clear."""
         self.fetched: Path | None = None
         """The node's stand-ins of the URL SRCs, on the rank that laid them out."""
         self.stand_ins: list[tuple[int, int]] = []
@@ -239,6 +241,7 @@ class OnStorage:
                     staging.mkdir(parents=True, exist_ok=True)
                     self._lock(staging / f".{store.name}.shardckpt-url-lock")
                 _clear_staged(staging, store.name)
+                uploads.check_bucket(store)
                 uploads.clear_leftovers(store, self.commits)
                 uploads.check_dst(store, overwrite=request.overwrite)
 
@@ -258,8 +261,9 @@ class OnStorage:
     def _lock(self, path: Path) -> None:
         """Hold the node's lock on the URL for the run: another run here would take our objects for leftovers.
 
-        Runs on other machines are not seen (object stores have no lock to take); the
-        marker beside DST tells what they left, not whether they still run.
+        Runs on other machines are not seen here: on S3 the marker beside DST keeps them
+        apart (``core/marker.py``); on other stores it tells what they left, not whether
+        they still run.
         """
         lock = FileLock(path)
         try:
@@ -267,7 +271,7 @@ class OnStorage:
                 lock.acquire(wait_s=1.0)
                 self.url_lock = lock
         except LockBusy as busy:
-            raise written_by_another(busy, self.dst_url) from None
+            raise written_by_another(busy.owner, self.dst_url) from None
 
     def publish(self) -> None:
         """Upload the staged DST: each rank its share of the data files (on S3, its share of every large file's parts), then the coordinator the commit objects.
@@ -280,6 +284,7 @@ class OnStorage:
         runtime = self.runtime
         # From here a failure is upload's to clean up: data objects may be complete.
         sending, self.uploads = self.uploads, None
+        self.sent = True
         streamed = sending.streamed if sending is not None else []
         if runtime.distributed:  # every rank leaves out what any rank streamed
             streamed = [name for names in runtime.all_gather(streamed) for name in names]
@@ -305,6 +310,7 @@ class OnStorage:
         sending, self.uploads = self.uploads, None
         if sending is None or self.dst_store is None:
             return
+        self.sent = sending.begun
         with sheltered(raising=False):
             sending.abort()
             if sending.begun and not self.runtime.distributed:
@@ -326,10 +332,12 @@ class OnStorage:
         self._unstage()
 
     def _unstage(self) -> None:
-        """Remove the staged DST and give the lock back (the coordinator, when it took the lock)."""
+        """Remove the staged DST and give the locks back (the coordinator, when it took the lock): the marker's too, where it holds it."""
         if self.staged is None or self.url_lock is None:
             return  # another run's staged DST is not this run's to remove
         with sheltered(raising=False):
+            if self.dst_store is not None:
+                marker.let_go(self.dst_store, sent=self.sent)
             if self.staged.is_dir():
                 shutil.rmtree(self.staged, ignore_errors=True)
             else:

@@ -77,10 +77,10 @@ def _source_paths(src: Path) -> list[Path]:
     return paths
 
 
-def written_by_another(busy: LockBusy, dst: str | os.PathLike) -> IOFailure:
-    """Return the one-line error for a DST whose lock another live run holds."""
+def written_by_another(owner: str, dst: str | os.PathLike) -> IOFailure:
+    """Return the one-line error for a DST whose lock another live run holds (``owner``: who, "" unknown)."""
     return IOFailure(
-        f"is being written by another shardckpt run ({busy.owner or 'owner unknown'})",
+        f"is being written by another shardckpt run ({owner or 'owner unknown'})",
         path=dst,
         hint="wait for that run to finish, or write to another DST",
     )
@@ -218,7 +218,7 @@ class Destination:
             with sheltered():
                 self._lock.acquire(wait_s=1.0)
         except LockBusy as busy:
-            raise written_by_another(busy, self.dst) from None
+            raise written_by_another(busy.owner, self.dst) from None
         except OSError as exc:
             raise _cannot_prepare(exc, self.dst) from None
         try:

@@ -97,6 +97,10 @@ class Runtime:
         except CollectiveFailure:
             raise
         except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses for both causes
+            # The group is broken: this rank fails whatever comes next, and the agent's
+            # SIGTERM (sent once the rank that left exits) may come while it removes its
+            # partial output, before it said why: the signal must not replace that line.
+            ending()
             raise _lost_contact(exc, self.rank, self.timeout_s) from None
 
     def barrier(self) -> None:

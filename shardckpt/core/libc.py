@@ -35,6 +35,6 @@ def same_memory(a: int, b: int, length: int) -> bool:
     return _memcmp(a, b, length) == 0
 
 
-def address_of(buffer: bytearray) -> int:
+def address_of(buffer: bytearray | memoryview) -> int:
     """Return the address of ``buffer``'s first byte (valid while it is not resized)."""
     return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))

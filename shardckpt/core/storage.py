@@ -112,6 +112,13 @@ class Store:
         return posixpath.join(posixpath.dirname(self.path), name)
 
 
+def on_s3(store: Store) -> bool:
+    """Return whether ``store`` is S3 reached through s3fs: its client's calls (``call_s3``) are ours to make."""
+    protocol = getattr(store.fs, "protocol", ())
+    protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+    return "s3" in protocols and hasattr(store.fs, "call_s3")
+
+
 def open_store(url: str, options: dict[str, Any]) -> Store:
     """Return the ``Store`` of ``url``; one line when its protocol has no implementation here."""
     protocol = _URL.match(url).group("protocol").lower()  # type: ignore[union-attr]

@@ -23,10 +23,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from isal import isal_zlib
 
+from shardckpt.core import marker
 from shardckpt.core.errors import (
     DestinationExistsError,
     IOFailure,
@@ -44,13 +45,9 @@ from shardckpt.core.parts import (
     parts_of,
 )
 from shardckpt.core.signals import committing, reopened
-from shardckpt.core.storage import Store, retried, store_error
+from shardckpt.core.storage import Store, on_s3, retried, store_error
 
 T = TypeVar("T")
-
-
-def _marker(store: Store) -> str:
-    return store.beside(f".{store.name}.shardckpt-partial")
 
 
 def _under(store: Store) -> list[str]:
@@ -87,31 +84,40 @@ def _abort_uploads(store: Store) -> int:
 
 
 def clear_leftovers(store: Store, commits: Sequence[str]) -> None:
-    """Remove what a killed run left at DST: its data objects (uncommitted), open uploads, its marker."""
+    """Take DST's marker (S3: exit 4 while a live run holds it) and remove what a dead run left: data objects (uncommitted), open uploads."""
+    if marker.conditional(store):
+        whose = marker.take(store)
+        if whose is not None:
+            retried(lambda: _clear(store, commits, whose), store.url, writing=True)
+        return
 
     def clear() -> None:
-        marker = _marker(store)
-        if not store.fs.exists(marker):
-            return
-        found = [key[len(store.path) + 1 :] for key in _under(store)]
-        committed = bool(commit_objects(found, commits))  # a commit began: never removed
-        if not committed:
-            found = _under(store)
-            if found:
-                store.fs.rm(found)
-        aborted = _abort_uploads(store)
-        store.fs.rm(marker)
-        if not committed:
-            notice(
-                f"removed what a run that did not finish left at '{store.url}' "
-                f"(uncommitted objects and {aborted} open uploads)"
-            )
+        if store.fs.exists(marker.path(store)):
+            _clear(store, commits, "")
+            store.fs.rm(marker.path(store))
 
     retried(clear, store.url, writing=True)
 
 
-def check_dst(store: Store, *, overwrite: bool) -> None:
-    """Raise when DST holds objects and --overwrite was not given; a missing bucket is one line."""
+def _clear(store: Store, commits: Sequence[str], whose: str) -> None:
+    """Remove what the run ``whose`` ("": unnamed) left at DST, unless its commit began; abort its open uploads."""
+    found = [key[len(store.path) + 1 :] for key in _under(store)]
+    committed = bool(commit_objects(found, commits))  # a commit began: never removed
+    if not committed:
+        found = _under(store)
+        if found:
+            store.fs.rm(found)
+    aborted = _abort_uploads(store)
+    if not committed:
+        run = f" ({whose})" if whose else ""
+        notice(
+            f"removed what a run that did not finish{run} left at '{store.url}' "
+            f"(uncommitted objects and {aborted} open uploads)"
+        )
+
+
+def check_bucket(store: Store) -> None:
+    """Raise when DST is a whole bucket, or its bucket is missing (one line), before anything is put beside it."""
     if store.fs.root_marker == "":  # an object store: the first part of a path is its bucket
         bucket, _, key = store.path.partition("/")
         if not key:
@@ -120,6 +126,10 @@ def check_dst(store: Store, *, overwrite: bool) -> None:
             )
         if not retried(lambda: store.fs.exists(bucket), store.url, writing=True):
             raise store_error(FileNotFoundError(bucket), store.url, writing=True)
+
+
+def check_dst(store: Store, *, overwrite: bool) -> None:
+    """Raise when DST holds objects and --overwrite was not given."""
     if not overwrite and retried(lambda: _under(store), store.url):
         raise DestinationExistsError(
             "already exists",
@@ -169,10 +179,9 @@ def begin_upload(store: Store, *, overwrite: bool) -> None:
 
     No reader sees the old commit object over new data.
     """
-    fs, marker = store.fs, _marker(store)
-    retried(lambda: fs.pipe_file(marker, b""), store.url, writing=True)
+    marker.put(store)
     if overwrite and (old := retried(lambda: _under(store), store.url)):
-        retried(lambda: fs.rm(old), store.url, writing=True)
+        retried(lambda: store.fs.rm(old), store.url, writing=True)
 
 
 def put_data(
@@ -216,6 +225,7 @@ def commit(
     its upload's completion (the callable). Once it starts, a signal waits until DST is
     committed (then exit 0).
     """
+    marker.confirm(store)
     with committing(f"'{store.url}'"):
         for name in last:
             if sent and name in sent:
@@ -224,20 +234,26 @@ def commit(
                 put_data(local, store, [name], Uploads(store))
             else:
                 _put(local, store, [name])
-        retried(lambda: store.fs.rm(_marker(store)), store.url, writing=True)
+        marker.release(store)
 
 
 def abort(store: Store) -> None:
-    """Abort DST's open multipart uploads, best effort (the next run aborts what is left)."""
+    """Abort DST's open multipart uploads, best effort (the next run aborts what is left).
+
+    None where another run took DST over (``marker.lost``): they are that run's.
+    """
     with contextlib.suppress(Exception):
-        _abort_uploads(store)
+        if not marker.lost(store):
+            _abort_uploads(store)
 
 
 def abandon(store: Store) -> None:
     """Clear DST of a run that failed before any data object was complete: its open uploads, its marker (best effort)."""
     with contextlib.suppress(Exception):
+        if marker.lost(store):
+            return
         _abort_uploads(store)
-        store.fs.rm(_marker(store))
+        marker.release(store)
 
 
 def upload(
@@ -355,11 +371,6 @@ def _put(local: Path, store: Store, names: Sequence[str]) -> None:
     retried(lambda: store.fs.put(sources, targets), url, writing=True)
 
 
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = getattr(fs, "protocol", ())
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
 # ------------------------------------------------------------------ DST: parts with their CRC-32
 
 PARTS_IN_FLIGHT = 4
@@ -380,7 +391,7 @@ def parts_in_flight(buffer_bytes: int) -> int:
 
 def checks_parts(store: Store) -> bool:
     """Return whether DST is uploaded by ``Uploads``: S3, whose parts carry a checksum the store checks."""
-    return "s3" in _protocols(store.fs) and hasattr(store.fs, "call_s3")
+    return on_s3(store)
 
 
 def checksum(data) -> str:

@@ -20,6 +20,7 @@ import threading
 
 from shardckpt.core.errors import BadInputError
 from shardckpt.core.files import open_source, os_error, preadv, will_read
+from shardckpt.core.read_buffers import ReadBuffer
 from shardckpt.engine.workers import Workers, default_threads
 from shardckpt.formats.file_checks import FileCheck
 from shardckpt.state.checksums import Ledger
@@ -66,7 +67,7 @@ def scan(
             progress(n)
 
     def part(t: int) -> int:
-        buffer = memoryview(bytearray(BLOCK))
+        buffer = ReadBuffer(BLOCK)
         done = 0
         for i, start, stop in share(sizes, world_size * threads, rank * threads + t):
             done += _read(checks[i], start, stop, ledger, buffer, counted, workers.stopping)
@@ -83,7 +84,7 @@ def _read(
     start: int,
     stop: int,
     ledger: Ledger,
-    buffer: memoryview,
+    buffer: ReadBuffer,
     progress,
     stopping: threading.Event,
 ) -> int:
@@ -97,14 +98,15 @@ def _read(
         os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_SEQUENTIAL)
         at = start
         while at < stop and not stopping.is_set():
-            n = preadv(fd, buffer[: min(len(buffer), stop - at)], at)
+            view = buffer.for_read(at, stop - at)
+            n = preadv(fd, view, at)
             if n == 0:
                 raise BadInputError(
                     f"truncated: it ends at byte {at}, where it had {check.size} bytes when listed",
                     path=check.path,
                     hint="the file changed while it was read; verify it again once nothing writes it",
                 )
-            first = _note(spans, first, at, buffer[:n], ledger)
+            first = _note(spans, first, at, view[:n], ledger)
             at += n
             progress(n)
     except OSError as exc:

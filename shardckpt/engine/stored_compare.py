@@ -19,6 +19,7 @@ from contextlib import ExitStack
 
 from shardckpt.core.files import open_source, read_exactly
 from shardckpt.core.libc import address_of, same_memory
+from shardckpt.core.read_buffers import ReadBuffer
 from shardckpt.engine.stored_copy import SLICE, data_of, fetch_ahead, run_names, slice_buffer
 from shardckpt.formats.base import Reader, StoredRun
 from shardckpt.state.checksums import active
@@ -82,7 +83,7 @@ def _slices(runs_a: Sequence[StoredRun], runs_b: Sequence[StoredRun]) -> Iterato
 class _Side:
     """One side's runs, read by the tensor's byte ranges into one buffer and noted in the ledger."""
 
-    def __init__(self, runs: Sequence[StoredRun], key: str, files: ExitStack, buffer: memoryview):
+    def __init__(self, runs: Sequence[StoredRun], key: str, files: ExitStack, buffer: ReadBuffer):
         self._runs = list(runs)
         self._starts = []
         at = 0
@@ -92,8 +93,8 @@ class _Side:
         self._key = key
         self._files = files
         self._fds: dict[os.PathLike, int] = {}
-        self.address = address_of(buffer.obj)
-        """Where ``read`` puts the bytes."""
+        self.address = 0
+        """Where ``read`` put the bytes it read last."""
         self._buffer = buffer
         self._ledger = active()
         self._run = 0
@@ -108,7 +109,8 @@ class _Side:
             self._run += 1
         run = self._runs[self._run]
         at = run.offset + lo - self._starts[self._run]
-        part = self._buffer[: hi - lo]
+        part = self._buffer.for_read(at, hi - lo)
+        self.address = address_of(part)
         what = data_of(self._names(run))
         read_exactly(self._fd(run.path), part, at, run.path, what)
         if self._ledger is not None and run.written is not None:

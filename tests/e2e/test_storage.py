@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -268,6 +270,193 @@ def test_a_second_run_on_the_same_url_is_refused_and_leaves_the_first_alone(s3, 
     no_leftovers(s3, bucket)
 
 
+def _slow_fill_beating(delay: float, every: float) -> None:
+    """In the warm child: a slow fill (``_slow_fill``), and the marker's heartbeat put every ``every`` seconds."""
+    from shardckpt.core import marker
+
+    _slow_fill(delay)
+    marker.HEARTBEAT_S = every
+
+
+def marker_of(s3: S3, bucket: str, name: str = "out") -> dict:  # noqa: F811
+    """Return the body of the marker beside ``bucket/name``: the run that writes it."""
+    return json.loads(s3.fs.cat_file(f"{bucket}/.{name}.shardckpt-partial"))
+
+
+def forge_marker(s3: S3, bucket: str, **owner) -> None:  # noqa: F811
+    """Put the marker of a run that writes ``bucket/out`` (another machine's, or a dead one's)."""
+    body = {"host": "node-7", "pid": 4242, "started": time.time() - 60, "heartbeat": time.time()}
+    s3.fs.pipe_file(f"{bucket}/.out.shardckpt-partial", json.dumps(body | owner).encode())
+    s3.fs.invalidate_cache()
+
+
+def since(when: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+
+
+@pytest.mark.slow
+def test_a_run_whose_local_lock_does_not_see_the_first_is_refused_by_its_marker(
+    s3,  # noqa: F811
+    big,
+    capsys,
+    tmp_path,
+    monkeypatch,
+):
+    """Two processes at once on one URL, staged apart (as two machines are): the marker keeps them apart."""
+    local, sd = big
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    first = warm_cli.start(argv, setup=(_slow_fill_beating, 0.3, 0.2))
+    uploading(first, lambda: s3.fs.invalidate_cache() or s3.open_uploads(bucket))
+    owner = marker_of(s3, bucket)
+    assert (owner["host"], owner["pid"]) == (socket.gethostname(), first.pid)
+    uploading(first, lambda: marker_of(s3, bucket)["heartbeat"] > owner["heartbeat"])  # kept fresh
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # another staging directory
+    code, err = cli(capsys, *argv)
+    assert code == 4
+    assert len(err) == 1
+    assert err[0].startswith(
+        f"shardckpt: error: '{dst}': is being written by another shardckpt run "
+        f"(pid {first.pid} on {socket.gethostname()}, since {since(owner['started'])}, heartbeat "
+    )
+    assert err[0].endswith(" s ago): wait for that run to finish, or write to another DST")
+    assert first.wait(120) == 0
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_from_two_staging_directories_one_writes_dst(
+    s3,  # noqa: F811
+    many,
+    tmp_path,
+):
+    """As two machines would: neither local lock sees the other run; one takes the marker."""
+    local, sd = many
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        env = dict(os.environ, TMPDIR=str(tmp_path / name))
+        runs.append(warm_cli.start(argv, env=env, setup=(_slow_fill, 0.1)))
+    codes = [run.wait(120) for run in runs]
+    assert sorted(codes) == [0, 4], [run.communicate() for run in runs]
+    won, lost = runs if codes[0] == 0 else runs[::-1]
+    assert re.fullmatch(
+        rf"shardckpt: error: '{dst}': is being written by another shardckpt run \(pid {won.pid} "
+        rf"on {re.escape(socket.gethostname())}, since [-0-9: ]+ UTC, heartbeat \d+ s ago\): "
+        r"wait for that run to finish, or write to another DST\n",
+        lost.communicate()[1],
+    )
+    assert_equal(load_dcp(dst, sd), sd)
+    no_leftovers(s3, bucket)
+    assert not list(tmp_path.glob("*/shardckpt-staging/*/*"))
+
+
+@pytest.mark.parametrize("raced", [False, True], ids=["found", "created after it was read"])
+def test_a_fresh_marker_of_a_run_on_another_host_refuses_the_run(
+    s3,  # noqa: F811
+    src,
+    capsys,
+    monkeypatch,
+    raced,
+):
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    started = time.time() - 60
+    if raced:  # the other run creates its marker between this run's read and its put
+        from shardckpt.core import marker
+
+        read = marker._read
+        reads = []
+
+        def late(store):
+            reads.append(store)
+            if len(reads) == 1:
+                forge_marker(s3, bucket, started=started)
+                return None
+            return read(store)
+
+        monkeypatch.setattr(marker, "_read", late)
+    else:
+        forge_marker(s3, bucket, started=started)
+    code, err = cli(capsys, "convert", src, dst, "--to", "sharded", "--world-size", "1")
+    assert code == 4
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        f"shardckpt: error: '{dst}': is being written by another shardckpt run "
+        f"(pid 4242 on node-7, since {since(started)}, heartbeat "
+    )
+    assert err[0].endswith(" s ago): wait for that run to finish, or write to another DST")
+    assert marker_of(s3, bucket)["started"] == started  # the other run's, untouched
+    assert s3.keys(f"{bucket}/out") == []
+    assert not list(Path(tempfile.gettempdir()).glob("shardckpt-*/*/*"))
+
+
+def _dead_pid() -> int:
+    """Return the pid of a process of this host that has ended."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("dead", ["pid gone on this host", "heartbeat old on another host"])
+def test_the_marker_of_a_dead_run_is_taken_over_and_its_leftovers_removed(
+    s3,  # noqa: F811
+    src,
+    capsys,
+    dead,
+):
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    started = time.time() - 3600
+    if dead == "pid gone on this host":
+        owner = {"host": socket.gethostname(), "pid": _dead_pid()}
+    else:
+        owner = {"heartbeat": time.time() - 400}  # a marker is stale after 300 s
+    forge_marker(s3, bucket, started=started, **owner)
+    # What it left: an object not committed, and a multipart upload open.
+    s3.fs.pipe_file(f"{bucket}/out/__0_0.distcp", b"x" * 100)
+    s3.fs.call_s3("create_multipart_upload", Bucket=bucket, Key="out/__1_0.distcp")
+    code, err = cli(capsys, "convert", src, dst, "--to", "sharded", "--world-size", "1", "-q")
+    assert code == 0, err
+    host, pid = owner.get("host", "node-7"), owner.get("pid", 4242)
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        "shardckpt: note: removed what a run that did not finish "
+        f"(pid {pid} on {host}, since {since(started)}, heartbeat "
+    )
+    assert err[0].endswith(f" s ago) left at '{dst}' (uncommitted objects and 1 open uploads)")
+    assert_equal(load_dcp(dst, state()), state())
+    no_leftovers(s3, bucket)
+
+
+@pytest.mark.slow
+def test_a_run_whose_marker_another_run_took_over_does_not_commit(s3, many):  # noqa: F811
+    local, _ = many
+    bucket = s3.bucket()
+    dst = f"s3://{bucket}/out"
+    argv = ["convert", local, dst, "--to", "sharded", "--world-size", "1", "-q"]
+    argv += ["--buffer-size", "8MiB"]
+    proc = warm_cli.start(argv, setup=(_slow_fill_beating, 0.3, 0.2))
+    uploading(proc, lambda: s3.open_uploads(bucket))
+    # Another machine judged it dead and took its marker over (put over its ETag).
+    forge_marker(s3, bucket)
+    _, err = proc.communicate(120)
+    assert proc.returncode == 4, err
+    assert err.splitlines() == [
+        f"shardckpt: error: '{dst}': another shardckpt run took its marker over (a run not "
+        "heard from for 300 s is taken for dead), so this run did not commit: check what that "
+        "run writes there; run again once it is done, or write to another DST"
+    ]
+    assert ".metadata" not in [k.rsplit("/", 1)[1] for k in s3.keys(f"{bucket}/out")]
+    assert marker_of(s3, bucket)["host"] == "node-7"  # the other run's marker, left to it
+    assert s3.open_uploads(bucket) == []  # its own uploads aborted
+
+
 def test_a_whole_bucket_as_dst_is_refused(s3, src, capsys):  # noqa: F811
     bucket = s3.bucket()
     argv = ["convert", src, f"s3://{bucket}", "--to", "sharded", "--world-size", "1"]
@@ -457,10 +646,12 @@ def test_a_run_stopped_mid_upload_commits_nothing_and_the_rerun_succeeds(s3, big
         no_leftovers(s3, bucket)  # its uploads aborted, its marker removed
     rerun = warm_cli.run([*argv, "-q"], setup=(_this_tmpdir,))
     assert rerun.returncode == 0, rerun.stderr
-    if sig == signal.SIGKILL:
-        assert rerun.stderr == (
-            f"shardckpt: note: removed what a run that did not finish left at '{dst}' "
-            "(uncommitted objects and 1 open uploads)\n"
+    if sig == signal.SIGKILL:  # its marker names it: this host, a pid that is gone
+        assert re.fullmatch(
+            rf"shardckpt: note: removed what a run that did not finish \(pid {proc.pid} on "
+            rf"{re.escape(socket.gethostname())}, since [-0-9: ]+ UTC, heartbeat \d+ s ago\) "
+            rf"left at '{dst}' \(uncommitted objects and 1 open uploads\)\n",
+            rerun.stderr,
         )
     if phase == "during the fill":
         assert_equal(load_dcp(dst, sd), sd)
@@ -1517,10 +1708,17 @@ def test_a_part_one_rank_fails_aborts_the_upload_and_the_rerun_succeeds(s3, two_
     assert s3.open_uploads(bucket) == []  # aborted by the failed run itself
     code, err = cli(capsys, "convert", local, dst, "--to", "full", "--only", "model", "-q")
     assert code == 0, err
-    assert (
-        f"shardckpt: note: removed what a run that did not finish left at '{dst}' "
-        "(uncommitted objects and 0 open uploads)"
-    ) in err
+    # The failed run marked its marker ended: taken over at once, from any host.
+    assert [
+        line
+        for line in err
+        if re.fullmatch(
+            r"shardckpt: note: removed what a run that did not finish \(pid \d+ on "
+            rf"{re.escape(socket.gethostname())}, since [-0-9: ]+ UTC, ended\) left at "
+            rf"'{dst}' \(uncommitted objects and 0 open uploads\)",
+            line,
+        )
+    ]
     s3.fs.invalidate_cache()
     assert_equal(load_safetensors(s3.fs.cat_file(dst[5:])), sd["model"])
     no_leftovers(s3, bucket)
