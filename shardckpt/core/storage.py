@@ -284,11 +284,13 @@ torch.save readers read a stand-in through ``core.files`` (``opened``'s ``Routed
 HF_READ_IN_PLACE = ".safetensors"
 """The weights of a Hugging Face directory SRC (``save_pretrained``'s shards), read where they lie."""
 
-RANK_FILE = re.compile(r"(?:[^/]*?[_-])?rank[_-]?\d+(?:[_-]of[_-]\d+)?\.(?:pt|pth)")
-"""A per-rank ``torch.save`` file at the top of a directory SRC (``rank_3.pt``, ``model_rank3.pt``,
-``rank3-of-4.pt``), read where it lies: the readers of per-rank files (``fsdp2-ranks``,
-``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read rows by ranges
-(``torch_save.in_place``). Of veRL's ``*_world_size_N_rank_R.pt`` the model and optimizer
+RANK_FILE = re.compile(r"(?:[^/]*?rank[_-]?\d+(?:[_-]of[_-]\d+)?|__\d+_0)\.(?:pt|pth|bin)")
+"""A per-rank ``torch.save`` file at the top of a directory SRC, by every name the readers
+of per-rank files take (``formats/ranks/rank_names.py``: ``rank_3.pt``, ``model_rank3.pt``,
+``rank3-of-4.pt``, ``__3_0.pt``, ``.pth``, ``.bin``), read where it lies: those readers
+(``fsdp2-ranks``, ``fsdp1-sharded``, ``fsdp1-local``) load it on the meta device and read
+rows by ranges (``torch_save.in_place``). accelerate's per-rank ``*_rank3.bin`` are such
+names too: its reader refuses them by name, reading none. Of veRL's ``*_world_size_N_rank_R.pt`` the model and optimizer
 files (``VERL_FILE``) are read in place too, its ``extra_state`` files (carried: copied as
 they are) fetched whole."""
 
@@ -325,7 +327,8 @@ TRAINER_DATA = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata")
 """Objects that make a directory of ``.safetensors`` a trainer's, whose readers map them: fetched whole."""
 
 HF_TRAINER_STATE = re.compile(
-    r"optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|training_args\.bin"
+    r"optimizer\.(?:pt|bin)|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|training_args\.bin"
+    r"|pytorch_model_fsdp\.bin"
 )
 """What a transformers Trainer saves beside the model at the top of its ``checkpoint-N/``
 (the names ``formats/hf/sharded.py`` carries unread): not trainer data, so its
@@ -334,11 +337,13 @@ HF_TRAINER_STATE = re.compile(
 HF_TRAINER_MARK = "trainer_state.json"
 """The object that makes an hf directory a Trainer's ``checkpoint-N/``."""
 
-HF_TRAINER_OPTIMIZER = "optimizer.pt"
-"""A Trainer's optimizer state (Adam's: twice the model), which the hf reader carries
-unread: a stand-in, so none of its bytes is fetched. Any other reader of it reads it
-through ``core.files`` (``--from accelerate`` carries it too, and copies it with
-``core.copies``, which reads a stand-in from the store)."""
+HF_TRAINER_UNREAD = re.compile(r"optimizer\.(?:pt|bin)|pytorch_model_fsdp\.bin")
+"""A Trainer's optimizer state (Adam's: twice the model; ``optimizer.bin`` when it trained
+under FSDP with full state dicts, beside FSDP's copy of the model, ``pytorch_model_fsdp.bin``),
+which the hf reader carries unread: stand-ins, so none of their bytes is fetched (``verify``
+reads them by ranges). Any other reader of them reads them through ``core.files``
+(``--from accelerate`` reads ``.bin`` files with its ``torch.save`` reader and copies a
+carried ``optimizer.pt`` with ``core.copies``: each reads a stand-in from the store)."""
 
 ACCELERATE_RNG = re.compile(r"random_states_\d+\.pkl")
 """What every ``Accelerator.save_state`` writes (one per rank): the mark of its directory."""
@@ -368,8 +373,8 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
     DCP's data objects anywhere; SRC itself (``""``) when it is one safetensors or
     torch.save object; a Hugging Face directory's ``*.safetensors`` (its top level holds
     them, and no object under it is a trainer's data, ``TRAINER_DATA``, but a Trainer's
-    state beside them: ``HF_TRAINER_STATE``), and a Trainer's ``optimizer.pt``, never read;
-    an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
+    state beside them: ``HF_TRAINER_STATE``), and a Trainer's optimizer and FSDP model
+    files (``HF_TRAINER_UNREAD``), never read; an accelerate directory's model and optimizer files (``ACCELERATE_DATA``); a directory's
     per-rank ``torch.save`` files (``RANK_FILE``, veRL's model and optimizer files), DeepSpeed's states files
     (``DEEPSPEED_FILE``), a universal checkpoint's files (``UNIVERSAL_FILE``) and
     torch_checkpointing's items (``*.safetensors``, ``<item>_<rank>.pt``). Every other object
@@ -389,7 +394,7 @@ def read_in_place(store: Store, objects: dict[str, int]) -> list[str]:
         if name.endswith(READ_WHERE_THEY_LIE)
         or ((hf or torch_checkpointing) and "/" not in name and name.endswith(HF_READ_IN_PLACE))
         or (torch_checkpointing and TORCH_CHECKPOINTING_ITEM.fullmatch(name))
-        or (hf_trainer and name == HF_TRAINER_OPTIMIZER)
+        or (hf_trainer and HF_TRAINER_UNREAD.fullmatch(name))
         or (accelerate and ACCELERATE_DATA.fullmatch(name))
         or (RANK_FILE.fullmatch(name) and "world_size" not in name)
         or VERL_FILE.fullmatch(name)

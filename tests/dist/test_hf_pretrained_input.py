@@ -318,3 +318,33 @@ def test_a_trainer_checkpoint_converts_its_model_and_names_the_state_left_behind
         "holds): copy them yourself if the job that loads DST needs them",
     )
     assert_trees_equal(loads_into_fsdp2(dst, True), pretrained[True, False][1])
+
+
+def test_an_fsdp_trainer_checkpoint_names_its_optimizer_bin_and_checks_its_bytes(tmp_path, capsys):
+    # Under FSDP with full state dicts the Trainer saves its optimizer as optimizer.bin and
+    # FSDP's copy of the model as pytorch_model_fsdp.bin (tests/trainer_saves.py): carried
+    # unread as its other state is, named in the note and checked by verify.
+    import damage
+    import trainer_saves
+
+    src = trainer_saves.save("trainer-fsdp", tmp_path / "checkpoint-2")
+    code, out, _ = cli(capsys, "inspect", src)
+    assert code == 0
+    assert (
+        "  optimizer.bin: carried unread, a transformers Trainer's state, not model weights\n"
+        "  pytorch_model_fsdp.bin: carried unread, a transformers Trainer's FSDP copy of the "
+        "model, for its resume (the weights are read from the safetensors)\n"
+    ) in out
+    code, _, err = cli(capsys, "convert", src, tmp_path / "model.pt", "--to", "full", "-q")
+    assert (code, err) == (
+        0,
+        "shardckpt: note: not in DST: optimizer.bin, pytorch_model_fsdp.bin, rng_state.pth, "
+        "scheduler.pt, trainer_state.json, training_args.bin (6 files SRC carries unread; "
+        "`shardckpt inspect SRC` says what each holds): copy them yourself if the job that "
+        "loads DST needs them",
+    )
+    tensor = "state.model.norm.weight.exp_avg"
+    flipped = damage.flip_in_torch_file(src / "optimizer.bin", tensor)
+    said = f"the bytes do not match the checksum written with them ({flipped.where})"
+    code, _, err = cli(capsys, "verify", src)
+    assert (code, err) == (3, f"shardckpt: error: '{src}/optimizer.bin': {said}: {damage.RECOPY}")

@@ -1389,6 +1389,34 @@ def test_a_flipped_byte_in_an_fsdp2_rank_file_on_s3_is_exit_3_naming_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ranks"]
 
 
+@pytest.mark.parametrize("name", ["rank_{}.bin", "__{}_0.pt"])
+def test_s3_rank_files_by_their_other_names_are_read_in_place_and_checked(
+    s3,  # noqa: F811
+    fsdp2_ranks,
+    tmp_path,
+    capsys,
+    monkeypatch,
+    name,
+):
+    # The same FSDP2 job's files, named as the per-rank readers also read them
+    # (formats/ranks/rank_names.py): read by ranges, as the local files convert.
+    local = tmp_path / "ranks"
+    local.mkdir()
+    for rank in (0, 1):
+        damage.copy(fsdp2_ranks[0] / f"rank{rank}.pt", local / name.format(rank))
+    url = uploaded(s3, local)
+    names = (name.format(0), name.format(1))
+    reads = Reads(monkeypatch, names)
+    out = torch.load(all_as_local_converts(capsys, url, local, tmp_path), weights_only=True)
+    assert_equal(out["model"], fsdp2_ranks[1]["model"])
+    assert reads.whole == []
+    assert reads.stand_ins == dict.fromkeys(names, 0)
+    read_rows_in_place(reads, local, sum(sizes_of(s3, url[5:], names).values()))
+
+    flipped = damage.flip_in_torch_file(local / names[1], "model.0.weight")
+    flip_is_exit_3(s3, capsys, monkeypatch, tmp_path, local, names[1], flipped, [])
+
+
 @pytest.mark.parametrize("kind", ["sharded", "local"])
 def test_s3_fsdp1_rank_files_to_local_full_are_fsdp1s_own_full_state_read_in_place(
     s3,  # noqa: F811
@@ -1832,27 +1860,48 @@ def flipped_on_s3(s3: S3, src: Path, tmp_path: Path, file: str, tensor: str):  #
     return uploaded(s3, local), flipped
 
 
+@pytest.fixture(scope="module")
+def fsdp_trainer_checkpoint(tmp_path_factory) -> Path:
+    """A transformers Trainer's own ``checkpoint-2/`` under FSDP2 with full state dicts (``tests/trainer_saves.py``)."""
+    import trainer_saves
+
+    dst = tmp_path_factory.mktemp("trainer-fsdp") / "checkpoint-2"
+    return trainer_saves.save("trainer-fsdp", dst)
+
+
+TRAINER_DATA = {
+    "trainer_checkpoint": ("model.safetensors", "optimizer.pt"),
+    # Under FSDP with full state dicts: optimizer.bin and FSDP's copy of the model, and no
+    # random_states_R.pkl (it is no save_state's).
+    "fsdp_trainer_checkpoint": ("model.safetensors", "optimizer.bin", "pytorch_model_fsdp.bin"),
+}
+
+
+@pytest.mark.parametrize("saved", TRAINER_DATA)
 def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimizer(
     s3,  # noqa: F811
-    trainer_checkpoint,
+    saved,
+    request,
     tmp_path,
     capsys,
     monkeypatch,
 ):
     from safetensors.torch import load_file
 
-    local = trainer_checkpoint
+    local, data = request.getfixturevalue(saved), TRAINER_DATA[saved]
     url = uploaded(s3, local)
     bucket = url[5:].split("/")[0]
-    sizes = sizes_of(s3, url[5:], ("model.safetensors", "optimizer.pt"))
+    sizes = sizes_of(s3, url[5:], data)
     # Adam's state is twice the model; each spans several ranged GETs.
-    assert sizes["optimizer.pt"] > 2 * sizes["model.safetensors"] > 4 * remote_files.PART
+    assert sizes[data[1]] > 2 * sizes["model.safetensors"] > 4 * remote_files.PART
+    assert min(sizes.values()) > 2 * remote_files.PART
 
-    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    reads = Reads(monkeypatch, data)
     model = model_as_local_converts(capsys, url, local, tmp_path)
     assert_equal(model, load_file(local / "model.safetensors"))
-    # The weights by ranges (each byte about once), the optimizer state (the hf reader
-    # carries it unread) not at all, nothing on the disk; the Trainer's small files fetched.
+    # The weights by ranges (each byte about once), the optimizer state and FSDP's copy of
+    # the model (the hf reader carries them unread) not at all, nothing on the disk; the
+    # Trainer's small files fetched.
     assert sorted(k.rsplit("/", 1)[1] for k in reads.whole) == [
         "config.json",
         "generation_config.json",
@@ -1861,7 +1910,7 @@ def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimize
         "trainer_state.json",
         "training_args.bin",
     ]
-    assert reads.stand_ins == {"model.safetensors": 0, "optimizer.pt": 0}
+    assert reads.stand_ins == dict.fromkeys(data, 0)
     assert list(reads.by_object) == ["model.safetensors"]
     # Beyond the weights: the header's block, and one 256 KiB block for each small tensor
     # read on its own (the 5 norms).
@@ -1869,43 +1918,49 @@ def test_s3_trainer_checkpoint_reads_its_weights_in_place_and_never_its_optimize
     assert model_size <= reads.by_object["model.safetensors"] <= model_size + 8 * (256 << 10)
 
     # inspect: the header's block of the weights, nothing of the optimizer.
-    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    reads = Reads(monkeypatch, data)
     code = run(["inspect", url])
     out = capsys.readouterr().out
     assert code == 0
-    assert (
-        "  optimizer.pt: carried unread, a transformers Trainer's state, not model weights" in out
-    )
+    assert f"  {data[1]}: carried unread, a transformers Trainer's state, not model weights" in out
     assert reads.by_object == {"model.safetensors": 256 << 10}
 
     # verify reads every byte, the optimizer's too (its records' CRC-32s), by ranges,
     # about once: a zip's local headers are asked for together, each its few bytes (not a
-    # 256 KiB block around each: the optimizer's 63 records cost 7.6 MB beyond its 17.9 MB).
-    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    # 256 KiB block around each: optimizer.pt's 63 records cost 7.6 MB beyond its 17.9 MB).
+    reads = Reads(monkeypatch, data)
     assert cli(capsys, "verify", url) == (0, [])
-    assert not [k for k in reads.whole if k.endswith(("model.safetensors", "optimizer.pt"))]
+    assert not [k for k in reads.whole if k.endswith(data)]
     # Beyond the bytes: a few 256 KiB blocks (a safetensors header; a zip's directory and pickle).
     for name, size in sizes.items():
         assert size <= reads.by_object[name] <= size + 3 * (256 << 10)
     no_leftovers(s3, bucket)
 
 
+@pytest.mark.parametrize(
+    ("saved", "tensor"),
+    [
+        ("trainer_checkpoint", "state.1.exp_avg"),
+        ("fsdp_trainer_checkpoint", "state.model.layers.0.self_attn.q_proj.weight.exp_avg"),
+    ],
+)
 def test_a_flipped_byte_in_a_trainers_optimizer_on_s3_is_exit_3_for_verify_naming_it(
     s3,  # noqa: F811
-    trainer_checkpoint,
+    saved,
+    tensor,
+    request,
     tmp_path,
     capsys,
     monkeypatch,
 ):
-    url, flipped = flipped_on_s3(
-        s3, trainer_checkpoint, tmp_path, "optimizer.pt", "state.1.exp_avg"
-    )
-    reads = Reads(monkeypatch, ("model.safetensors", "optimizer.pt"))
+    data = TRAINER_DATA[saved]
+    url, flipped = flipped_on_s3(s3, request.getfixturevalue(saved), tmp_path, data[1], tensor)
+    reads = Reads(monkeypatch, data)
     code, err = cli(capsys, "verify", url)
     # The hf reader carries it unread: its records are checked, no tensor named.
     said = f"the bytes do not match the checksum written with them ({flipped.where})"
-    assert (code, err) == (3, [f"shardckpt: error: '{url}/optimizer.pt': {said}: {damage.RECOPY}"])
-    assert not [k for k in reads.whole if k.endswith("optimizer.pt")]
+    assert (code, err) == (3, [f"shardckpt: error: '{url}/{data[1]}': {said}: {damage.RECOPY}"])
+    assert not [k for k in reads.whole if k.endswith(data)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
     no_leftovers(s3, url[5:].split("/")[0])
 

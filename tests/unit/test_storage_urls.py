@@ -261,10 +261,11 @@ def test_an_accelerate_like_tree_uploads_every_dcp_metadata_after_all_data(tmp_p
 
 def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
     # The readers of per-rank files (fsdp2-ranks, fsdp1-*, veRL's model and optimizer
-    # files) and of DeepSpeed's states files read them by ranges; every other trainer's
-    # torch.save (veRL's extra_state files, a universal checkpoint's without its
-    # zero/optimizer_state.pt, a subdirectory's rank files) and the small objects beside
-    # them are fetched whole.
+    # files; by every name formats/ranks/rank_names.py reads, .bin and __R_0.pt too) and
+    # of DeepSpeed's states files read them by ranges; every other trainer's torch.save
+    # (veRL's extra_state files, a universal checkpoint's without its
+    # zero/optimizer_state.pt, rank files in a subdirectory, which no reader reads) and
+    # the small objects beside them are fetched whole.
     store = storage.Store("s3://b/run", None, "b/run")
     objects = dict.fromkeys(
         [
@@ -282,6 +283,10 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
             "global_step3/zero/embed.weight/fp32.pt",
             "pytorch_model_fsdp_rank0.bin",
             "frank0.pt",
+            "rank_2.bin",
+            "__1_0.pt",
+            "__1_1.pt",
+            "rank.pt",
             "common.pt",
             "latest",
             "__0_0.distcp",
@@ -290,16 +295,32 @@ def test_per_rank_and_deepspeed_files_are_read_in_place_and_the_rest_fetched():
     )
     assert sorted(storage.read_in_place(store, objects)) == [
         "__0_0.distcp",
+        "__1_0.pt",
+        "frank0.pt",
         "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt",
         "model_rank2.pt",
         "model_world_size_2_rank_0.pt",
         "mp_rank_00_model_states.pt",
         "optim_world_size_2_rank_0.pt",
+        "pytorch_model_fsdp_rank0.bin",
         "rank0.pt",
         "rank3-of-4.pt",
         "rank_1.pth",
+        "rank_2.bin",
     ]
+
+
+def test_every_name_the_per_rank_readers_read_is_read_in_place():
+    from shardckpt.formats.ranks.rank_names import parse_rank_name
+
+    names = ["rank3.pt", "rank_3.bin", "rank-3.pth", "model_rank3.pt", "rank3-of-4.bin"]
+    names += ["__3_0.pt", "__3_0.bin", "pytorch_model_fsdp_rank3.bin", "frank3.pt"]
+    others = ["__3_1.pt", "rank.pt", "rank3.safetensors", "ranks.pt", "rank3.pt.tmp"]
+    assert all(parse_rank_name(name) for name in names)
+    assert not any(parse_rank_name(name) for name in others)
+    assert all(storage.RANK_FILE.fullmatch(name) for name in names)
+    assert not any(storage.RANK_FILE.fullmatch(name) for name in others)
 
 
 def test_torch_checkpointings_items_are_read_in_place():
@@ -357,6 +378,22 @@ def test_a_trainer_checkpoints_weights_are_read_in_place_its_optimizer_never_fet
         "global_step3/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "global_step3/mp_rank_00_model_states.pt",
     ]
+
+
+def test_an_fsdp_trainer_checkpoints_weights_are_read_in_place_its_optimizer_bin_never_fetched():
+    # Under FSDP with full state dicts a Trainer saves optimizer.bin and FSDP's copy of
+    # the model, pytorch_model_fsdp.bin, beside model.safetensors (no random_states_R.pkl):
+    # hf reads the weights by ranges and carries both unread (stand-ins: nothing fetched).
+    store = storage.Store("s3://b/checkpoint-2", None, "b/checkpoint-2")
+    data = ["model.safetensors", "optimizer.bin", "pytorch_model_fsdp.bin"]
+    objects = dict.fromkeys([*data, *TRAINER_STATE, "config.json"], 1)
+    assert sorted(storage.read_in_place(store, objects)) == data
+    # Without trainer_state.json it is no Trainer's: those .bin files are fetched.
+    del objects["trainer_state.json"]
+    assert storage.read_in_place(store, objects) == ["model.safetensors"]
+    # With a random_states_R.pkl it is accelerate's save_state: its reader reads them all.
+    objects["random_states_0.pkl"] = 1
+    assert sorted(storage.read_in_place(store, objects)) == data
 
 
 def test_an_accelerate_directorys_model_and_optimizer_files_are_read_in_place():

@@ -47,11 +47,14 @@ from shardckpt.state.tree import TensorMeta, dotted, model_leaves, model_prefix
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 """What ``save_pretrained`` writes, without an index, for a model under ``max_shard_size``."""
-# What a transformers Trainer saves beside the model in its checkpoint-N/: not weights.
+# What a transformers Trainer saves beside the model in its checkpoint-N/: not weights
+# (its optimizer is optimizer.bin when it trained under FSDP with full state dicts).
 _TRAINER_STATE = re.compile(
-    r"optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|trainer_state\.json"
-    r"|training_args\.bin"
+    r"optimizer\.(?:pt|bin)|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth"
+    r"|trainer_state\.json|training_args\.bin"
 )
+# The model again, torch.save'd by FSDP with full state dicts for the Trainer's resume.
+_TRAINER_FSDP_MODEL = "pytorch_model_fsdp.bin"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 
 
@@ -291,9 +294,9 @@ class HfReader(Reader):
     def _trainer(self) -> tuple[SourcePart, ...]:
         """A Trainer's state beside the model (its ``checkpoint-N/``): files carried unread."""
         return tuple(
-            SourcePart(name, "file", None, "a transformers Trainer's state, not model weights")
+            SourcePart(name, "file", None, _trainer_note(name))
             for name in sorted(p.name for p in self.src.iterdir())
-            if _TRAINER_STATE.fullmatch(name)
+            if _TRAINER_STATE.fullmatch(name) or name == _TRAINER_FSDP_MODEL
         )
 
     def members(self) -> frozenset[str]:
@@ -342,6 +345,16 @@ class HfReader(Reader):
                 for i, tensor in zip(chosen, got):
                     out[i] = tensor
         return out  # type: ignore[return-value]
+
+
+def _trainer_note(name: str) -> str:
+    """Return what ``inspect`` says of the Trainer's file ``name``, carried unread."""
+    if name == _TRAINER_FSDP_MODEL:
+        return (
+            "a transformers Trainer's FSDP copy of the model, for its resume (the weights are "
+            "read from the safetensors)"
+        )
+    return "a transformers Trainer's state, not model weights"
 
 
 def is_hf_dir(path: Path) -> bool:
