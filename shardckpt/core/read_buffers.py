@@ -6,8 +6,8 @@ bytes ahead of that, each load of the copy waits on the store just before it, wh
 address matches it in the low 12 bits (4K aliasing). A ``bytearray`` of megabytes
 starts 16 bytes into a page (glibc's header of the mapping it gets), so reading a
 page-aligned file offset into it ran at 1.6 GB/s here, from tmpfs, where the same read
-into a buffer placed as the offset is ran at 8.5-10 GB/s (``scripts/bench_io.py`` reads:
-docs/benchmark.md, "Reading into a buffer placed as the file is").
+into a buffer placed as the offset is ran at 8.5-10 GB/s (docs/benchmark.md, "Reading
+into a buffer placed as the file is").
 
 So a ``ReadBuffer`` is a page-aligned anonymous mapping one page longer than its size,
 and ``for_read`` gives each read the part that starts at the file offset's place in a page.

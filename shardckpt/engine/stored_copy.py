@@ -96,6 +96,7 @@ def copy_runs(
     """
     ledger = active()
     buffer = slice_buffer(size)
+    file_lock = _writing(fd)
     crc = 0
     for run in runs:
         names = run_names(run, key)
@@ -108,7 +109,8 @@ def copy_runs(
                     part = _read_slice(src_fd, buffer, run, at, what)
                     part_crc = isal_zlib.crc32(part)
                     run_crc = isal_zlib.crc32_combine(run_crc, part_crc, len(part))
-                    _copy_slice(src_fd, part, run.offset + at, fd, offset + at)
+                    with file_lock:
+                        _copy_slice(src_fd, part, run.offset + at, fd, offset + at)
                     if ledger is not None and run.written is not None:
                         ledger.expect(run.written, names)
                         where = run.offset + at - run.written.start
@@ -160,18 +162,11 @@ def _read_slice(src_fd: int, buffer: ReadBuffer, run: StoredRun, at: int, what: 
 
 
 def _copy_slice(src_fd: int, part: memoryview, src_offset: int, fd: int, offset: int) -> None:
-    """Write ``part`` (read from ``src_offset`` of ``src_fd``) at ``offset`` of ``fd``: by the kernel where it can.
-
-    One thread at a time writes into one file (``_writing``): the kernel lets one writer
-    in at a time anyway, and a thread that waits for its inode's lock there spins on the
-    CPU (a full export at two threads spent a fifth of its CPU time spinning), where
-    here it sleeps while another thread reads and CRCs.
-    """
-    with _writing(fd):
-        if not is_remote(src_fd) and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
-            return
-        # Written from what was read and CRC'd, over what the kernel copied before it stopped.
-        pwrite_all(fd, part, offset)
+    """Write ``part`` (read from ``src_offset`` of ``src_fd``) at ``offset`` of ``fd``: by the kernel where it can."""
+    if not is_remote(src_fd) and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
+        return
+    # Written from what was read and CRC'd, over what the kernel copied before it stopped.
+    pwrite_all(fd, part, offset)
 
 
 _WRITERS: dict[tuple[int, int], threading.Lock] = {}
@@ -179,7 +174,13 @@ _WRITERS_LOCK = threading.Lock()
 
 
 def _writing(fd: int) -> threading.Lock:
-    """Return the lock held while a slice is written into the file open as ``fd`` (one per file)."""
+    """Return the lock held while a slice is written into the file open as ``fd`` (one per file).
+
+    One thread at a time writes into one file: the kernel lets one writer in at a time
+    anyway, and a thread that waits for its inode's lock there spins on the CPU (a full
+    export at two threads spent a fifth of its CPU time spinning), where here it sleeps
+    while another thread reads and CRCs. Looked up once per ``copy_runs``, not per slice.
+    """
     info = os.fstat(fd)
     key = (info.st_dev, info.st_ino)
     with _WRITERS_LOCK:
