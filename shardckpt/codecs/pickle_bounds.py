@@ -82,14 +82,30 @@ class _Shape:
         self.stale = False
 
     def node(self, parts: list[int]) -> int:
-        """Return a new container holding ``parts``."""
-        self.base.append(1)
-        self.size.append(1)
-        self.depth.append(1)
-        self.held.append(0)
-        new = len(self.held) - 1
+        """Return a new container holding ``parts`` (each made before it: none is the new one)."""
+        held = self.held
+        new = len(held)
+        held.append(0)
+        base = total = below = 1
         if parts:
-            self.add(new, parts)
+            size, depth = self.size, self.depth
+            holders, held_parts = self.edges
+            below = 0
+            for part in parts:
+                if part < 0:
+                    base -= part
+                    total -= part
+                    continue
+                total += size[part]
+                if depth[part] > below:
+                    below = depth[part]
+                held[part] = 1
+                holders.append(new)
+                held_parts.append(part)
+            below += 1
+        self.base.append(base)
+        self.size.append(total if total < _CAP else _CAP)
+        self.depth.append(below)
         return new
 
     def add(self, into: int, parts: list[int]) -> None:

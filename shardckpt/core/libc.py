@@ -38,3 +38,21 @@ def same_memory(a: int, b: int, length: int) -> bool:
 def address_of(buffer: bytearray | memoryview) -> int:
     """Return the address of ``buffer``'s first byte (valid while it is not resized)."""
     return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+
+
+TMPFS_MAGIC = 0x01021994
+RAMFS_MAGIC = 0x858458F6
+_STATFS_BYTES = 256
+"""Room for ``struct statfs`` (120 bytes on 64-bit Linux), whose first field is the type."""
+_fstatfs = linux_call("fstatfs", [ctypes.c_int, ctypes.c_void_p])
+
+
+def in_memory(fd: int) -> bool:
+    """Return whether the file open as ``fd`` lies on a filesystem held in memory (tmpfs, ramfs: ``fstatfs``)."""
+    if _fstatfs is None:
+        return False
+    info = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _fstatfs(fd, info) != 0:
+        return False
+    magic = ctypes.c_ulong.from_buffer(info).value & 0xFFFFFFFF
+    return magic in (TMPFS_MAGIC, RAMFS_MAGIC)

@@ -1,18 +1,17 @@
-"""Source bytes written as they lie: checked as they are read, copied by the kernel.
+"""Source bytes written as they lie: checked as they are read, written a slice at a time.
 
 Where a region's bytes lie in SRC exactly as they are to be written
 (``Reader.stored_runs``: a DCP chunk's rows, a safetensors tensor's elements, a
 ``torch.save`` tensor's in its storage's record, no cast),
 reading them into a step's buffer
 and writing them from it would hold a batch of them in user space. Here each run is read
-a slice at a time into one small buffer (``pread``) and CRC'd there, and
-``os.copy_file_range`` then copies that slice from SRC's page cache into DST's file: the
-copy ``cp`` makes, in the kernel. The bytes copied are the page-cache pages just read,
-and the one CRC-32 serves twice: the source's check (noted in the command's ledger, as a
-reader notes what it read) and the checksum of the record written (a safetensors digest,
-a zip record's CRC-32). Where the kernel cannot copy between the two files (another
-filesystem on an older kernel, a filesystem without it), the slice is ``pwrite``n from
-the buffer instead.
+a slice at a time into one small buffer (``pread``) and CRC'd there, and the slice then
+reaches DST's file by the kernel's copy from SRC's page cache (``os.copy_file_range``,
+the copy ``cp`` makes) or, into a filesystem held in memory and where the kernel cannot
+copy between the two files, by ``pwrite`` from the buffer (``_write_slice`` says why).
+The one CRC-32 serves twice: the source's check (noted in the command's ledger, as a
+reader notes what it read) and the checksum of the record written (a safetensors
+digest, a zip record's CRC-32).
 
 SRC is read, never mapped: a file cut short while it is read (another process
 truncating it) gives a short read, exit 3 naming the file, where a mapping faults
@@ -34,6 +33,7 @@ from isal import isal_zlib
 
 from shardckpt.codecs.zip_skeleton import pwrite_all
 from shardckpt.core.files import is_remote, open_source, read_exactly, will_read, writing
+from shardckpt.core.libc import in_memory
 from shardckpt.core.read_buffers import ReadBuffer
 from shardckpt.formats.base import StoredRun
 from shardckpt.state.checksums import active
@@ -97,12 +97,14 @@ def copy_runs(
     ledger = active()
     buffer = slice_buffer(size)
     file_lock = _writing(fd)
+    kernel = not in_memory(fd)
     crc = 0
     for run in runs:
         names = run_names(run, key)
         what = data_of(names)
         src_fd = open_source(run.path)
         try:
+            by_kernel = kernel and not is_remote(src_fd)
             run_crc = 0
             with writing(dst):
                 for at in range(0, run.length, size):
@@ -110,7 +112,7 @@ def copy_runs(
                     part_crc = isal_zlib.crc32(part)
                     run_crc = isal_zlib.crc32_combine(run_crc, part_crc, len(part))
                     with file_lock:
-                        _copy_slice(src_fd, part, run.offset + at, fd, offset + at)
+                        _write_slice(src_fd, part, run.offset + at, fd, offset + at, by_kernel)
                     if ledger is not None and run.written is not None:
                         ledger.expect(run.written, names)
                         where = run.offset + at - run.written.start
@@ -161,9 +163,17 @@ def _read_slice(src_fd: int, buffer: ReadBuffer, run: StoredRun, at: int, what: 
     return part
 
 
-def _copy_slice(src_fd: int, part: memoryview, src_offset: int, fd: int, offset: int) -> None:
-    """Write ``part`` (read from ``src_offset`` of ``src_fd``) at ``offset`` of ``fd``: by the kernel where it can."""
-    if not is_remote(src_fd) and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
+def _write_slice(
+    src_fd: int, part: memoryview, src_offset: int, fd: int, offset: int, by_kernel: bool
+) -> None:
+    """Write ``part`` (read from ``src_offset`` of ``src_fd``) at ``offset`` of ``fd``: by the kernel's copy where ``by_kernel`` and it can.
+
+    Into a file held in memory (tmpfs) ``pwrite`` from the buffer costs less: a 4.3 GB
+    export to /dev/shm took 3.9 CPU-s against 4.4 by the kernel's copy (six paired runs,
+    each cheaper), the buffer still in the CPU's cache. Into ext4 the kernel's copy costs
+    half what ``pwrite`` does (2.2 GB: 1.5-2.4 against 2.5-8 CPU-s).
+    """
+    if by_kernel and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
         return
     # Written from what was read and CRC'd, over what the kernel copied before it stopped.
     pwrite_all(fd, part, offset)

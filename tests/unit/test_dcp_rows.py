@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardckpt import api
 from shardckpt.core.errors import BadInputError
+from shardckpt.core.libc import in_memory
 from shardckpt.engine import fill, stored_copy
 from shardckpt.formats.dcp import reader as dcp_format
 from shardckpt.formats.dcp.reader import DcpReader
@@ -185,6 +188,81 @@ def test_where_the_kernel_cannot_copy_between_the_files_the_mapped_rows_are_pwri
     api.convert(api.ConvertRequest(src=src, dst=out, to="full", buffer_bytes=64))
     assert refused
     assert out.read_bytes() == (tmp_path / "kernel.safetensors").read_bytes()
+
+
+def _kernel_copies(monkeypatch) -> list[int]:
+    """Count the kernel copies asked for (their lengths) from here on."""
+    asked: list[int] = []
+    kernel_copy = os.copy_file_range
+
+    def counted(src, dst, count, *args):
+        asked.append(count)
+        return kernel_copy(src, dst, count, *args)
+
+    monkeypatch.setattr(stored_copy.os, "copy_file_range", counted)
+    return asked
+
+
+def test_into_a_filesystem_held_in_memory_the_slices_are_pwritten_from_the_buffer(
+    tmp_path, monkeypatch
+):
+    # On tmpfs pwrite from the buffer just read and CRC'd costs less CPU than the kernel's
+    # copy; elsewhere (ext4) the kernel's copy costs less. The same bytes either way.
+    src, _ = _source(tmp_path)
+    monkeypatch.setattr(stored_copy, "MIN_RUN", 1)
+    asked = _kernel_copies(monkeypatch)
+    api.convert(api.ConvertRequest(src=src, dst=tmp_path / "kernel.safetensors", to="full"))
+    assert asked  # tmp_path is not held in memory here, or the test below says otherwise
+    del asked[:]
+    monkeypatch.setattr(stored_copy, "in_memory", lambda fd: True)
+    out = tmp_path / "pwritten.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=out, to="full"))
+    assert asked == []
+    assert out.read_bytes() == (tmp_path / "kernel.safetensors").read_bytes()
+
+
+def _filesystem_type(path) -> str:
+    """Return the type of the filesystem ``path`` lies on: its mount's in /proc/self/mountinfo."""
+    where = os.path.realpath(path)
+    best, kind = "", ""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = fields[4].replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-") + 1]
+    return kind
+
+
+def test_a_filesystem_held_in_memory_is_told_as_stat_tells_it(tmp_path):
+    places = [tmp_path] + [p for p in (Path("/dev/shm"),) if p.is_dir()]
+    for place in places:
+        fd = os.open(place, os.O_RDONLY)
+        try:
+            assert in_memory(fd) == (_filesystem_type(place) in ("tmpfs", "ramfs")), place
+        finally:
+            os.close(fd)
+    if _filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("tmp_path is on tmpfs here: the kernel's copy is not asked for there")
+
+
+@pytest.mark.skipif(
+    not Path("/dev/shm").is_dir() or _filesystem_type("/dev/shm") != "tmpfs",
+    reason="no tmpfs at /dev/shm",
+)
+def test_an_export_into_tmpfs_asks_the_kernel_for_no_copy_and_writes_the_same_bytes(
+    tmp_path, monkeypatch
+):
+    src, _ = _source(tmp_path)
+    monkeypatch.setattr(stored_copy, "MIN_RUN", 1)
+    ref = tmp_path / "ref.safetensors"
+    api.convert(api.ConvertRequest(src=src, dst=ref, to="full"))
+    asked = _kernel_copies(monkeypatch)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        out = Path(shm) / "out.safetensors"
+        api.convert(api.ConvertRequest(src=src, dst=out, to="full"))
+        assert out.read_bytes() == ref.read_bytes()
+    assert asked == []
 
 
 def test_a_run_longer_than_a_slice_is_read_a_slice_at_a_time_and_writes_the_same_bytes(

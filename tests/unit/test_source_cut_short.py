@@ -6,7 +6,8 @@ ended it as "internal error (BufferError ...)", exit 4. A ``torch.save`` file, m
 ``torch.load(mmap=True)``, ended as a failed write of DST ("Bad address", exit 4); a
 safetensors file as an internal error. Here the cut is made at a known point of a real
 run, in a process of its own (forked from the warm interpreter, ``warm_cli``): at the
-first copy the kernel is asked for (the first slice of a run read, the rest not), or as
+first slice's write (the first slice of a run read, the rest not; the kernel's copy or a
+``pwrite``, as DST's filesystem has it), or as
 the first step of the write begins (the source opened and mapped, nothing read yet), at
 several lengths.
 """
@@ -24,27 +25,27 @@ import warm_cli
 from safetensors.torch import save_file
 
 from shardckpt.core.files import SRC_CHANGED
-from shardckpt.engine import fill
+from shardckpt.engine import fill, stored_copy
 
 pytestmark = pytest.mark.launches
 
 
 def _cut_at(point: str, target: str, size: int) -> None:
     """In the warm child: cut ``target`` to ``size`` bytes at ``point`` ("copy": the first
-    kernel copy asked for; "step": as the first step of the write begins)."""
+    slice's write; "step": as the first step of the write begins)."""
 
     def cut():
         if os.path.getsize(target) > size:
             os.truncate(target, size)
 
     if point == "copy":
-        kernel_copy = os.copy_file_range
+        write_slice = stored_copy._write_slice
 
-        def copy_after_cut(*args):
+        def write_after_cut(*args):
             cut()
-            return kernel_copy(*args)
+            return write_slice(*args)
 
-        os.copy_file_range = copy_after_cut
+        stored_copy._write_slice = write_after_cut
     else:
         step = fill._fill
 

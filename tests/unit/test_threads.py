@@ -213,18 +213,18 @@ def test_the_default_is_the_cores_the_process_may_use_shared_by_its_nodes_ranks(
 
 
 def _cut_at_first_copy(target: str, size: int) -> None:
-    """In the warm child: cut ``target`` to ``size`` bytes when a worker first asks the kernel to copy."""
+    """In the warm child: cut ``target`` to ``size`` bytes when a worker first writes a slice it read."""
     stored_copy.PIECE = PIECES
-    kernel_copy = os.copy_file_range
+    write_slice = stored_copy._write_slice
     lock = threading.Lock()
 
-    def copy_after_cut(*args):
+    def write_after_cut(*args):
         with lock:
             if os.path.getsize(target) > size:
                 os.truncate(target, size)
-        return kernel_copy(*args)
+        return write_slice(*args)
 
-    os.copy_file_range = copy_after_cut
+    stored_copy._write_slice = write_after_cut
 
 
 @pytest.mark.launches
@@ -290,21 +290,21 @@ def test_one_thread_at_a_time_writes_into_one_file(copied, tmp_path, capsys, pie
     inside: dict[int, int] = {}
     most = [0]
     lock = threading.Lock()
-    kernel_copy = stored_copy._kernel_copy
+    write_slice = stored_copy._write_slice
 
-    def counted(src_fd, src_offset, fd, offset, length):
+    def counted(src_fd, part, src_offset, fd, offset, by_kernel):
         ino = os.fstat(fd).st_ino
         with lock:
             inside[ino] = inside.get(ino, 0) + 1
             most[0] = max(most[0], inside[ino])
         try:
             time.sleep(0.002)  # long enough for another worker to arrive meanwhile
-            return kernel_copy(src_fd, src_offset, fd, offset, length)
+            return write_slice(src_fd, part, src_offset, fd, offset, by_kernel)
         finally:
             with lock:
                 inside[ino] -= 1
 
-    monkeypatch.setattr(stored_copy, "_kernel_copy", counted)
+    monkeypatch.setattr(stored_copy, "_write_slice", counted)
     out = tmp_path / "out.safetensors"
     code, _, err = cli(capsys, "convert", copied, out, "--to", "full", "--threads", "4")
     assert code == 0, err
