@@ -171,7 +171,8 @@ def _write_slice(
     Into a file held in memory (tmpfs) ``pwrite`` from the buffer costs less: a 4.3 GB
     export to /dev/shm took 3.9 CPU-s against 4.4 by the kernel's copy (six paired runs,
     each cheaper), the buffer still in the CPU's cache. Into ext4 the kernel's copy costs
-    half what ``pwrite`` does (2.2 GB: 1.5-2.4 against 2.5-8 CPU-s).
+    less (2.17 GB read, CRC'd and written: 1.37 against 2.41 CPU-s; ``scripts/bench_slices.py``,
+    docs/benchmark.md "Into tmpfs: written from the buffer").
     """
     if by_kernel and _kernel_copy(src_fd, src_offset, fd, offset, len(part)):
         return
