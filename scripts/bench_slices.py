@@ -35,6 +35,7 @@ from pathlib import Path
 from isal import isal_zlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shardckpt.codecs.zip_skeleton import pwrite_all  # noqa: E402
 from shardckpt.core.read_buffers import ReadBuffer  # noqa: E402
 
 WAYS = ("kernel", "read", "read+kernel", "read+pwrite", "map+pwrite")
@@ -52,12 +53,6 @@ def _copy(src: int, dst: int, offset: int, length: int, shift: int) -> None:
         if n == 0:
             raise SystemExit("bench_slices: the source ended early")
         done += n
-
-
-def _pwrite(dst: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(dst, data[done:], offset + done)
 
 
 def one_pass(way: str, src_path: Path, dst_path: Path, slice_bytes: int, shift: int) -> float:
@@ -79,7 +74,7 @@ def one_pass(way: str, src_path: Path, dst_path: Path, slice_bytes: int, shift: 
                 with mmap.mmap(src, at + length - low, offset=low, prot=mmap.PROT_READ) as mapped:
                     part = memoryview(mapped)[at - low :]
                     crc = isal_zlib.crc32(part, crc)
-                    _pwrite(dst, part, at + shift)
+                    pwrite_all(dst, part, at + shift)
                     part.release()
                 continue
             part = buffer.for_read(at, length)
@@ -88,7 +83,7 @@ def one_pass(way: str, src_path: Path, dst_path: Path, slice_bytes: int, shift: 
             if way == "read+kernel":
                 _copy(src, dst, at, length, shift)
             elif way == "read+pwrite":
-                _pwrite(dst, part, at + shift)
+                pwrite_all(dst, part, at + shift)
         return _cpu() - start
     finally:
         os.close(src)
